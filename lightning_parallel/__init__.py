@@ -1,0 +1,25 @@
+"""lightning-parallel: DP, DDP, ZeRO, offload, pipeline, tensor and hybrid parallelism for PyTorch Lightning.
+
+Importing the package registers its strategies with Lightning (``Trainer(strategy="lp_ddp")``).
+"""
+
+from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
+from lightning_parallel.module import ParallelModuleMixin
+from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel.strategies import LayoutStrategy, LPDDPStrategy, register_strategies
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = [
+    "LPDDPStrategy",
+    "LayoutError",
+    "LayoutStrategy",
+    "ParallelConfig",
+    "ParallelDims",
+    "ParallelModuleMixin",
+    "__version__",
+    "check_model_compat",
+    "register_strategies",
+]

@@ -1,0 +1,118 @@
+"""``lightning-parallel``: Lightning's CLI (``fit``/``validate``/``test``/``predict``) plus ``plan``.
+
+``lightning-parallel fit --config recipes/quickstart.yaml`` is LightningCLI with OmegaConf interpolation, any
+LightningModule / LightningDataModule by class path (``subclass_mode``), any registered strategy name or strategy
+class with its arguments, and a top-level ``parallel`` section (:class:`~lightning_parallel.config.ParallelConfig`)
+that is handed to the library's strategies. Layouts are validated against ``trainer.devices x trainer.num_nodes``
+when the Trainer is built, before any process is spawned; a bad one ends the command with the arithmetic and the
+fix (exit code 2). ``lightning-parallel plan ...`` is the layout planner (``--help`` for its options).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
+
+import lightning_parallel  # noqa: F401  (registers the strategies)
+from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.recipes import expand_config_args
+from lightning_parallel.strategies.base import LayoutStrategy
+
+__all__ = ["LightningParallelCLI", "main", "resolve_strategy"]
+
+_DESCRIPTION = (
+    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO, offload, pipeline, tensor or hybrid "
+    "parallelism. Subcommands: fit, validate, test, predict (Lightning's CLI, with a `parallel` layout section) "
+    "and plan (recommend a layout: `lightning-parallel plan --help`)."
+)
+
+
+def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
+    """Give the ``parallel`` section to the strategy: a registered name becomes an instance with the layout.
+
+    A layout that differs from the default and a strategy that takes none (Lightning's ``ddp``, ``auto``, ...) is
+    an error, not a silent no-op.
+    """
+    default = ParallelConfig()
+    custom = layout is not None and layout != default
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        cls = entry["strategy"]
+        if isinstance(cls, type) and issubclass(cls, LayoutStrategy):
+            return cls(parallel=layout, **entry["init_params"])
+    elif isinstance(strategy, LayoutStrategy):
+        if custom and strategy.layout not in (default, layout):
+            raise LayoutError(
+                f"the layout is given twice and the two differ: the `parallel` section says {layout.describe()} "  # type: ignore[union-attr]
+                f"but trainer.strategy.init_args.parallel says {strategy.layout.describe()}. Fix: keep one."
+            )
+        if custom:
+            strategy.set_layout(layout)  # type: ignore[arg-type]
+        return strategy
+    if custom:
+        name = strategy if isinstance(strategy, str) else type(strategy).__name__
+        raise LayoutError(
+            f"the `parallel` section sets {layout.describe()}, but trainer.strategy={name!r} does not take a layout. "  # type: ignore[union-attr]
+            "Fix: use one of the library's strategies (lp_ddp, ...), or remove the parallel section."
+        )
+    return strategy
+
+
+class LightningParallelCLI(LightningCLI):
+    """LightningCLI with the ``parallel`` section, OmegaConf interpolation, subclass mode and a run summary."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        parser_kwargs = kwargs.setdefault("parser_kwargs", {})
+        parser_kwargs.setdefault("parser_mode", "omegaconf")
+        parser_kwargs.setdefault("description", _DESCRIPTION)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(*args, **kwargs)
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(ParallelConfig, "parallel", fail_untyped=False)
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        layout = self._get(self.config_init, "parallel")
+        if layout is not None and not isinstance(layout, ParallelConfig):
+            layout = ParallelConfig.from_dict(dict(layout))
+        config = dict(config)
+        config["strategy"] = resolve_strategy(config.get("strategy", "auto"), layout)
+        existing = list(config.get("callbacks") or []) + list(callbacks)
+        if not any(isinstance(c, RunSummary) for c in existing):
+            callbacks = [*callbacks, RunSummary()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lightning-parallel`` command."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "plan":
+        from lightning_parallel.planner.cli import main as plan_main
+
+        return plan_main(args[1:])
+    try:
+        with warnings.catch_warnings():
+            # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+            LightningParallelCLI(args=expand_config_args(args))
+    except LayoutError as err:
+        print(f"lightning-parallel: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The typed, closed ``parallel`` section shared by strategies, recipes and the planner.
+
+A layout is one point in ``(data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage,
+offload)``; every process-based strategy of the library is a preset of it (``lp_ddp`` is ``(N, 1, 1, 0)``, the
+multi-node hybrid ``(d, p, t, 1)``). This module holds only the description and the checks that need nothing but the
+section itself (cross-field rules). Checks against the world size live in :mod:`lightning_parallel.parallel.dims`,
+checks against a model in :func:`check_model_compat`. All of them run before any process is spawned.
+
+Every error is a :class:`LayoutError` (a ``ValueError``) naming the key, the value, the arithmetic and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+__all__ = [
+    "ActivationCheckpointing",
+    "LayoutError",
+    "Offload",
+    "ParallelConfig",
+    "PipelineSchedule",
+    "ZeroStage",
+    "check_model_compat",
+]
+
+ZeroStage = Literal[0, 1, 2, 3]
+Offload = Literal["none", "cpu", "nvme"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+ActivationCheckpointing = Literal["none", "selective", "full"]
+
+_SIZE_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
+
+
+class LayoutError(ValueError):
+    """A parallel layout, recipe or module that cannot run; raised before any process starts."""
+
+
+def _nearest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
+        raise LayoutError(f"parallel.{key}={value!r} is not one of {list(choices)}.")
+
+
+def _check_positive_int(key: str, value: Any, *, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = " or 'auto' (the world size divided by the other sizes)" if allow_auto else ""
+        raise LayoutError(f"parallel.{key}={value!r} must be a positive integer{extra}.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A parallel layout: how the world of ranks is split, and how each rank holds the model.
+
+    World = ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size`` ranks, arranged in the mesh
+    ``("dp", "pp", "tp")`` with ``tp`` innermost (neighbouring ranks, inside a node) and ``dp`` outermost.
+    """
+
+    data_parallel_size: int | Literal["auto"] = "auto"
+    """Replicas of the (pipeline x tensor) model group; 'auto' = world size / (pp x tp). Bounds: >= 1."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the layer sequence is split into (vertical split). Bounds: >= 1, <= number of layers."""
+    tensor_parallel_size: int = 1
+    """Ranks each weight matrix is split across (horizontal split). Bounds: >= 1, divides attention heads."""
+    zero_stage: ZeroStage = 0
+    """ZeRO over the dp axis: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters. Bounds: 0-3."""
+    offload: Offload = "none"
+    """Where ZeRO-offload keeps optimizer states (and parameters at stage 3): none, cpu or nvme."""
+    nvme_path: str | None = None
+    """Folder for NVMe offload; required when offload='nvme'."""
+    num_micro_batches: int | None = None
+    """Micro-batches per pipeline step; None = pipeline_parallel_size. Bounds: >= 1 (>= pp for 1F1B schedules)."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs virtual_pipeline_stages >= 2) or zero_bubble."""
+    virtual_pipeline_stages: int = 1
+    """Model chunks per pipeline rank (v of interleaved 1F1B; bubble (p-1)/(v*m)). Bounds: >= 1."""
+    sequence_parallel: bool = False
+    """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in backward: none, selective (attention core) or full (every block)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | ParallelConfig | None) -> ParallelConfig:
+        """Build from a mapping (a recipe's ``parallel`` section); unknown keys are refused with the nearest name."""
+        if data is None:
+            return cls()
+        if isinstance(data, ParallelConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise LayoutError(f"the parallel section must be a mapping of keys to values, got {type(data).__name__}.")
+        valid = cls.field_names()
+        unknown = [k for k in data if k not in valid]
+        if unknown:
+            k = unknown[0]
+            raise LayoutError(f"unknown key parallel.{k}.{_nearest(str(k), valid)} Valid keys: {', '.join(valid)}.")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def replace(self, **changes: Any) -> ParallelConfig:
+        return ParallelConfig.from_dict({**self.to_dict(), **changes})
+
+    # ------------------------------------------------------------------ rules
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per pipeline step, with the default resolved."""
+        return self.num_micro_batches if self.num_micro_batches is not None else self.pipeline_parallel_size
+
+    def validate(self) -> None:
+        """Check types, bounds and cross-field rules that need nothing but this section."""
+        _check_positive_int("data_parallel_size", self.data_parallel_size, allow_auto=True)
+        _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
+        if self.num_micro_batches is not None:
+            _check_positive_int("num_micro_batches", self.num_micro_batches)
+        _check_choice("zero_stage", self.zero_stage, get_args(ZeroStage))
+        _check_choice("offload", self.offload, get_args(Offload))
+        _check_choice("pipeline_schedule", self.pipeline_schedule, get_args(PipelineSchedule))
+        _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
+        _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
+        self._validate_zero()
+        self._validate_pipeline()
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise LayoutError(
+                "parallel.sequence_parallel=True shards activations over the tp axis, but tensor_parallel_size=1. "
+                "Fix: set tensor_parallel_size >= 2 or sequence_parallel=False."
+            )
+
+    def _validate_zero(self) -> None:
+        pp, z = self.pipeline_parallel_size, self.zero_stage
+        if pp > 1 and z >= 2:
+            raise LayoutError(
+                f"parallel.zero_stage={z} with pipeline_parallel_size={pp}: ZeRO-2/3 shard gradients that every "
+                "micro-batch of a pipeline accumulates into, so they do not combine with pipeline parallelism "
+                "(neither in DeepSpeed nor here). Fix: zero_stage=1 (the DP+PP+TP+ZeRO-1 hybrid) or "
+                "pipeline_parallel_size=1."
+            )
+        if self.offload != "none" and z < 2:
+            raise LayoutError(
+                f"parallel.offload={self.offload!r} needs ZeRO stage 2 or 3, but zero_stage={z}. "
+                "Fix: zero_stage=2 (optimizer offload) or zero_stage=3 (optimizer and parameter offload)."
+            )
+        if self.offload != "none" and (pp > 1 or self.tensor_parallel_size > 1):
+            raise LayoutError(
+                f"parallel.offload={self.offload!r} runs on the DeepSpeed engine, which here is data parallel only, "
+                f"but pipeline_parallel_size={pp} and tensor_parallel_size={self.tensor_parallel_size}. "
+                "Fix: set both to 1, or offload='none'."
+            )
+        if self.offload == "nvme" and not self.nvme_path:
+            raise LayoutError("parallel.offload='nvme' needs parallel.nvme_path (a folder on a fast local disk).")
+        if self.nvme_path and self.offload != "nvme":
+            raise LayoutError(
+                f"parallel.nvme_path={self.nvme_path!r} is only used with offload='nvme', but offload="
+                f"{self.offload!r}. Fix: set offload='nvme' or remove nvme_path."
+            )
+
+    def _validate_pipeline(self) -> None:
+        pp, m, v = self.pipeline_parallel_size, self.micro_batches, self.virtual_pipeline_stages
+        sched = self.pipeline_schedule
+        if sched == "interleaved_1f1b" and v < 2:
+            raise LayoutError(
+                f"parallel.pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_stages >= 2 (model chunks per "
+                f"rank), got {v}. Fix: virtual_pipeline_stages=2, or pipeline_schedule='1f1b'."
+            )
+        if v > 1 and sched not in ("interleaved_1f1b", "zero_bubble"):
+            raise LayoutError(
+                f"parallel.virtual_pipeline_stages={v} is only used by the interleaved_1f1b and zero_bubble "
+                f"schedules, but pipeline_schedule={sched!r}. Fix: virtual_pipeline_stages=1 or "
+                "pipeline_schedule='interleaved_1f1b'."
+            )
+        if v > 1 and pp == 1:
+            raise LayoutError(
+                f"parallel.virtual_pipeline_stages={v} needs pipeline_parallel_size >= 2, got 1. "
+                "Fix: virtual_pipeline_stages=1."
+            )
+        if pp > 1 and sched != "gpipe" and m < pp:
+            raise LayoutError(
+                f"parallel.num_micro_batches={m} < pipeline_parallel_size={pp}: the {sched} schedule keeps every "
+                f"stage busy only with at least one micro-batch per stage (bubble (p-1)/m = {pp - 1}/{m}). "
+                f"Fix: num_micro_batches >= {pp} (for example {2 * pp}) or pipeline_schedule='gpipe'."
+            )
+        if self.num_micro_batches is not None and pp == 1 and self.num_micro_batches > 1:
+            raise LayoutError(
+                f"parallel.num_micro_batches={self.num_micro_batches} splits batches for a pipeline, but "
+                "pipeline_parallel_size=1. Fix: remove num_micro_batches, or use gradient accumulation "
+                "(trainer.accumulate_grad_batches) for the same effect without a pipeline."
+            )
+
+    def describe(self) -> str:
+        """A short human-readable form, e.g. ``dp=auto pp=1 tp=1 zero=0``."""
+        text = (
+            f"dp={self.data_parallel_size} pp={self.pipeline_parallel_size} "
+            f"tp={self.tensor_parallel_size} zero={self.zero_stage}"
+        )
+        if self.offload != "none":
+            text += f" offload={self.offload}"
+        return text
+
+
+def check_model_compat(
+    config: ParallelConfig, *, n_layer: int | None = None, n_head: int | None = None, vocab_size: int | None = None
+) -> None:
+    """Rules that tie a layout to a model's shape: heads % tp, layers >= pp x v, vocab % tp.
+
+    Raised before launch, with the arithmetic and the fix.
+    """
+    tp, pp, v = config.tensor_parallel_size, config.pipeline_parallel_size, config.virtual_pipeline_stages
+    if n_head is not None and n_head % tp:
+        divisors = [d for d in range(1, n_head + 1) if n_head % d == 0]
+        raise LayoutError(
+            f"parallel.tensor_parallel_size={tp} does not divide the model's attention heads: n_head={n_head}, "
+            f"{n_head} % {tp} = {n_head % tp}. Fix: tensor_parallel_size in {divisors}, or change n_head."
+        )
+    if vocab_size is not None and vocab_size % tp:
+        raise LayoutError(
+            f"parallel.tensor_parallel_size={tp} does not divide the vocabulary: vocab_size={vocab_size}, "
+            f"{vocab_size} % {tp} = {vocab_size % tp}. Fix: pad vocab_size to a multiple of {tp}."
+        )
+    if n_layer is not None and pp * v > n_layer:
+        raise LayoutError(
+            f"parallel.pipeline_parallel_size={pp} x virtual_pipeline_stages={v} = {pp * v} stages, but the model "
+            f"has only n_layer={n_layer} layers to split. Fix: pipeline_parallel_size x virtual_pipeline_stages "
+            f"<= {n_layer}."
+        )

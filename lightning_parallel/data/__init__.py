@@ -1,0 +1,5 @@
+"""Datasets and DataModules, including the embedded default corpus (the quickstart runs offline)."""
+
+from lightning_parallel.data.text import DEFAULT_CORPUS, TextDataModule, TokenWindows, load_text, tokenize
+
+__all__ = ["DEFAULT_CORPUS", "TextDataModule", "TokenWindows", "load_text", "tokenize"]

@@ -1,0 +1,137 @@
+"""Text data for the reference GPT: byte- or char-level tokens from a file, a folder, or the embedded corpus.
+
+The embedded default corpus (``corpus/python_docs.txt.gz``, ~1.4 MB of English prose: the docstrings of CPython's
+standard library, PSF licence, rebuilt by ``scripts/build_corpus.py``) ships inside the package, so every recipe
+runs offline. Splits are deterministic: the first ``1 - val_fraction`` of the token stream is training data, the
+rest validation; samples are non-overlapping windows of ``block_size + 1`` tokens (input and shifted target).
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["DEFAULT_CORPUS", "TextDataModule", "TokenWindows", "load_text", "tokenize"]
+
+DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "python_docs.txt.gz"
+_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".gz"}
+
+
+def load_text(path: str | Path | None = None) -> str:
+    """The text of a file, of every text file under a folder (sorted, joined by blank lines), or of the corpus."""
+    p = DEFAULT_CORPUS if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data path {str(p)!r} does not exist. Fix: pass a text file or folder, or None "
+                                "for the embedded corpus.")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in _TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"folder {str(p)!r} holds no text files ({sorted(_TEXT_SUFFIXES)}).")
+        return "\n\n".join(load_text(f) for f in files)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return raw.decode("utf-8", errors="replace")
+
+
+def tokenize(text: str, level: Literal["byte", "char"]) -> tuple[Tensor, list[str] | None]:
+    """Token ids (int64) and, for char level, the sorted vocabulary (ids index into it)."""
+    if level == "byte":
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long(), None
+    if level == "char":
+        vocab = sorted(set(text))
+        index = {c: i for i, c in enumerate(vocab)}
+        return torch.tensor([index[c] for c in text], dtype=torch.long), vocab
+    raise ValueError(f"level={level!r} must be 'byte' or 'char'.")
+
+
+class TokenWindows(Dataset[tuple[Tensor, Tensor]]):
+    """Non-overlapping windows: sample ``i`` is ``tokens[i*T : i*T + T]`` and its next-token targets."""
+
+    def __init__(self, tokens: Tensor, block_size: int) -> None:
+        if tokens.numel() < block_size + 1:
+            raise ValueError(f"{tokens.numel()} tokens are too few for one window of block_size+1={block_size + 1}.")
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        start = i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Next-token prediction data from text.
+
+    Args:
+        path: a text file (``.gz`` ok), a folder of text files, or None for the embedded corpus.
+        level: ``byte`` (vocab 256, any text) or ``char`` (vocab = the characters of the text).
+        block_size: tokens per sample (must not exceed the model's block_size).
+        batch_size: samples per batch *per data-parallel rank* (global batch = batch_size x dp).
+        val_fraction: tail fraction of the token stream held out for validation.
+        num_workers: DataLoader workers. seed: shuffling seed of the training loader.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        level: Literal["byte", "char"] = "byte",
+        block_size: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        num_workers: int = 0,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")
+        if block_size < 1 or batch_size < 1:
+            raise ValueError(f"block_size={block_size} and batch_size={batch_size} must be >= 1.")
+        self.save_hyperparameters()
+        self.vocab: list[str] | None = None
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        if self.hparams.level == "byte":
+            return 256
+        if self.vocab is None:
+            self.setup("fit")
+        assert self.vocab is not None
+        return len(self.vocab)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        tokens, self.vocab = tokenize(load_text(self.hparams.path), self.hparams.level)
+        n_val = max(self.hparams.block_size + 1, int(tokens.numel() * self.hparams.val_fraction))
+        self.train_set = TokenWindows(tokens[:-n_val], self.hparams.block_size)
+        self.val_set = TokenWindows(tokens[-n_val:], self.hparams.block_size)
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        model_vocab = getattr(getattr(model, "hparams", None), "vocab_size", None)
+        if model_vocab is not None and model_vocab < self.vocab_size:
+            raise ValueError(
+                f"the data has {self.vocab_size} distinct tokens ({self.hparams.level}-level) but the model's "
+                f"vocab_size={model_vocab}. Fix: model vocab_size >= {self.vocab_size}."
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        g = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
+                          num_workers=self.hparams.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,
+                          num_workers=self.hparams.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

@@ -1,0 +1,109 @@
+"""``lp_ddp``: distributed data parallel over the ``dp`` axis of a layout.
+
+Layout ``(N, 1, 1, 0)``: every rank holds the whole model and a ``1/N`` slice of the global batch. At start the
+parameters are broadcast from dp rank 0 (DDP's constructor); in backward the gradients are averaged over the ``dp``
+process group by bucketed all-reduces overlapped with the backward pass (``2 * (N-1)/N * Psi`` elements sent per
+rank and step with a ring). Forward runs no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+
+from .base import LayoutStrategy
+
+__all__ = ["CommHook", "LPDDPStrategy"]
+
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+
+
+class LPDDPStrategy(LayoutStrategy):
+    """Torch DDP over the ``dp`` axis of the layout mesh.
+
+    Args:
+        parallel: the layout; ``lp_ddp`` runs pure data-parallel layouts (pp = tp = 1, zero_stage = 0).
+        bucket_cap_mb: DDP gradient bucket size (MB); bigger buckets mean fewer, larger all-reduces.
+        gradient_as_bucket_view: gradients are views into the buckets (saves one gradient copy of memory).
+        static_graph: the set of used parameters never changes between steps (lets DDP skip bookkeeping).
+        find_unused_parameters: tolerate parameters that receive no gradient in a step.
+        comm_hook: gradient compression before the all-reduce: ``fp16`` / ``bf16`` (halve the bytes, lossy),
+            ``powersgd`` (low-rank, lossy) or ``none`` (exact).
+        powersgd_rank: matrix approximation rank for ``powersgd``. powersgd_start_iter: exact all-reduce before it.
+        kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
+    """
+
+    strategy_name = "lp_ddp"
+
+    def __init__(
+        self,
+        parallel: ParallelConfig | dict[str, Any] | None = None,
+        *,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHook = "none",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 10,
+        **kwargs: Any,
+    ) -> None:
+        if comm_hook not in ("none", "fp16", "bf16", "powersgd"):
+            raise ValueError(f"comm_hook={comm_hook!r} is not one of ['none', 'fp16', 'bf16', 'powersgd'].")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0.")
+        super().__init__(parallel, **kwargs)
+        self._ddp_kwargs.update(
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+        )
+        self._comm_hook_name = comm_hook
+        self._powersgd = (powersgd_rank, powersgd_start_iter)
+
+    @override
+    def check_layout(self, layout: ParallelConfig) -> None:
+        bad = {k: getattr(layout, k) for k, ok in (("pipeline_parallel_size", 1), ("tensor_parallel_size", 1),
+                                                   ("zero_stage", 0), ("offload", "none"))
+               if getattr(layout, k) != ok}
+        if bad:
+            key, value = next(iter(bad.items()))
+            hint = {"pipeline_parallel_size": "lp_pipeline or lp_hybrid", "tensor_parallel_size": "lp_tensor or "
+                    "lp_hybrid", "zero_stage": "lp_sharded", "offload": "lp_zero_offload"}[key]
+            raise LayoutError(
+                f"lp_ddp replicates the whole model on every rank (layout (N, 1, 1, 0)), but parallel.{key}="
+                f"{value!r}. Fix: use strategy {hint}, or set {key} back to its default."
+            )
+
+    @override
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        device_ids = self.determine_ddp_device_ids()
+        return DistributedDataParallel(
+            module=model, device_ids=device_ids, process_group=self.mesh.get_group("dp"), **self._ddp_kwargs
+        )
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks only on CUDA; the compression hooks run on gloo too, so register on any device.
+        if self._comm_hook_name == "none":
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        assert isinstance(self.model, DistributedDataParallel)
+        group = self.mesh.get_group("dp")
+        if self._comm_hook_name == "fp16":
+            self.model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        elif self._comm_hook_name == "bf16":
+            self.model.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        else:
+            rank, start = self._powersgd
+            state = powerSGD_hook.PowerSGDState(
+                process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start
+            )
+            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
