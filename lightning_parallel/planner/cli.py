@@ -1,0 +1,189 @@
+"""``lightning-parallel plan``: estimate memory for every layout, recommend one, optionally write its recipe.
+
+Examples::
+
+    lightning-parallel plan --params 7.5e9 --nodes 8 --gpus-per-node 8 --gpu-memory 32GB
+    lightning-parallel plan --model gpt3-13b --gpus-per-node 8 --gpu-memory 24GB --intra-node pcie
+    lightning-parallel plan --model gpt3-175b --hardware dgx-a100-80gb --nodes 16 --inter-node slow --json
+    lightning-parallel plan --layers 2 --hidden 64 --heads 4 --vocab 256 --seq-len 64 --gpus-per-node 2 \\
+        --gpu-memory 4GB --hardware cpu-2proc --precision fp32 --write-recipe recipes/planned.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Any
+
+from lightning_parallel.planner.hardware import Hardware, list_profiles, load_profile, make_hardware
+from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec, load_recipe
+from lightning_parallel.planner.plan import make_plan
+from lightning_parallel.planner.recipe import write_recipe
+from lightning_parallel.planner.report import format_plan
+from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.units import parse_count
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-parallel plan",
+        description="Estimate per-device memory of every parallel layout and recommend one by the decision guide.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Examples::", 1)[1] if __doc__ else None,
+    )
+    model = parser.add_argument_group("model (one of --params, --model, --layers/--hidden/--heads, --recipe)")
+    model.add_argument("--params", help="total parameters, e.g. 7.5e9, 7.5B, 125M")
+    model.add_argument("--largest-layer-params", help="parameters of the largest single layer, e.g. 6.4e8")
+    model.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a named GPT shape")
+    model.add_argument("--layers", type=int, help="GPT n_layer")
+    model.add_argument("--hidden", type=int, help="GPT n_embd")
+    model.add_argument("--heads", type=int, help="GPT n_head")
+    model.add_argument("--vocab", type=int, default=None, help="GPT vocab_size (default 50304)")
+    model.add_argument("--block-size", type=int, default=None, help="GPT block_size (default: --seq-len or 2048)")
+    model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    model.add_argument("--recipe", help="read the model (and batch, precision) from a recipe YAML")
+    hw = parser.add_argument_group("hardware (a --hardware profile, overridden by the flags)")
+    hw.add_argument("--hardware", help=f"profile name or YAML path; profiles: {', '.join(list_profiles()) or 'none'}")
+    hw.add_argument("--nodes", type=int)
+    hw.add_argument("--gpus-per-node", type=int)
+    hw.add_argument("--gpu-memory", help="memory per device, e.g. 32GB (1e9 bytes) or 80GiB (2^30 bytes)")
+    hw.add_argument("--intra-node", choices=["nvlink", "pcie"])
+    hw.add_argument("--inter-node", choices=["fast", "slow"])
+    hw.add_argument("--cpu-memory", help="host memory per node, e.g. 512GB")
+    hw.add_argument("--nvme", action=argparse.BooleanOptionalAction, default=None, help="a local NVMe disk")
+    hw.add_argument("--accelerator", choices=["gpu", "cpu", "auto"], help="trainer.accelerator of the recipe")
+    tr = parser.add_argument_group("training")
+    tr.add_argument("--precision", default=None, help="bf16-mixed (default), fp16-mixed or fp32")
+    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd-momentum", "sgd"])
+    tr.add_argument("--micro-batch-size", type=int, default=None, help="sequences per device per micro-batch")
+    tr.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: block size)")
+    tr.add_argument(
+        "--activation-checkpointing",
+        default="auto",
+        choices=["auto", "none", "selective", "full"],
+        help="auto (default) tries none, selective and full for every layout",
+    )
+    tr.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default 4 x stages)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
+    out.add_argument("--top", type=int, default=12, help="candidates in the table (0 = all)")
+    out.add_argument("--write-recipe", metavar="PATH", help="write a recipe YAML of the recommended layout")
+    out.add_argument("--max-steps", type=int, default=20, help="trainer.max_steps of the written recipe")
+    return parser
+
+
+def _model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
+    largest = (
+        parse_count(args.largest_layer_params, name="--largest-layer-params") if args.largest_layer_params else None
+    )
+    given = [
+        name
+        for name, on in (
+            ("--params", args.params),
+            ("--model", args.model),
+            ("--recipe", args.recipe),
+            ("--layers/--hidden/--heads", args.layers or args.hidden or args.heads),
+        )
+        if on
+    ]
+    if len(given) != 1:
+        raise ValueError(
+            f"give exactly one model description, got {given or 'none'}: --params 7.5e9, --model NAME "
+            f"({', '.join(sorted(MODEL_PRESETS))}), --layers L --hidden H --heads A, or --recipe PATH."
+        )
+    if args.params:
+        return ModelSpec.from_params(parse_count(args.params, name="--params"), largest_layer_params=largest), {}
+    if args.recipe:
+        shape, hints = load_recipe(args.recipe)
+        return ModelSpec.from_shape(shape, largest_layer_params=largest, name=f"recipe {args.recipe}"), hints
+    if args.model:
+        shape = MODEL_PRESETS[args.model]
+        return ModelSpec.from_shape(_override_shape(shape, args), largest_layer_params=largest, name=args.model), {}
+    if not (args.layers and args.hidden and args.heads):
+        raise ValueError(
+            "a GPT shape needs all of --layers, --hidden and --heads (e.g. --layers 12 --hidden 768 --heads 12)."
+        )
+    block = args.block_size or args.seq_len or 2048
+    shape = ModelShape(
+        n_layer=args.layers,
+        n_embd=args.hidden,
+        n_head=args.heads,
+        vocab_size=args.vocab or 50304,
+        block_size=block,
+        tie_embeddings=bool(args.tie_embeddings),
+    )
+    return ModelSpec.from_shape(shape, largest_layer_params=largest), {}
+
+
+def _override_shape(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
+    changes: dict[str, Any] = {}
+    if args.vocab:
+        changes["vocab_size"] = args.vocab
+    if args.block_size:
+        changes["block_size"] = args.block_size
+    if args.tie_embeddings is not None:
+        changes["tie_embeddings"] = args.tie_embeddings
+    return ModelShape(**{**vars(shape), **changes})
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    flags = {
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "gpu_memory": args.gpu_memory,
+        "intra_node": args.intra_node,
+        "inter_node": args.inter_node,
+        "cpu_memory_per_node": args.cpu_memory,
+        "nvme": args.nvme,
+        "accelerator": args.accelerator,
+    }
+    if args.hardware:
+        return load_profile(args.hardware, **flags)
+    if args.gpu_memory is None:
+        raise ValueError(
+            "give --gpu-memory (e.g. 32GB or 80GiB) or a --hardware profile "
+            f"({', '.join(list_profiles()) or 'none found'})."
+        )
+    return make_hardware(**flags)
+
+
+def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettings:
+    return TrainingSettings(
+        precision=args.precision or hints.get("precision", "bf16-mixed"),
+        optimizer=args.optimizer,
+        micro_batch_size=args.micro_batch_size or hints.get("micro_batch_size", 1),
+        seq_len=args.seq_len or hints.get("seq_len"),
+        activation_checkpointing=args.activation_checkpointing,
+        num_micro_batches=args.micro_batches,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lightning-parallel plan ARGS``; returns 0, or 2 after printing what to fix."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        model, hints = _model(args)
+        plan = make_plan(model, _training(args, hints), _hardware(args))
+        if args.write_recipe:
+            command = shlex.join(["lightning-parallel", "plan", *argv])
+            write_recipe(
+                plan, args.write_recipe, command=command, max_steps=args.max_steps, accelerator=args.accelerator
+            )
+    except ValueError as err:
+        print(f"lightning-parallel plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(format_plan(plan, top=args.top))
+        if args.write_recipe:
+            print(
+                f"\nRecipe written to {args.write_recipe}; run it with: lightning-parallel fit --config "
+                f"{args.write_recipe}"
+            )
+    return 0

@@ -1,0 +1,259 @@
+"""The decision guide (GUIDE.md section 3) as code: which branch a model and a machine fall in, which layouts
+fit, and which one to use.
+
+Branches::
+
+    one GPU        fits -> train normally; does not fit -> ZeRO + CPU offload (NVMe as extra storage);
+                   largest layer does not fit -> Memory Centric Tiling (ZeRO-3 + offload + tiled layers)
+    one node       fits on one GPU -> DDP (ZeRO an alternative);
+                   does not fit -> PP, ZeRO or TP: with NVLink about equal (ZeRO first: no model change),
+                   without NVLink PP first; largest layer does not fit -> ZeRO (tiled), else TP
+    several nodes  fits -> DDP; does not fit, fast inter-node -> ZeRO, or PP+TP+DP;
+                   slow inter-node -> DP+PP+TP+ZeRO-1; largest layer does not fit -> ZeRO (tiled) or TP
+
+Within the branch's first family that has a layout that fits, the layout with the best estimated throughput
+(:mod:`.cost`) wins; ties go to the smaller model-parallel degree, then the lower ZeRO stage. Every layout that
+fits is ranked the same way, family by family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner.cost import StepCost, estimate_step
+from lightning_parallel.planner.hardware import Hardware
+from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory
+from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.units import format_bytes
+
+__all__ = [
+    "BRANCH_FAMILIES",
+    "TILE_FRACTION",
+    "Candidate",
+    "Situation",
+    "assess",
+    "choose_branch",
+    "enumerate_layouts",
+    "evaluate",
+    "family_of",
+    "strategy_name",
+]
+
+TILE_FRACTION = 0.05
+"""Tiled layers are cut so that one tile's weights and gradients take at most this share of device memory."""
+
+BRANCH_FAMILIES: dict[str, tuple[str, ...]] = {
+    "one-gpu/fits": ("single",),
+    "one-gpu/does-not-fit": ("offload",),
+    "one-gpu/largest-layer-does-not-fit": ("offload",),
+    "one-node/fits": ("ddp", "zero"),
+    "one-node/does-not-fit/nvlink": ("zero", "pp", "tp", "hybrid", "offload"),
+    "one-node/does-not-fit/pcie": ("pp", "zero", "tp", "hybrid", "offload"),
+    "one-node/largest-layer-does-not-fit": ("zero", "offload", "tp", "hybrid"),
+    "several-nodes/fits": ("ddp", "zero"),
+    "several-nodes/does-not-fit/fast": ("zero", "3d-zero1", "hybrid", "pp", "tp", "offload"),
+    "several-nodes/does-not-fit/slow": ("3d-zero1", "hybrid", "pp", "tp", "zero", "offload"),
+    "several-nodes/largest-layer-does-not-fit/fast": ("zero", "3d-zero1", "hybrid", "tp", "offload"),
+    "several-nodes/largest-layer-does-not-fit/slow": ("3d-zero1", "hybrid", "tp", "zero", "offload"),
+}
+"""For each branch of the guide, the families of layouts in the order the guide prefers them."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its memory, its estimated step, and whether it fits."""
+
+    layout: ParallelConfig
+    strategy: str
+    family: str
+    memory: MemoryEstimate
+    cost: StepCost
+    fits: bool
+    why_not: str
+    """Empty when it fits; else which limit it breaks, with the numbers."""
+    tiled_layers: bool = False
+
+
+@dataclass(frozen=True)
+class Situation:
+    """The facts the guide's branches rest on."""
+
+    world_size: int
+    nodes: int
+    single_device: MemoryEstimate
+    fits_one_device: bool
+    largest_layer_bytes: int | None
+    """(p + g) x largest layer: what one device must hold of it at once; None when unknown."""
+    largest_layer_fits: bool
+
+
+def strategy_name(layout: ParallelConfig, *, world_size: int) -> str:
+    """The registered strategy a layout runs under (DESIGN.md: each named strategy is a preset of the layout)."""
+    pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero_stage
+    if layout.offload != "none" or (zero == 3 and pp == tp == 1):
+        return "single_device" if world_size == 1 and layout.offload == "none" else "lp_zero_offload"
+    if world_size == 1:
+        return "single_device"
+    if pp == tp == 1:
+        return "lp_ddp" if zero == 0 else "lp_sharded"
+    if zero == 0 and tp == 1:
+        return "lp_pipeline"
+    if zero == 0 and pp == 1:
+        return "lp_tensor"
+    return "lp_hybrid"
+
+
+def family_of(layout: ParallelConfig, *, world_size: int) -> str:
+    """single | ddp | zero | offload | pp | tp | 3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | hybrid (other mixes)."""
+    pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero_stage
+    if int(layout.data_parallel_size) > 1 and pp > 1 and tp > 1 and zero == 1:
+        return "3d-zero1"
+    if layout.offload != "none":
+        return "offload"
+    if world_size == 1:
+        return "single"
+    if pp == tp == 1:
+        return "ddp" if zero == 0 else "zero"
+    if zero == 0 and tp == 1:
+        return "pp"
+    if zero == 0 and pp == 1:
+        return "tp"
+    return "hybrid"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> list[ParallelConfig]:
+    """Every layout the library can run on this machine: tp <= devices per node (dividing heads and vocabulary),
+    pp dividing the layers, dp the rest; ZeRO 1-3 over dp; offload (ZeRO 2/3, data parallel only)."""
+    world, shape = hardware.world_size, model.shape
+    # Without a shape activations are not estimated, so checkpointing options would only repeat each layout.
+    checkpointing = training.checkpointing_options if shape is not None else training.checkpointing_options[:1]
+    layouts: list[ParallelConfig] = []
+    for tp in _divisors(hardware.gpus_per_node):
+        if shape is not None and (shape.n_head % tp or shape.vocab_size % tp):
+            continue
+        for pp in _divisors(world // tp) if world % tp == 0 else []:
+            if shape is not None and shape.n_layer % pp:
+                continue
+            layouts.extend(_layouts_for(world // (tp * pp), pp, tp, training, hardware, checkpointing))
+    return layouts
+
+
+def _layouts_for(
+    dp: int, pp: int, tp: int, training: TrainingSettings, hardware: Hardware, checkpointing: tuple[str, ...]
+) -> list[ParallelConfig]:
+    base = {
+        "data_parallel_size": dp,
+        "pipeline_parallel_size": pp,
+        "tensor_parallel_size": tp,
+        "sequence_parallel": tp > 1,
+        "num_micro_batches": training.micro_batches(pp) if pp > 1 else None,
+    }
+    stages: list[tuple[int, str]] = [(z, "none") for z in ([0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3])]
+    if pp == tp == 1:
+        stages += [(z, device) for device in (["cpu", "nvme"] if hardware.nvme else ["cpu"]) for z in (2, 3)]
+    out = []
+    for recompute in checkpointing:
+        for zero, offload in stages:
+            extra = {"nvme_path": NVME_PATH} if offload == "nvme" else {}
+            out.append(
+                ParallelConfig.from_dict(
+                    {**base, "zero_stage": zero, "offload": offload, "activation_checkpointing": recompute, **extra}
+                )
+            )
+    return out
+
+
+NVME_PATH = "/local_nvme/lightning_parallel"
+"""Placeholder folder written for NVMe offload; point it at a fast local disk."""
+
+
+def _layer_bytes(model: ModelSpec, training: TrainingSettings, *, tp: int) -> int | None:
+    if model.largest_layer_params is None:
+        return None
+    state = training.state_bytes
+    return (state.param + state.grad) * model.largest_layer_per_device(tp=tp)
+
+
+def evaluate(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig) -> Candidate:
+    """Memory, cost and feasibility of one layout; ZeRO-3 layouts tile the largest layer when it does not fit."""
+    world = hardware.world_size
+    limit = hardware.gpu_memory
+    layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size) or 0
+    layer_fits = layer + hardware.reserved_memory <= limit
+    tiles = 1
+    if not layer_fits and layout.zero_stage == 3:
+        tiles = max(2, math.ceil(layer / (TILE_FRACTION * limit)))
+    memory = estimate_memory(model, training, hardware, layout, tiles=tiles)
+    why = _why_not(memory, hardware, layout)
+    if not layer_fits and tiles == 1 and not why:
+        why = f"largest layer {format_bytes(layer)} (weights + gradients) does not fit in {format_bytes(limit)}"
+    return Candidate(
+        layout=layout,
+        strategy=strategy_name(layout, world_size=world),
+        family=family_of(layout, world_size=world),
+        memory=memory,
+        cost=estimate_step(model, training, hardware, layout),
+        fits=not why,
+        why_not=why,
+        tiled_layers=tiles > 1,
+    )
+
+
+def _why_not(memory: MemoryEstimate, hardware: Hardware, layout: ParallelConfig) -> str:
+    if memory.total > hardware.gpu_memory:
+        return f"device {format_bytes(memory.total)} > {format_bytes(hardware.gpu_memory)}"
+    if memory.host_per_node > hardware.cpu_memory_per_node:
+        return f"host {format_bytes(memory.host_per_node)} > {format_bytes(hardware.cpu_memory_per_node)} per node"
+    if layout.offload == "nvme" and not hardware.nvme:
+        return "no NVMe disk"
+    return ""
+
+
+def assess(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> Situation:
+    """Does the model fit on one device (with the lightest activation checkpointing that fits), and its largest
+    layer?"""
+    options = [
+        estimate_memory(
+            model,
+            training,
+            hardware,
+            ParallelConfig.from_dict({"data_parallel_size": 1, "activation_checkpointing": ac}),
+        )
+        for ac in training.checkpointing_options
+    ]
+    single = next((m for m in options if m.total <= hardware.gpu_memory), options[-1])
+    layer = _layer_bytes(model, training, tp=1)
+    layer_fits = layer is None or layer + hardware.reserved_memory <= hardware.gpu_memory
+    return Situation(
+        world_size=hardware.world_size,
+        nodes=hardware.nodes,
+        single_device=single,
+        fits_one_device=single.total <= hardware.gpu_memory,
+        largest_layer_bytes=layer,
+        largest_layer_fits=layer_fits,
+    )
+
+
+def choose_branch(situation: Situation, hardware: Hardware) -> str:
+    """The guide's branch, e.g. ``one-node/does-not-fit/pcie``."""
+    if situation.world_size == 1:
+        scope = "one-gpu"
+    else:
+        scope = "one-node" if situation.nodes == 1 else "several-nodes"
+    if situation.fits_one_device:
+        return f"{scope}/fits"
+    if not situation.largest_layer_fits:
+        suffix = f"/{hardware.inter_node}" if scope == "several-nodes" else ""
+        return f"{scope}/largest-layer-does-not-fit{suffix}"
+    if scope == "one-gpu":
+        return "one-gpu/does-not-fit"
+    if scope == "one-node":
+        return f"one-node/does-not-fit/{hardware.intra_node}"
+    return f"several-nodes/does-not-fit/{hardware.inter_node}"

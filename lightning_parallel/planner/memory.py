@@ -1,0 +1,146 @@
+"""Per-device memory of a layout: model states (ZeRO paper), activations (Korthikanti et al. 2022), buffers.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 5 / Fig. 1), bytes per device, with ``P`` parameters on the
+device before ZeRO (``Psi / (pp x tp)``, the busiest stage when the shape is known), ``N_d`` = data_parallel_size,
+``p, g, K`` the bytes per parameter of weight, gradient and optimizer state, shards rounded up to whole elements::
+
+    stage 0 (DDP)   (p + g + K) P                 mixed-precision Adam: 16 P
+    stage 1         (p + g) P + K P / N_d                               4 P + 12 P / N_d
+    stage 2         p P + (g + K) P / N_d                               2 P + 14 P / N_d
+    stage 3         (p + g + K) P / N_d                                 16 P / N_d
+
+ZeRO-Offload (stage 2 or 3, ``offload`` cpu or nvme) moves the optimizer state and an fp32 gradient partition,
+``(K + 4) P / N_d`` bytes per rank, to the host (DeepSpeed's estimator: 16 bytes per parameter); stage 3 moves
+the 16-bit weights too (``+ p P / N_d``, DeepSpeed's 18). Gradients then stream through device buckets.
+
+Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
+and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
+``(p + g) x largest layer / tp`` (DeepSpeed's ``4 x largest_layer_params``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner.activations import activation_bytes
+from lightning_parallel.planner.hardware import Hardware
+from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.settings import StateBytes, TrainingSettings
+
+__all__ = [
+    "BUFFER_FRACTION",
+    "HOST_FP32_GRAD_BYTES",
+    "MemoryEstimate",
+    "ModelStates",
+    "estimate_memory",
+    "model_states",
+    "model_states_bytes",
+]
+
+BUFFER_FRACTION = 0.10
+"""Share of model states + activations allowed for fragmentation and communication buckets."""
+HOST_FP32_GRAD_BYTES = 4
+"""Bytes per parameter of the fp32 gradient partition ZeRO-Offload keeps next to the host optimizer."""
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Model-state bytes on one device, and what offload puts on the host and the NVMe disk (per rank)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+    nvme: int = 0
+
+    @property
+    def device(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_states(
+    n_params: int, state: StateBytes, *, dp: int = 1, zero_stage: int = 0, offload: str = "none"
+) -> ModelStates:
+    """The ZeRO paper's formulas for ``n_params`` parameters on a device, sharded ``zero_stage``-deep over dp."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3.")
+    full, shard = n_params, math.ceil(n_params / dp)
+    params = state.param * (shard if zero_stage >= 3 else full)
+    grads = state.grad * (shard if zero_stage >= 2 else full)
+    optimizer = state.optimizer * (shard if zero_stage >= 1 else full)
+    if offload == "none":
+        return ModelStates(params=params, grads=grads, optimizer=optimizer)
+    if zero_stage < 2:
+        raise ValueError(f"offload={offload!r} needs zero_stage 2 or 3, got {zero_stage}.")
+    offloaded = (state.optimizer + HOST_FP32_GRAD_BYTES) * shard
+    if zero_stage == 3:
+        offloaded += state.param * shard
+        params = 0
+    if offload == "cpu":
+        return ModelStates(params=params, grads=0, optimizer=0, host=offloaded)
+    # NVMe: the states live on disk; the host keeps the fp32 gradient partition as the staging buffer.
+    return ModelStates(params=params, grads=0, optimizer=0, host=HOST_FP32_GRAD_BYTES * shard, nvme=offloaded)
+
+
+def model_states_bytes(n_params: int, state: StateBytes, *, dp: int) -> dict[str, int]:
+    """``{"ddp", "zero1", "zero2", "zero3"}`` -> device bytes of model states for pure data parallelism over dp."""
+    names = ("ddp", "zero1", "zero2", "zero3")
+    return {name: model_states(n_params, state, dp=dp, zero_stage=z).device for z, name in enumerate(names)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one layout, split as the report prints it."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int | None
+    """None when the model's shape is unknown (a bare --params)."""
+    buffers: int
+    host_per_node: int
+    nvme_per_node: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + (self.activations or 0) + self.buffers
+
+
+def estimate_memory(
+    model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig, *, tiles: int = 1
+) -> MemoryEstimate:
+    """Per-device memory of ``layout`` (dp must be a number) for ``model`` trained with ``training``.
+
+    ``tiles`` > 1: the largest layer runs tiled (Memory Centric Tiling), so ZeRO-3 gathers one tile at a time.
+    """
+    dp, pp, tp = _degrees(layout)
+    n_local = model.params_per_device(pp=pp, tp=tp)
+    state = training.state_bytes
+    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero_stage, offload=layout.offload)
+    acts = activation_bytes(model, training, layout) if model.shape is not None else None
+    buffers = hardware.reserved_memory + round(BUFFER_FRACTION * (states.device + (acts or 0)))
+    if layout.zero_stage == 3:
+        buffers += math.ceil((state.param + state.grad) * model.largest_layer_per_device(tp=tp) / tiles)
+    ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp)
+    return MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        activations=acts,
+        buffers=buffers,
+        host_per_node=round(states.host * ranks_per_node * (1 + BUFFER_FRACTION)),
+        nvme_per_node=states.nvme * ranks_per_node,
+    )
+
+
+def _degrees(layout: ParallelConfig) -> tuple[int, int, int]:
+    dp = layout.data_parallel_size
+    if not isinstance(dp, int):
+        raise ValueError("estimate_memory needs a numeric data_parallel_size, not 'auto'.")
+    return dp, layout.pipeline_parallel_size, layout.tensor_parallel_size

@@ -1,0 +1,200 @@
+"""A plan: every candidate layout ranked, and the recommendation with the guide's branch and the reasoning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_parallel.planner.guide import (
+    BRANCH_FAMILIES,
+    Candidate,
+    Situation,
+    assess,
+    choose_branch,
+    enumerate_layouts,
+    evaluate,
+)
+from lightning_parallel.planner.hardware import Hardware
+from lightning_parallel.planner.memory import model_states_bytes
+from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.units import format_bytes
+
+__all__ = ["Plan", "make_plan"]
+
+_BRANCH_TEXT: dict[str, str] = {
+    "one-gpu/fits": "one GPU, the model fits: train normally",
+    "one-gpu/does-not-fit": "one GPU, the model does not fit: ZeRO + CPU offload (NVMe as extra storage)",
+    "one-gpu/largest-layer-does-not-fit": "one GPU, the largest layer does not fit: Memory Centric Tiling "
+    "(ZeRO-3 + offload + tiled layers)",
+    "one-node/fits": "one node, the model fits on one GPU: DDP (ZeRO is an alternative)",
+    "one-node/does-not-fit/nvlink": "one node, the model does not fit on one GPU, NVLink: PP, ZeRO and TP perform "
+    "about the same; ZeRO first because it needs no model change",
+    "one-node/does-not-fit/pcie": "one node, the model does not fit on one GPU, no NVLink: PP is usually faster "
+    "than TP or ZeRO",
+    "one-node/largest-layer-does-not-fit": "one node, the largest layer does not fit on one GPU: ZeRO (with tiled "
+    "layers); if ZeRO cannot be used, TP is the only choice",
+    "several-nodes/fits": "several nodes, the model fits on one GPU: DDP (ZeRO is an alternative)",
+    "several-nodes/does-not-fit/fast": "several nodes, fast inter-node links: ZeRO (almost no model change), or "
+    "PP+TP+DP (less communication, substantial model changes)",
+    "several-nodes/does-not-fit/slow": "several nodes, slow inter-node links, too little GPU memory: DP+PP+TP+ZeRO-1",
+    "several-nodes/largest-layer-does-not-fit/fast": "several nodes, the largest layer does not fit on one GPU, "
+    "fast inter-node links: ZeRO with tiled layers, or TP inside the node",
+    "several-nodes/largest-layer-does-not-fit/slow": "several nodes, the largest layer does not fit on one GPU, "
+    "slow inter-node links: DP+PP+TP+ZeRO-1 with TP splitting the layer",
+}
+
+
+_FAMILY_TEXT: dict[str, str] = {
+    "single": "one device",
+    "ddp": "DDP",
+    "zero": "ZeRO (1-3)",
+    "offload": "ZeRO-offload",
+    "pp": "PP",
+    "tp": "TP",
+    "3d-zero1": "DP+PP+TP+ZeRO-1",
+    "hybrid": "other PP/TP/ZeRO mixes",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of :func:`make_plan`."""
+
+    model: ModelSpec
+    training: TrainingSettings
+    hardware: Hardware
+    situation: Situation
+    branch: str
+    candidates: list[Candidate]
+    """Ranked: those that fit first (guide's family order, then throughput), then the rest by memory."""
+    recommended: Candidate | None
+    """The first candidate if it fits; None when nothing fits."""
+    reason: str
+
+    @property
+    def model_states_bytes(self) -> dict[str, int]:
+        """Model states per device for pure data parallelism over all devices: ddp, zero1, zero2, zero3."""
+        n = self.model.params_per_device(pp=1, tp=1)
+        return model_states_bytes(n, self.training.state_bytes, dp=self.hardware.world_size)
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable plan (``lightning-parallel plan --json``)."""
+        from lightning_parallel.planner.report import candidate_json, recommendation_json
+
+        return {
+            "model": {
+                "name": self.model.name,
+                "params": self.model.n_params,
+                "largest_layer_params": self.model.largest_layer_params,
+            },
+            "training": {
+                "precision": self.training.precision,
+                "optimizer": self.training.optimizer,
+                "state_bytes_per_param": vars(self.training.state_bytes),
+                "micro_batch_size": self.training.micro_batch_size,
+                "activation_checkpointing": self.training.activation_checkpointing,
+            },
+            "hardware": vars(self.hardware),
+            "model_states_bytes": self.model_states_bytes,
+            "single_device_bytes": self.situation.single_device.total,
+            "recommendation": recommendation_json(self),
+            "candidates": [candidate_json(c) for c in self.candidates],
+        }
+
+
+def _rank_key(candidate: Candidate, families: tuple[str, ...]) -> tuple[Any, ...]:
+    layout = candidate.layout
+    family_rank = families.index(candidate.family) if candidate.family in families else len(families)
+    per_token = float(f"{1.0 / candidate.cost.tokens_per_s:.3g}")
+    offload_rank = ("none", "cpu", "nvme").index(layout.offload)
+    model_parallel = layout.pipeline_parallel_size * layout.tensor_parallel_size
+    return (family_rank, candidate.tiled_layers, per_token, model_parallel, layout.zero_stage, offload_rank)
+
+
+def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> Plan:
+    """Assess the model on the machine, take the guide's branch, evaluate every layout and rank them."""
+    situation = assess(model, training, hardware)
+    branch = choose_branch(situation, hardware)
+    families = BRANCH_FAMILIES[branch]
+    evaluated = [evaluate(model, training, hardware, layout) for layout in enumerate_layouts(model, training, hardware)]
+    fitting = sorted((c for c in evaluated if c.fits), key=lambda c: _rank_key(c, families))
+    rest = sorted((c for c in evaluated if not c.fits), key=lambda c: c.memory.total)
+    ranked = fitting + rest
+    recommended = fitting[0] if fitting else None
+    reason = _reason(situation, hardware, branch, recommended, ranked)
+    return Plan(
+        model=model,
+        training=training,
+        hardware=hardware,
+        situation=situation,
+        branch=branch,
+        candidates=ranked,
+        recommended=recommended,
+        reason=reason,
+    )
+
+
+def _facts(situation: Situation, hardware: Hardware) -> str:
+    single = situation.single_device
+    verdict = "fits" if situation.fits_one_device else "does not fit"
+    text = (
+        f"On one device the model needs {format_bytes(single.total)} ({format_bytes(single.model_states)} model "
+        f"states) and {verdict} in {format_bytes(hardware.gpu_memory)}."
+    )
+    if single.activations is None:
+        text += (
+            " Activations are not counted: the model's shape is unknown (give --model or --layers/--hidden/--heads)."
+        )
+    if situation.largest_layer_bytes is None:
+        text += " The largest layer is unknown and assumed to fit (give --largest-layer-params)."
+    elif not situation.largest_layer_fits:
+        text += f" Its largest layer alone needs {format_bytes(situation.largest_layer_bytes)} (weights + gradients)."
+    return text
+
+
+def _reason(
+    situation: Situation, hardware: Hardware, branch: str, chosen: Candidate | None, ranked: list[Candidate]
+) -> str:
+    families = BRANCH_FAMILIES[branch]
+    text = f"{_facts(situation, hardware)} Guide branch: {_BRANCH_TEXT[branch]}."
+    if chosen is None:
+        nearest = ranked[0] if ranked else None
+        hint = f" The nearest is {nearest.layout.describe()} ({nearest.why_not})." if nearest else ""
+        return (
+            f"{text} No layout fits on {hardware.describe()}.{hint} Fix: more devices or memory, "
+            "activation checkpointing (--activation-checkpointing full), a smaller micro-batch, or NVMe."
+        )
+    if chosen.family != families[0]:
+        skipped = ", ".join(_FAMILY_TEXT[f] for f in families[: families.index(chosen.family)])
+        text += f" No layout of {skipped} fits, so the next in the guide's order is used."
+    mem = chosen.memory
+    text += (
+        f" Chosen: {chosen.strategy} {chosen.layout.describe()}: {format_bytes(mem.total)} per device "
+        f"({format_bytes(mem.model_states)} model states) of {format_bytes(hardware.gpu_memory)}."
+    )
+    if chosen.tiled_layers:
+        text += " The largest layer runs tiled (Memory Centric Tiling) so that ZeRO-3 gathers one tile at a time."
+    if mem.host_per_node:
+        host, limit = format_bytes(mem.host_per_node), format_bytes(hardware.cpu_memory_per_node)
+        text += f" Host memory per node: {host} of {limit}."
+    text += _cheaper_not_fitting(chosen, ranked)
+    return text
+
+
+def _cheaper_not_fitting(chosen: Candidate, ranked: list[Candidate]) -> str:
+    """Name the lighter layout of the same family that was ruled out (e.g. ZeRO-1 when ZeRO-2 is chosen)."""
+    lighter = [
+        c
+        for c in ranked
+        if not c.fits
+        and c.family == chosen.family
+        and c.layout.zero_stage < chosen.layout.zero_stage
+        and c.layout.pipeline_parallel_size == chosen.layout.pipeline_parallel_size
+        and c.layout.tensor_parallel_size == chosen.layout.tensor_parallel_size
+        and c.layout.offload == chosen.layout.offload
+    ]
+    if not lighter:
+        return ""
+    best = max(lighter, key=lambda c: c.layout.zero_stage)
+    return f" ZeRO-{best.layout.zero_stage} of the same shape does not fit ({best.why_not})."

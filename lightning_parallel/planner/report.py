@@ -1,0 +1,196 @@
+"""The planner's output: a readable table and reasoning, or a JSON object."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_parallel.planner.guide import Candidate
+from lightning_parallel.planner.units import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from lightning_parallel.planner.plan import Plan
+
+__all__ = ["candidate_json", "format_plan", "recommendation_json"]
+
+_COLUMNS = (
+    "#",
+    "strategy",
+    "dp",
+    "pp",
+    "tp",
+    "zero",
+    "offload",
+    "recompute",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "buffers",
+    "total",
+    "fits",
+    "host/node",
+    "stresses",
+    "tokens/s",
+)
+
+
+def _unit(candidates: list[Candidate]) -> tuple[str, float]:
+    """GB for real models, MB when every layout is under a gigabyte (the tiny models of tests and CPU runs)."""
+    largest = max((c.memory.total for c in candidates), default=0)
+    return ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)
+
+
+def _row(rank: str, c: Candidate, scale: float) -> list[str]:
+    lay, mem = c.layout, c.memory
+
+    def _gb(num: int | None) -> str:
+        return "n/a" if num is None else f"{num / scale:.1f}" if num >= 0.05 * scale else f"{num / scale:.2f}"
+
+    offload = lay.offload + ("+tiled" if c.tiled_layers else "")
+    return [
+        rank,
+        c.strategy,
+        str(lay.data_parallel_size),
+        str(lay.pipeline_parallel_size),
+        str(lay.tensor_parallel_size),
+        str(lay.zero_stage),
+        offload,
+        lay.activation_checkpointing,
+        _gb(mem.params),
+        _gb(mem.grads),
+        _gb(mem.optimizer),
+        _gb(mem.activations),
+        _gb(mem.buffers),
+        _gb(mem.total),
+        "yes" if c.fits else "no",
+        _gb(mem.host_per_node) if mem.host_per_node else "-",
+        c.cost.stressed_link(),
+        f"{c.cost.tokens_per_s:,.0f}",
+    ]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i not in (1, 6, 7, 16) else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, *, top: int = 12) -> str:
+    """Header, the table of candidates (sizes in GB = 1e9 bytes per device), the recommendation and its reason."""
+    m, t = plan.model, plan.training
+    sb = t.state_bytes
+    lines = [
+        f"Model: {'' if m.name == 'model' else m.name + ', '}{format_count(m.n_params)} parameters"
+        + (f", largest layer {format_count(m.largest_layer_params)}" if m.largest_layer_params else ""),
+        f"Training: {t.precision}, {t.optimizer} ({sb.param}+{sb.grad}+{sb.optimizer} bytes of model state per "
+        f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}",
+        f"Hardware: {plan.hardware.describe()}",
+        "",
+        "Model states per device, pure data parallel over all "
+        f"{plan.hardware.world_size} device(s): "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.model_states_bytes.items()),
+        "",
+    ]
+    shown = _select(plan.candidates, top)
+    unit, scale = _unit(plan.candidates)
+    rows = [list(_COLUMNS)] + [_row(str(i + 1) if c.fits else "-", c, scale) for i, c in shown]
+    lines.append(f"Candidate layouts ({unit} per device; tokens/s is a rough no-overlap estimate, for ranking only):")
+    lines.append(_table(rows))
+    if len(shown) < len(plan.candidates):
+        lines.append(f"... {len(plan.candidates) - len(shown)} more layouts not shown (--top 0 shows all)")
+    lines += ["", _recommendation_text(plan)]
+    return "\n".join(lines)
+
+
+def _select(candidates: list[Candidate], top: int) -> list[tuple[int, Candidate]]:
+    """The first ``top`` by rank, plus the best of each family and strategy and every pure data-parallel layout
+    with the lightest recompute (the ZeRO paper's rows), so that what was ruled out shows too."""
+    if top <= 0:
+        return list(enumerate(candidates))
+    keep: set[int] = set(range(min(top, len(candidates))))
+    seen: set[str] = set()
+    lightest = min(
+        (c.layout.activation_checkpointing for c in candidates), key=("none", "selective", "full").index, default="none"
+    )
+    for i, c in enumerate(candidates):
+        for key in (c.family, c.strategy):
+            if key not in seen:
+                seen.add(key)
+                keep.add(i)
+        pure = c.layout.pipeline_parallel_size == c.layout.tensor_parallel_size == 1 and c.layout.offload == "none"
+        if pure and c.layout.activation_checkpointing == lightest:
+            keep.add(i)
+    return [(i, candidates[i]) for i in sorted(keep)]
+
+
+def _recommendation_text(plan: Plan) -> str:
+    rec = recommendation_json(plan)
+    if plan.recommended is None:
+        head = "Recommendation: none fits."
+    else:
+        head = (
+            f"Recommendation: {rec['strategy']} (data_parallel_size={rec['data_parallel_size']}, "
+            f"pipeline_parallel_size={rec['pipeline_parallel_size']}, tensor_parallel_size="
+            f"{rec['tensor_parallel_size']}, zero_stage={rec['zero_stage']}, offload={rec['offload']}, "
+            f"tiled_layers={rec['tiled_layers']})"
+        )
+    return f"{head}\nBranch: {plan.branch}\nWhy: {plan.reason}"
+
+
+def candidate_json(c: Candidate) -> dict[str, Any]:
+    lay, mem = c.layout, c.memory
+    return {
+        "strategy": c.strategy,
+        "family": c.family,
+        "data_parallel_size": lay.data_parallel_size,
+        "pipeline_parallel_size": lay.pipeline_parallel_size,
+        "tensor_parallel_size": lay.tensor_parallel_size,
+        "zero_stage": lay.zero_stage,
+        "offload": lay.offload,
+        "sequence_parallel": lay.sequence_parallel,
+        "tiled_layers": c.tiled_layers,
+        "memory_bytes": {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "activations": mem.activations,
+            "buffers": mem.buffers,
+            "total": mem.total,
+            "host_per_node": mem.host_per_node,
+            "nvme_per_node": mem.nvme_per_node,
+        },
+        "fits": c.fits,
+        "why_not": c.why_not,
+        "stresses": c.cost.stressed_link(),
+        "est_step_seconds": c.cost.step_s,
+        "est_tokens_per_second": c.cost.tokens_per_s,
+    }
+
+
+def recommendation_json(plan: Plan) -> dict[str, Any]:
+    """The recommendation; when nothing fits, the nearest layout with ``fits: false``."""
+    chosen = plan.recommended or (plan.candidates[0] if plan.candidates else None)
+    base: dict[str, Any] = {"branch": plan.branch, "reason": plan.reason, "fits": plan.recommended is not None}
+    if chosen is None:
+        return {**base, "strategy": None}
+    lay = chosen.layout
+    return {
+        "strategy": chosen.strategy,
+        "data_parallel_size": lay.data_parallel_size,
+        "pipeline_parallel_size": lay.pipeline_parallel_size,
+        "tensor_parallel_size": lay.tensor_parallel_size,
+        "zero_stage": lay.zero_stage,
+        "offload": lay.offload,
+        "tiled_layers": chosen.tiled_layers,
+        "sequence_parallel": lay.sequence_parallel,
+        "num_micro_batches": lay.num_micro_batches,
+        "memory_bytes": candidate_json(chosen)["memory_bytes"],
+        **base,
+    }

@@ -1,0 +1,129 @@
+"""Training settings that decide bytes per parameter and per activation.
+
+Model-state bytes per parameter, as the ZeRO paper counts them (Rajbhandari et al. 2020, Sec. 3.1): with mixed
+precision a parameter costs 2 bytes (16-bit weight) + 2 (16-bit gradient) + K optimizer bytes, K = 4 (fp32 master
+weight) + the optimizer's own state: Adam/AdamW 8 (momentum and variance, fp32) -> K = 12; SGD with momentum 4 ->
+K = 8; plain SGD 0 -> K = 4. In fp32 there is no master copy: 4 + 4 + (8 | 4 | 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+__all__ = ["Checkpointing", "Optimizer", "Precision", "StateBytes", "TrainingSettings", "normalize_precision"]
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+Optimizer = Literal["adamw", "adam", "sgd-momentum", "sgd"]
+Checkpointing = Literal["auto", "none", "selective", "full"]
+"""Activation checkpointing; ``auto`` lets the planner try none, selective and full for every layout."""
+
+_PRECISION_ALIASES: dict[str, Precision] = {
+    "fp32": "fp32",
+    "32": "fp32",
+    "32-true": "fp32",
+    "float32": "fp32",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "fp16": "fp16-mixed",
+    "16": "fp16-mixed",
+    "16-mixed": "fp16-mixed",
+    "fp16-mixed": "fp16-mixed",
+}
+_TRAINER_PRECISION: dict[Precision, str] = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed"}
+_OPTIMIZER_STATE: dict[str, int] = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+
+
+def normalize_precision(value: str) -> Precision:
+    """``bf16``/``bf16-mixed`` -> bf16-mixed, ``16-mixed``/``fp16`` -> fp16-mixed, ``32``/``32-true`` -> fp32."""
+    key = str(value).strip().lower()
+    if key not in _PRECISION_ALIASES:
+        raise ValueError(
+            f"precision={value!r} is not known. Use fp32 (32-true), bf16-mixed (bf16) or fp16-mixed (16-mixed)."
+        )
+    return _PRECISION_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state."""
+
+    param: int
+    """The weight the forward pass reads (16-bit under mixed precision)."""
+    grad: int
+    """Its gradient."""
+    optimizer: int
+    """K: fp32 master weight (mixed precision only) + the optimizer's state."""
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Precision, optimizer and batch geometry; defaults are bf16 mixed precision with AdamW (2 + 2 + 12 bytes)."""
+
+    precision: Precision = "bf16-mixed"
+    """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+    optimizer: Optimizer = "adamw"
+    """Adam/AdamW (8 bytes of state), SGD with momentum (4) or without (0)."""
+    micro_batch_size: int = 1
+    """Sequences per device per micro-batch (b)."""
+    seq_len: int | None = None
+    """Tokens per sequence (s); None = the model's block_size."""
+    activation_checkpointing: Checkpointing = "auto"
+    """auto (try all three), none, selective (recompute the attention core) or full (keep each block's input)."""
+    num_micro_batches: int | None = None
+    """Micro-batches per pipeline step (m); None = 4 x pipeline stages (bubble (p-1)/m below 25 %)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
+        if self.optimizer not in get_args(Optimizer):
+            raise ValueError(f"optimizer={self.optimizer!r} is not known. Use one of {list(get_args(Optimizer))}.")
+        if self.activation_checkpointing not in get_args(Checkpointing):
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r}: use auto, none, selective or full."
+            )
+        for key in ("micro_batch_size", "seq_len", "num_micro_batches"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key}={value!r} must be a positive integer.")
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def state_bytes(self) -> StateBytes:
+        """(2, 2, 4 + s) under mixed precision, (4, 4, s) in fp32, s = the optimizer's bytes of state."""
+        state = _OPTIMIZER_STATE[self.optimizer]
+        if self.mixed:
+            return StateBytes(param=2, grad=2, optimizer=4 + state)
+        return StateBytes(param=4, grad=4, optimizer=state)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element: 2 under mixed precision, 4 in fp32."""
+        return 2 if self.mixed else 4
+
+    @property
+    def trainer_precision(self) -> str:
+        """The value of Lightning's ``Trainer(precision=...)``."""
+        return _TRAINER_PRECISION[self.precision]
+
+    @property
+    def checkpointing_options(self) -> tuple[str, ...]:
+        """The activation-checkpointing settings to try, lightest first."""
+        if self.activation_checkpointing == "auto":
+            return ("none", "selective", "full")
+        return (self.activation_checkpointing,)
+
+    def micro_batches(self, pp: int) -> int:
+        """m for a pipeline of pp stages (1 without a pipeline)."""
+        if pp == 1:
+            return 1
+        return self.num_micro_batches if self.num_micro_batches is not None else 4 * pp
+
+    def sequence_length(self, default: int) -> int:
+        return self.seq_len if self.seq_len is not None else default
