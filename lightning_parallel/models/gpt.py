@@ -41,7 +41,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = n_head
         self.head_dim = n_embd // n_head
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        # No key bias: it adds q.b_k to every score of a query, which softmax ignores, so its true gradient is zero
+        # and Adam would turn the rounding noise left in it into lr-sized updates (runs would not be reproducible).
+        self.k_proj = nn.Linear(n_embd, n_embd, bias=False)
         self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout

@@ -1,0 +1,93 @@
+"""The layout: every bad layout is refused before any process starts, with the key, the arithmetic and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_parallel import LayoutError, LPDDPStrategy, ParallelConfig, ParallelDims, check_model_compat
+
+# (layout, world size, devices per node, num_nodes, words the message must contain)
+BAD_LAYOUTS: list[tuple[dict[str, Any], int, int, int, tuple[str, ...]]] = [
+    ({"data_parallel_size": 3}, 2, 2, 1, ("data_parallel_size (3)", "= 3", "world size is 2", "Fix")),
+    ({"data_parallel_size": 0}, 2, 2, 1, ("data_parallel_size", "positive integer")),
+    ({"data_parallel_size": "two"}, 2, 2, 1, ("data_parallel_size", "'auto'")),
+    ({"pipeline_parallel_size": 0}, 2, 2, 1, ("pipeline_parallel_size",)),
+    ({"tensor_parallel_size": -1}, 2, 2, 1, ("tensor_parallel_size",)),
+    ({"tensor_parallel_size": 3}, 4, 4, 1, ("tensor_parallel_size (3)", "4 % 3 = 1", "Fix")),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8, 1, ("= 4", "world size is 8", "data_parallel_size=4")),
+    ({"tensor_parallel_size": 4}, 8, 2, 4, ("tensor_parallel_size (4)", "one node (2)")),
+    ({"zero_stage": 4}, 2, 2, 1, ("zero_stage", "[0, 1, 2, 3]")),
+    ({"zero_stage": 2, "pipeline_parallel_size": 2}, 2, 2, 1, ("zero_stage=2", "pipeline", "zero_stage=1")),
+    ({"offload": "gpu"}, 2, 2, 1, ("offload", "'cpu'")),
+    ({"offload": "cpu", "zero_stage": 1}, 2, 2, 1, ("offload='cpu'", "zero_stage=1", "zero_stage=2")),
+    ({"offload": "nvme", "zero_stage": 3}, 2, 2, 1, ("nvme_path",)),
+    ({"nvme_path": "/tmp/x"}, 2, 2, 1, ("nvme_path", "offload='nvme'")),
+    ({"pipeline_schedule": "1f2b"}, 2, 2, 1, ("pipeline_schedule", "'1f1b'")),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}, 2, 2, 1,
+     ("virtual_pipeline_stages", ">= 2")),
+    ({"pipeline_parallel_size": 4, "num_micro_batches": 2}, 4, 4, 1, ("num_micro_batches=2", "bubble", ">= 4")),
+    ({"num_micro_batches": 4}, 2, 2, 1, ("num_micro_batches=4", "pipeline_parallel_size=1")),
+    ({"virtual_pipeline_stages": 2, "pipeline_schedule": "interleaved_1f1b"}, 2, 2, 1,
+     ("virtual_pipeline_stages=2", "pipeline_parallel_size")),
+    ({"sequence_parallel": True}, 2, 2, 1, ("sequence_parallel", "tensor_parallel_size")),
+    ({"data_paralel_size": 2}, 2, 2, 1, ("data_paralel_size", "Did you mean 'data_parallel_size'")),
+    ({"offload": "cpu", "zero_stage": 2, "tensor_parallel_size": 2}, 2, 2, 1, ("offload", "tensor_parallel_size=2")),
+]
+
+
+@pytest.mark.parametrize(("layout", "world", "per_node", "nodes", "words"), BAD_LAYOUTS,
+                         ids=[str(i) for i in range(len(BAD_LAYOUTS))])
+def test_bad_layout_refused_with_the_key_and_the_arithmetic(
+    layout: dict[str, Any], world: int, per_node: int, nodes: int, words: tuple[str, ...]
+) -> None:
+    with pytest.raises(LayoutError) as err:
+        config = ParallelConfig.from_dict(layout)
+        ParallelDims.from_config(config, world_size=world, devices_per_node=per_node, num_nodes=nodes)
+    for word in words:
+        assert word in str(err.value), f"{word!r} missing from: {err.value}"
+
+
+def test_at_least_fifteen_bad_layouts() -> None:
+    assert len(BAD_LAYOUTS) >= 15
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "words"),
+    [
+        ({"n_head": 6}, {"tensor_parallel_size": 4}, ("n_head=6", "6 % 4 = 2", "[1, 2, 3, 6]")),
+        ({"n_layer": 2}, {"pipeline_parallel_size": 4, "num_micro_batches": 4}, ("n_layer=2", "<= 2")),
+        ({"vocab_size": 257}, {"tensor_parallel_size": 2}, ("vocab_size=257", "multiple of 2")),
+    ],
+)
+def test_model_shape_rules(shape: dict[str, int], layout: dict[str, Any], words: tuple[str, ...]) -> None:
+    with pytest.raises(LayoutError) as err:
+        check_model_compat(ParallelConfig.from_dict(layout), **shape)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_good_layouts_resolve_auto() -> None:
+    dims = ParallelDims.from_config(ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2,
+                                                   num_micro_batches=4), world_size=8)
+    assert dims.shape == (2, 2, 2)
+    assert ParallelDims.from_config(ParallelConfig(), world_size=3).shape == (3, 1, 1)
+    config = ParallelConfig.from_dict({"zero_stage": 1, "pipeline_parallel_size": 2})
+    assert config.micro_batches == 2 and config.replace(num_micro_batches=8).micro_batches == 8
+
+
+def test_trainer_refuses_a_bad_layout_in_its_constructor() -> None:
+    """Trainer.__init__ resolves the layout (configure_launcher): nothing is spawned, the message has the sizes."""
+    with pytest.raises(LayoutError, match=r"data_parallel_size \(3\).*world size is 2 \(devices=2 per node"):
+        pl.Trainer(strategy=LPDDPStrategy(parallel={"data_parallel_size": 3}), accelerator="cpu", devices=2)
+
+
+def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size=2.*lp_tensor"):
+        LPDDPStrategy(parallel={"tensor_parallel_size": 2})
+    with pytest.raises(LayoutError, match=r"parallel.zero_stage=1.*lp_sharded"):
+        LPDDPStrategy(parallel={"zero_stage": 1})
+    with pytest.raises(ValueError, match="comm_hook"):
+        LPDDPStrategy(comm_hook="int8")  # type: ignore[arg-type]
