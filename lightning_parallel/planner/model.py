@@ -4,7 +4,7 @@ Parameter counts of a GPT-2-style decoder (pre-LN, learned positions, 4h MLP), `
 vocabulary ``V``, context ``s``:
 
 * one block: ``12 h^2 + 13 h`` with biases (q, k, v, out ``4 h^2 + 4 h``; MLP ``8 h^2 + 5 h``; two LayerNorms
-  ``4 h``), ``12 h^2 + 2 h`` without (LayerNorm weights only);
+  ``4 h``), ``12 h^2 + 12 h`` in this library's GPT (no key bias), ``12 h^2 + 2 h`` without biases;
 * embeddings ``V h + s h``; final LayerNorm ``2 h`` (``h`` without bias); head ``V h`` unless tied.
 
 GPT-2 small (L=12, h=768, V=50257, s=1024, tied) gives 124,439,808, the count of the released model.
@@ -44,6 +44,8 @@ class ModelShape:
     """Biases in linears and LayerNorms."""
     dropout: float = 0.0
     """Dropout probability; > 0 adds Korthikanti's 1-byte dropout masks to the activations."""
+    key_bias: bool = False
+    """A bias on the key projection (GPT-2 has one; :class:`lightning_parallel.models.GPT` does not)."""
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size"):
@@ -62,7 +64,8 @@ class ModelShape:
         matrices = 12 * h * h // tp
         if not self.bias:
             return matrices + 2 * h
-        return matrices + 7 * h // tp + 6 * h  # q,k,v,fc_in biases split; out, fc_out biases and LayerNorms whole
+        split_biases = (7 if self.key_bias else 6) * h  # q, (k,) v and fc_in: column-parallel, split over tp
+        return matrices + split_biases // tp + 6 * h  # out_proj, fc_out biases and the LayerNorms stay whole
 
     def embedding_params(self, tp: int = 1) -> int:
         """Token table (vocab-parallel: / tp) and position table (replicated)."""

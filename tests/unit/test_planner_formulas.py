@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import pytest
 
@@ -58,7 +58,8 @@ def test_zero_paper_trillion_parameters() -> None:
 
 def test_fp32_adam_is_4_4_8_and_sgd_variants() -> None:
     assert vars(TrainingSettings(precision="fp32").state_bytes) == {"param": 4, "grad": 4, "optimizer": 8}
-    assert TrainingSettings(precision="32-true", optimizer="sgd").state_bytes.total == 8
+    lightning_name: Any = "32-true"  # Lightning's spelling is accepted too
+    assert TrainingSettings(precision=lightning_name, optimizer="sgd").state_bytes.total == 8
     assert TrainingSettings(optimizer="sgd-momentum").state_bytes.optimizer == 8  # master 4 + momentum 4
     assert TrainingSettings(optimizer="sgd").state_bytes.optimizer == 4  # fp32 master weights only
 
@@ -115,8 +116,9 @@ def test_deepspeed_estimates_without_offload_count_more_than_the_zero_paper() ->
     deepspeed_zero3 = int(18 * psi / n)
     ours = model_states_bytes(psi, MIXED_ADAM, dp=n)
     assert round(deepspeed_zero2 / GIB, 2) == 15.93  # DeepSpeed docs, t5-3b, offload_optimizer=none
-    assert deepspeed_zero2 - ours["zero2"] == 2 * psi + 2 * math.ceil(psi / n)
-    assert deepspeed_zero3 - ours["zero3"] == 2 * math.ceil(psi / n) + (psi * 18 // n - 18 * math.ceil(psi / n))
+    assert psi % n == 0  # so that the shards are exact
+    assert deepspeed_zero2 - ours["zero2"] == 2 * psi + 2 * psi // n
+    assert deepspeed_zero3 - ours["zero3"] == 2 * psi // n
 
 
 # --------------------------------------------------------------------------- Korthikanti et al. 2022
@@ -209,5 +211,5 @@ def test_parse_bytes_and_counts() -> None:
     assert parse_count("125M") == 125_000_000
     with pytest.raises(ValueError, match=r"32XB.*GiB"):
         parse_bytes("32XB", name="--gpu-memory")
-    with pytest.raises(ValueError, match="7.5Q"):
+    with pytest.raises(ValueError, match=r"7\.5Q"):
         parse_count("7.5Q", name="--params")

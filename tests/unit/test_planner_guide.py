@@ -1,0 +1,197 @@
+"""The decision guide (GUIDE.md section 3): one test per branch, the CLI, the JSON object and the recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner import (
+    MODEL_PRESETS,
+    ModelSpec,
+    TrainingSettings,
+    load_profile,
+    make_hardware,
+    make_plan,
+)
+from lightning_parallel.planner.cli import main
+from lightning_parallel.planner.plan import Plan
+
+ADAMW_BF16 = TrainingSettings()
+
+
+def _plan(model: ModelSpec, **hardware: object) -> Plan:
+    return make_plan(model, ADAMW_BF16, make_hardware(**hardware))
+
+
+def _preset(name: str) -> ModelSpec:
+    return ModelSpec.from_shape(MODEL_PRESETS[name], name=name)
+
+
+def _rec(plan: Plan) -> tuple[str, int, int, int, int, str]:
+    c = plan.recommended
+    assert c is not None, plan.reason
+    lay = c.layout
+    return (c.strategy, int(lay.data_parallel_size), lay.pipeline_parallel_size, lay.tensor_parallel_size,
+            lay.zero_stage, lay.offload)
+
+
+# --------------------------------------------------------------------------- one GPU
+def test_one_gpu_fits_trains_normally() -> None:
+    plan = _plan(_preset("gpt3-125m"), gpu_memory="24GB")
+    assert plan.branch == "one-gpu/fits"
+    assert _rec(plan) == ("single_device", 1, 1, 1, 0, "none")
+
+
+def test_one_gpu_does_not_fit_uses_zero_offload() -> None:
+    plan = _plan(ModelSpec.from_params(7_500_000_000), gpu_memory="24GB", cpu_memory_per_node="512GB")
+    assert plan.branch == "one-gpu/does-not-fit"
+    strategy, dp, _, _, zero, offload = _rec(plan)
+    assert (strategy, dp, offload) == ("lp_zero_offload", 1, "cpu") and zero in (2, 3)
+
+
+def test_one_gpu_nvme_when_host_memory_is_too_small() -> None:
+    plan = _plan(ModelSpec.from_params(7_500_000_000), gpu_memory="24GB", cpu_memory_per_node="64GB", nvme=True)
+    assert _rec(plan)[-1] == "nvme"
+
+
+def test_one_gpu_largest_layer_does_not_fit_tiles_it() -> None:
+    model = ModelSpec.from_params(30_000_000_000, largest_layer_params=7_000_000_000)  # 28 GB of weights + grads
+    plan = _plan(model, gpu_memory="24GB", cpu_memory_per_node="1TB")
+    assert plan.branch == "one-gpu/largest-layer-does-not-fit"
+    assert _rec(plan) == ("lp_zero_offload", 1, 1, 1, 3, "cpu")
+    assert plan.recommended is not None and plan.recommended.tiled_layers
+
+
+# --------------------------------------------------------------------------- one node
+def test_one_node_fits_uses_ddp() -> None:
+    plan = _plan(_preset("gpt3-125m"), gpus_per_node=8, gpu_memory="24GB")
+    assert plan.branch == "one-node/fits"
+    assert _rec(plan) == ("lp_ddp", 8, 1, 1, 0, "none")
+    families = [c.family for c in plan.candidates if c.fits]
+    assert next(f for f in families if f != "ddp") == "zero"  # the alternative the guide names comes next
+
+
+def test_one_node_does_not_fit_nvlink_prefers_zero() -> None:
+    plan = make_plan(_preset("gpt3-6.7b"), ADAMW_BF16, load_profile("dgx-a100-80gb"))
+    assert plan.branch == "one-node/does-not-fit/nvlink"
+    assert plan.recommended is not None and plan.recommended.family == "zero"
+    assert _rec(plan)[0] in ("lp_sharded", "lp_zero_offload")
+
+
+def test_one_node_does_not_fit_pcie_prefers_pipeline() -> None:
+    plan = make_plan(_preset("gpt3-6.7b"), ADAMW_BF16, load_profile("dgx-a100-80gb", intra_node="pcie"))
+    assert plan.branch == "one-node/does-not-fit/pcie"
+    strategy, dp, pp, tp, zero, _ = _rec(plan)
+    assert (strategy, tp, zero) == ("lp_pipeline", 1, 0) and pp > 1 and dp * pp == 8
+
+
+def test_one_node_largest_layer_does_not_fit_uses_tiled_zero() -> None:
+    model = ModelSpec.from_params(30_000_000_000, largest_layer_params=22_000_000_000)
+    plan = _plan(model, gpus_per_node=8, gpu_memory="80GiB")
+    assert plan.branch == "one-node/largest-layer-does-not-fit"
+    assert _rec(plan) == ("lp_zero_offload", 8, 1, 1, 3, "none")
+    assert plan.recommended is not None and plan.recommended.tiled_layers
+
+
+def test_one_node_largest_layer_falls_back_to_tp_without_zero() -> None:
+    model = ModelSpec.from_params(30_000_000_000, largest_layer_params=22_000_000_000)
+    plan = _plan(model, gpus_per_node=8, gpu_memory="80GiB")
+    tp = [c for c in plan.candidates if c.fits and c.family == "tp"]
+    assert tp and all(c.layout.tensor_parallel_size >= 2 and not c.tiled_layers for c in tp)
+
+
+# --------------------------------------------------------------------------- several nodes
+def test_several_nodes_fits_uses_ddp() -> None:
+    plan = _plan(_preset("gpt3-125m"), nodes=2, gpus_per_node=8, gpu_memory="24GB")
+    assert plan.branch == "several-nodes/fits"
+    assert _rec(plan) == ("lp_ddp", 16, 1, 1, 0, "none")
+
+
+def test_several_nodes_fast_uses_zero_as_the_zero_paper() -> None:
+    plan = _plan(ModelSpec.from_params(7_500_000_000), nodes=8, gpus_per_node=8, gpu_memory="32GB")
+    assert plan.branch == "several-nodes/does-not-fit/fast"
+    assert _rec(plan) == ("lp_sharded", 64, 1, 1, 2, "none")  # ZeRO-1 needs 31.4 GB of states: too much
+    assert "ZeRO-1 of the same shape does not fit" in plan.reason
+
+
+def test_several_nodes_slow_uses_dp_pp_tp_zero1() -> None:
+    plan = make_plan(_preset("gpt3-175b"), ADAMW_BF16, load_profile("dgx-a100-80gb", nodes=16, inter_node="slow"))
+    assert plan.branch == "several-nodes/does-not-fit/slow"
+    strategy, dp, pp, tp, zero, _ = _rec(plan)
+    assert (strategy, zero) == ("lp_hybrid", 1) and dp > 1 and pp > 1 and 1 < tp <= 8
+    assert 96 % pp == 0 and dp * pp * tp == 128
+
+
+@pytest.mark.parametrize(("link", "family"), [("fast", "zero"), ("slow", "3d-zero1")])
+def test_several_nodes_largest_layer_does_not_fit(link: str, family: str) -> None:
+    model = ModelSpec.from_params(30_000_000_000, largest_layer_params=22_000_000_000)
+    plan = _plan(model, nodes=2, gpus_per_node=8, gpu_memory="80GiB", inter_node=link)
+    assert plan.branch == f"several-nodes/largest-layer-does-not-fit/{link}"
+    assert plan.recommended is not None and plan.recommended.family == family
+    assert plan.recommended.tiled_layers == (family == "zero")
+
+
+def test_nothing_fits_says_so_and_names_the_nearest() -> None:
+    plan = _plan(_preset("gpt3-175b"), gpus_per_node=2, gpu_memory="16GB", cpu_memory_per_node="64GB")
+    assert plan.recommended is None
+    assert "No layout fits" in plan.reason and "Fix:" in plan.reason
+
+
+def test_every_candidate_is_a_valid_layout_with_tp_inside_a_node() -> None:
+    plan = make_plan(_preset("gpt3-13b"), ADAMW_BF16, load_profile("dgx-a100-80gb", nodes=2))
+    for c in plan.candidates:
+        lay = c.layout
+        assert ParallelConfig.from_dict(lay.to_dict()) == lay
+        assert lay.tensor_parallel_size <= 8 and 40 % lay.pipeline_parallel_size == 0
+        assert int(lay.data_parallel_size) * lay.pipeline_parallel_size * lay.tensor_parallel_size == 16
+
+
+# --------------------------------------------------------------------------- CLI, JSON, recipe
+def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "7.5e9", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory", "32GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_states_bytes"] == {"ddp": 120_000_000_000, "zero1": 31_406_250_000,
+                                         "zero2": 16_640_625_000, "zero3": 1_875_000_000}
+    rec = out["recommendation"]
+    for key in ("strategy", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "zero_stage",
+                "offload", "tiled_layers", "branch", "reason"):
+        assert key in rec
+    assert rec["strategy"] == "lp_sharded" and rec["zero_stage"] == 2 and rec["tiled_layers"] is False
+
+
+def test_cli_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "gpt3-125m", "--gpus-per-node", "1", "--gpu-memory", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommendation: single_device" in out and "Branch: one-gpu/fits" in out and "params" in out
+    assert main(["--params", "7.5e9", "--gpu-memory", "32XB"]) == 2
+    assert "GiB" in capsys.readouterr().err
+    assert main(["--params", "7.5e9", "--model", "gpt3-125m", "--gpu-memory", "32GB"]) == 2
+    assert "exactly one model" in capsys.readouterr().err
+
+
+def test_write_recipe_for_ddp_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "planned.yaml"
+    argv = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64",
+            "--hardware", "cpu-2proc", "--precision", "fp32", "--micro-batch-size", "8", "--write-recipe", str(path)]
+    assert main(argv) == 0
+    recipe = yaml.safe_load(path.read_text())
+    assert recipe["trainer"]["strategy"] == "lp_ddp" and recipe["trainer"]["accelerator"] == "cpu"
+    assert recipe["trainer"]["devices"] == 2 and recipe["trainer"]["precision"] == "32-true"
+    layout = ParallelConfig.from_dict(recipe["parallel"])
+    assert (layout.data_parallel_size, layout.zero_stage) == (2, 0)
+    assert recipe["model"]["init_args"]["n_layer"] == 2 and recipe["data"]["init_args"]["batch_size"] == 8
+    assert path.read_text().startswith("# written by: lightning-parallel plan")
+    capsys.readouterr()
+    # the recipe's model section reads back as the same model
+    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommendation"]["strategy"] == "lp_ddp"
+
+
+def test_write_recipe_needs_a_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--params", "1e8", "--gpu-memory", "24GB", "--write-recipe", str(tmp_path / "r.yaml")]
+    assert main(argv) == 2
+    assert "needs the model's shape" in capsys.readouterr().err
