@@ -1,0 +1,131 @@
+"""``FlatShard``: one optimizer param group as a flat, padded buffer split evenly over the ``dp`` ranks.
+
+The parameters of a group (``numel`` ``n_1 .. n_k``, one dtype) are laid end to end in one buffer of ``T`` elements,
+padded to ``T' = ceil(T / N) * N`` so that each of the ``N`` dp ranks owns exactly ``S = T' / N`` consecutive
+elements ``[r S, (r+1) S)`` -- a balanced split that cuts through parameters where it must (DeepSpeed's flat
+partitions), unlike dealing whole parameters to ranks (torch ``ZeroRedundancyOptimizer``, fairscale ``OSS``), whose
+per-rank share depends on the parameter sizes. The model's parameters become views into the flat buffer (their
+``Parameter`` objects stay the same), and the rank's slice is exposed as one leaf ``shard_param`` that the user's
+optimizer steps. The padding (``< N`` elements per group) is the only deviation from ``Psi / N`` per rank.
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FlatShard"]
+
+
+class FlatShard:
+    """Flat layout of one param group over ``world_size`` ranks; this process is ``rank``.
+
+    Args:
+        params: the group's parameters (one dtype, one device).
+        world_size: dp ranks ``N``. rank: this process's dp rank.
+        keep_full_grad: ZeRO-1 -- keep a persistent full flat gradient buffer whose views are the parameters'
+            ``.grad`` (``G Psi`` bytes); ZeRO-2 -- no full buffer, only the ``G Psi / N`` gradient shard persists.
+    """
+
+    def __init__(self, params: list[nn.Parameter], *, world_size: int, rank: int, keep_full_grad: bool) -> None:
+        if not params:
+            raise ValueError("a ZeRO param group needs at least one parameter.")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"ZeRO flattens each optimizer param group into one buffer, so a group must have one dtype and one "
+                f"device; got dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}. Fix: put "
+                "parameters of different dtypes in separate param groups in configure_optimizers."
+            )
+        self.params = list(params)
+        self.world_size, self.rank = world_size, rank
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.shard_numel = -(-self.numel // world_size)
+        self.padded_numel = self.shard_numel * world_size
+        dtype, device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, view in zip(self.params, self._views(self.flat), strict=True):
+                view.copy_(p.detach())
+                p.data = view
+        self.shard_param = nn.Parameter(self.shard_of(self.flat))
+        self.keep_full_grad = keep_full_grad
+        self.flat_grad: Tensor | None = None
+        if keep_full_grad:
+            self.flat_grad = torch.zeros_like(self.flat)
+            self._attach_grad_views()
+            self.shard_param.grad = self.shard_of(self.flat_grad)
+        else:
+            self.shard_param.grad = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    def shard_of(self, full: Tensor) -> Tensor:
+        start, end = self.shard_range
+        return full[start:end]
+
+    def _views(self, full: Tensor) -> list[Tensor]:
+        views, offset = [], 0
+        for p, n in zip(self.params, self.numels, strict=True):
+            views.append(full[offset : offset + n].view(p.shape))
+            offset += n
+        return views
+
+    def unflatten(self, full: Tensor) -> list[Tensor]:
+        """Per-parameter copies (parameter shapes) of a full flat tensor laid out like this group."""
+        return [v.clone() for v in self._views(full)]
+
+    def flatten(self, tensors: list[Tensor]) -> Tensor:
+        """A full flat (padded) tensor from per-parameter tensors in this group's order."""
+        out = torch.zeros(self.padded_numel, dtype=tensors[0].dtype, device=self.flat.device)
+        for view, t in zip(self._views(out), tensors, strict=True):
+            view.copy_(t.reshape(view.shape))
+        return out
+
+    # ------------------------------------------------------------------ gradients
+    def _attach_grad_views(self) -> None:
+        assert self.flat_grad is not None
+        for p, view in zip(self.params, self._views(self.flat_grad), strict=True):
+            p.grad = view
+
+    def full_local_grad(self) -> Tensor:
+        """This rank's local (not yet reduced) gradients as one full flat buffer.
+
+        ZeRO-1: the persistent buffer (re-attached if something replaced a ``.grad``); ZeRO-2: a transient buffer
+        assembled from the parameters' ``.grad`` (missing gradients count as zero), freed after the reduce-scatter.
+        """
+        if self.flat_grad is not None:
+            for p, view in zip(self.params, self._views(self.flat_grad), strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+            self._attach_grad_views()
+            return self.flat_grad
+        full = torch.zeros_like(self.flat)
+        for p, view in zip(self.params, self._views(full), strict=True):
+            if p.grad is not None:
+                view.copy_(p.grad)
+        return full
+
+    def release_full_grad(self) -> None:
+        """ZeRO-2: drop the parameters' full gradients once their shard is reduced."""
+        if self.flat_grad is None:
+            for p in self.params:
+                p.grad = None
+
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            self._attach_grad_views()
+        else:
+            for p in self.params:
+                p.grad = None
+            assert self.shard_param.grad is not None
+            self.shard_param.grad.zero_()

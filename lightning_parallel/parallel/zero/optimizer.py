@@ -1,0 +1,239 @@
+"""``ZeroOptimizer``: ZeRO stages 1 and 2 over the ``dp`` process group, around any torch optimizer.
+
+What is sharded along ``dp`` (``N`` ranks, ``Psi`` parameters, ``P``/``G`` bytes per parameter and gradient element,
+``K`` bytes of optimizer state per parameter; the formulas of GUIDE.md section 2 with these byte sizes):
+
+* stage 1 -- optimizer states. Each rank steps only its ``1/N`` flat shard of every param group (see
+  :class:`~lightning_parallel.parallel.zero.flat.FlatShard`). Per rank: ``P Psi + G Psi + K Psi / N``.
+* stage 2 -- optimizer states and gradients. Only the ``1/N`` gradient shard persists. Per rank:
+  ``P Psi + (G + K) Psi / N``.
+
+Collectives (none in forward; gradients accumulate locally in backward, also across accumulation micro-batches):
+at the step boundary :meth:`ZeroOptimizer.reduce_gradients` reduce-scatters each group's flat gradient (the mean of
+the ranks' gradients, ``(N-1)/N * G Psi`` bytes sent per rank); after the inner optimizer's step,
+:meth:`ZeroOptimizer.step` all-gathers the updated parameter shards into every rank's full flat buffer
+(``(N-1)/N * P Psi``): ``2 Psi (N-1)/N`` elements per step, the same volume as DDP's all-reduce.
+
+The user's optimizer object is kept and modified in place: each of its param groups holds one flat shard parameter
+instead of the group's parameters, so LR schedulers (which hold a reference to that object and write
+``param_groups[i]["lr"]``) keep working; the wrapper's ``param_groups``, ``state`` and ``defaults`` are the inner
+optimizer's (properties, never copies).
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .comm import CommCounter, all_gather_into, reduce_scatter_mean
+from .flat import FlatShard
+
+__all__ = ["ZeroOptimizer"]
+
+_SHARDED_FORMAT = "lightning_parallel.zero.sharded.v1"
+
+
+class ZeroOptimizer(Optimizer):
+    """Shard ``optimizer`` (and, at stage 2, the gradients) over ``group``.
+
+    Args:
+        optimizer: a freshly built torch optimizer (no state yet) over the model's parameters, any param groups.
+        stage: 1 (optimizer states) or 2 (optimizer states and gradients).
+        group: the ``dp`` process group (None = the default group).
+        counter: where the collectives' bytes are counted (optional).
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, *, stage: int, group: dist.ProcessGroup | None = None,
+        counter: CommCounter | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}; stage 3 is apply_zero3().")
+        if isinstance(optimizer, ZeroOptimizer):
+            raise ValueError("the optimizer is already a ZeroOptimizer.")
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError("ZeroOptimizer needs an optimizer without state; wrap it before the first step.")
+        # Optimizer.__init__ is not called on purpose: the wrapper owns no param groups of its own.
+        self.optim = optimizer
+        self.stage, self.group, self.counter = stage, group, counter
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shards: list[FlatShard] = []
+        for pg in optimizer.param_groups:
+            shard = FlatShard(list(pg["params"]), world_size=self.world_size, rank=self.rank,
+                              keep_full_grad=(stage == 1))
+            pg["params"] = [shard.shard_param]
+            self.shards.append(shard)
+        self._grads_reduced = False
+
+    # shared with the inner optimizer (which may replace them, e.g. in load_state_dict), never copied
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optim.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optim.defaults = value
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter every group's flat gradient: this rank's shard holds the mean over the dp ranks.
+
+        Call once per optimizer step, after the last backward of the accumulation window (``step`` calls it if
+        nobody did); gradient clipping must come after it.
+        """
+        for shard in self.shards:
+            full = shard.full_local_grad()
+            out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
+            reduce_scatter_mean(out, full, group=self.group, counter=self.counter)
+            assert shard.shard_param.grad is not None
+            shard.shard_param.grad.copy_(out)
+            shard.release_full_grad()
+        self._grads_reduced = True
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Every rank's updated shard into every rank's full flat parameter buffer (the model's parameters)."""
+        for shard in self.shards:
+            all_gather_into(shard.flat, shard.shard_of(shard.flat), group=self.group, counter=self.counter)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (forward + backward), reduce-scatter gradients, step the shards, all-gather parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_reduced:
+            self.reduce_gradients()
+        self.optim.step()
+        self._grads_reduced = False
+        self.all_gather_params()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients. ZeRO-1 always zeroes its flat gradient buffer in place (the ``.grad`` views stay)."""
+        for shard in self.shards:
+            shard.zero_grad()
+        self._grads_reduced = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the reduced gradient shards by the norm of the *whole* gradient (an all-reduce over ``dp``).
+
+        Padding elements are zero and do not change the norm. Call after :meth:`reduce_gradients`.
+        """
+        if not self._grads_reduced:
+            self.reduce_gradients()
+        grads = [s.shard_param.grad for s in self.shards if s.shard_param.grad is not None]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            total = local
+        else:
+            local = torch.stack([g.pow(norm_type).sum() for g in grads]).sum()
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group)
+            total = local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state (a *sharded* state dict: load it on the same number of dp ranks)."""
+        return {"format": _SHARDED_FORMAT, "stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "numels": [s.numel for s in self.shards], "optim": self.optim.state_dict()}
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The full state in the standard per-parameter form of the user's optimizer (collective: all-gathers).
+
+        Loads into the same optimizer class over the unsharded model on one device, or back into a ZeroOptimizer
+        on any number of ranks.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        for pg, shard in zip(self.param_groups, self.shards, strict=True):
+            local = self.state.get(shard.shard_param, {})
+            per_param: list[dict[str, Any]] = [{} for _ in shard.params]
+            for key, value in local.items():
+                if _is_flat_state(value, shard):
+                    full = torch.empty(shard.padded_numel, dtype=value.dtype, device=value.device)
+                    all_gather_into(full, value.contiguous(), group=self.group)
+                    for slot, tensor in zip(per_param, shard.unflatten(full), strict=True):
+                        slot[key] = tensor
+                else:
+                    for slot in per_param:
+                        slot[key] = value.clone() if isinstance(value, Tensor) else value
+            ids = list(range(index, index + len(shard.params)))
+            state.update({i: s for i, s in zip(ids, per_param, strict=True) if s})
+            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ids})
+            index += len(shard.params)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded state dict (same dp size) or a consolidated, per-parameter one (any dp size)."""
+        if state_dict.get("format") == _SHARDED_FORMAT:
+            if state_dict["world_size"] != self.world_size or state_dict["numels"] != [s.numel for s in self.shards]:
+                raise ValueError(
+                    f"this sharded ZeRO optimizer state was saved on {state_dict['world_size']} dp ranks with group "
+                    f"sizes {state_dict['numels']}; this run has {self.world_size} ranks and "
+                    f"{[s.numel for s in self.shards]}. Fix: resume on the same layout, or save a consolidated "
+                    "checkpoint (it loads under any layout)."
+                )
+            self.optim.load_state_dict(state_dict["optim"])
+            return
+        self.optim.load_state_dict(self._shard_consolidated(state_dict))
+
+    def _shard_consolidated(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(s.params) for s in self.shards]:
+            raise ValueError(
+                f"the optimizer state has param groups of sizes {[len(g['params']) for g in saved_groups]}, but this "
+                f"optimizer's are {[len(s.params) for s in self.shards]}. Fix: build the same param groups."
+            )
+        saved_state = state_dict["state"]
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        for g, (saved, shard) in enumerate(zip(saved_groups, self.shards, strict=True)):
+            slots = [saved_state.get(i, saved_state.get(str(i), {})) for i in saved["params"]]
+            if slots and slots[0]:
+                state[g] = {}
+                for key, value in slots[0].items():
+                    if isinstance(value, Tensor) and value.numel() == shard.params[0].numel() and value.dim() > 0:
+                        full = shard.flatten([s[key].to(shard.flat.device) for s in slots])
+                        state[g][key] = shard.shard_of(full).clone()
+                    else:
+                        state[g][key] = value
+            groups.append({**saved, "params": [g]})
+        return {"state": state, "param_groups": groups}
+
+
+def _is_flat_state(value: Any, shard: FlatShard) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == shard.shard_numel

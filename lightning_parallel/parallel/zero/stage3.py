@@ -1,0 +1,164 @@
+"""ZeRO stage 3 over the ``dp`` axis: torch FSDP2 ``fully_shard`` (runs on CPU with gloo), and its checkpoints.
+
+Sharded along ``dp`` (``N`` ranks): parameters, gradients and optimizer states; every parameter is a DTensor
+``Shard(0)`` (dim 0 padded to a multiple of ``N``). Per rank: ``(P + G + K) Psi / N``. Collectives per step: in
+forward each sharded unit (each transformer block, then the root's remaining parameters) all-gathers its parameters
+and frees them afterwards; in backward it all-gathers them again and reduce-scatters the gradients; the optimizer
+step is local. ``3 Psi (N-1)/N`` elements sent per rank and step. No Lightning import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+__all__ = [
+    "apply_zero3",
+    "zero3_full_model_state",
+    "zero3_full_optimizer_state",
+    "zero3_load_full_model_state",
+    "zero3_load_full_optimizer_state",
+    "zero3_load_local_state",
+    "zero3_local_state",
+]
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The units sharded one by one: the members of every ``nn.ModuleList`` (transformer blocks), then every other
+    direct child of the root that holds parameters (embedding, head). Left with no parameters of its own, the root
+    does not keep anything gathered from forward to backward (FSDP2 never reshards the root after forward), so a
+    step moves exactly ``3 Psi``."""
+    units: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            units.extend(module)
+    covered = {id(p) for u in units for p in u.parameters()}
+    for child in model.children():
+        if isinstance(child, nn.ModuleList):
+            continue
+        if any(id(p) not in covered for p in child.parameters()):
+            units.append(child)
+    return units
+
+
+def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh.
+
+    In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _copy(value: Any) -> Any:
+    # get_*_state_dict(cpu_offload=True) may alias live tensors on CPU (FINDINGS.md): copy.
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def zero3_full_model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The full (unsharded) model state dict on every rank (collective: all-gathers every parameter)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return _copy(state)
+
+
+def zero3_load_full_model_state(model: nn.Module, state: dict[str, Tensor], *, strict: bool = True) -> None:
+    """Load a full state dict (every rank holds it) into the sharded model: each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))  # type: ignore[arg-type]
+
+
+def _param_names(model: nn.Module, optimizer: Optimizer) -> list[str]:
+    """The FQN of each optimizer parameter, in the order torch numbers them in ``optimizer.state_dict()``."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def zero3_full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The full optimizer state in the standard per-parameter-index form (loads into the same optimizer class on
+    the unsharded model on one device). Collective: all-gathers every state tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_name: Any = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    state = {index[name]: _copy(s) for name, s in by_name["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+              for g in by_name["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def zero3_load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a per-parameter-index optimizer state (from :func:`zero3_full_optimizer_state` or one device)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _param_names(model, optimizer)
+    state = {names[int(i)]: s for i, s in state_dict["state"].items()}
+    groups = [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def _to_local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, dict):
+        return {k: _to_local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_local(v) for v in value]
+    return _copy(value)
+
+
+def zero3_local_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state as plain tensors (a sharded checkpoint; no collective).
+
+    Loads back with :func:`zero3_load_local_state` on the same dp size.
+    """
+    return {"model": _to_local(dict(model.state_dict())), "optim": _to_local(optimizer.state_dict())}
+
+
+@torch.no_grad()
+def zero3_load_local_state(model: nn.Module, optimizer: Optimizer | None, state: dict[str, Any]) -> None:
+    """Load :func:`zero3_local_state` output saved by this dp rank under the same layout."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        saved = state["model"][name]
+        if saved.shape != local.shape:
+            raise ValueError(
+                f"sharded checkpoint: {name} has local shape {tuple(saved.shape)} on this rank, but the model's shard "
+                f"is {tuple(local.shape)}. Fix: resume on the same layout, or use a consolidated checkpoint."
+            )
+        local.copy_(saved)
+    if optimizer is None:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    osd = state["optim"]
+    for i, slot in osd["state"].items():
+        p = params[int(i)]
+        for key, value in list(slot.items()):
+            if isinstance(p, DTensor) and isinstance(value, Tensor) and value.shape == p.to_local().shape:
+                slot[key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict(osd)

@@ -1,0 +1,194 @@
+"""ZeRO engine (lightning_parallel.parallel.zero) on gloo ranks against a single-device reference.
+
+One world per world size; each world runs every check and returns measured numbers that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.models import GPT
+from lightning_parallel.parallel.zero import (
+    CommCounter,
+    ZeroOptimizer,
+    apply_zero3,
+    measure_model_state,
+    zero3_full_model_state,
+    zero3_full_optimizer_state,
+    zero_comm_theory,
+)
+from lightning_parallel.testing.distributed import run_distributed
+
+STEPS, ACCUM, MICRO_B, T, CLIP = 3, 2, 2, 16, 0.5
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=1)
+
+
+def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+
+
+def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (STEPS, ACCUM, world * MICRO_B, T + 1), generator=g)
+    return [[(d[:, :-1], d[:, 1:]) for d in step] for step in data]
+
+
+def _reference(kind: str, world: int) -> tuple[GPT, torch.optim.Optimizer]:
+    model = _model()
+    opt = _optimizer(model, kind)
+    sched = _scheduler(opt)
+    for step in _batches(world):
+        for x, y in step:
+            (model._loss((x, y)) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return x[rank * MICRO_B : (rank + 1) * MICRO_B]
+
+
+def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter) -> tuple[GPT, ZeroOptimizer]:
+    model = _model()
+    zero = ZeroOptimizer(_optimizer(model, kind), stage=stage, counter=counter)
+    sched = _scheduler(zero.optim)
+    for step in _batches(world):
+        counter.reset()
+        for x, y in step:
+            (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
+        zero.reduce_gradients()
+        zero.clip_grad_norm_(CLIP)
+        zero.step()
+        sched.step()
+        zero.last_mem = measure_model_state(  # type: ignore[attr-defined]
+            model, zero, extra_grads=[s.shard_param.grad for s in zero.shards])
+        zero.zero_grad()
+    return model, zero
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _optim_diff(sd: dict[str, Any], ref: dict[str, Any]) -> float:
+    diffs = [float((v - ref["state"][i][k]).abs().max()) for i, s in sd["state"].items() for k, v in s.items()]
+    return max(diffs)
+
+
+def _check_zero12(rank: int, world: int, stage: int, kind: str) -> dict[str, Any]:
+    ref_model, ref_opt = _reference(kind, world)
+    counter = CommCounter()
+    model, zero = _train_zero12(stage, kind, rank, world, counter)
+    out: dict[str, Any] = {"weights": _max_diff(model.state_dict(), ref_model.state_dict())}
+    full = zero.consolidated_state_dict()
+    out["optim"] = _optim_diff(full, ref_opt.state_dict())
+    numel = sum(p.numel() for p in model.parameters())
+    mem = zero.last_mem  # type: ignore[attr-defined]
+    out.update(mem=mem.as_dict(), numel=numel, comm=counter.total_bytes,
+               comm_theory=zero_comm_theory(stage, numel=numel, world_size=world))
+    # a consolidated state loads into a fresh ZeroOptimizer and training continues identically
+    model2 = copy.deepcopy(ref_model)
+    zero2 = ZeroOptimizer(_optimizer(model2, kind), stage=stage)
+    zero2.load_state_dict(full)
+    zero2.load_state_dict(zero2.state_dict())  # the sharded form round-trips on the same layout
+    out["reload_optim"] = _optim_diff(zero2.consolidated_state_dict(), ref_opt.state_dict())
+    return out
+
+
+def _check_zero3(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref_model, ref_opt = _reference("adamw", world)
+    model = apply_zero3(_model(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    opt = _optimizer(model, "adamw")
+    sched = _scheduler(opt)
+    counter = CommCounter()
+    for step in _batches(world):
+        counter.reset()
+        with counter.patch_torch():
+            for i, (x, y) in enumerate(step):
+                model.set_requires_gradient_sync(i == ACCUM - 1)
+                (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        mem = measure_model_state(model, opt)  # after a step, before zero_grad frees the gradients
+        opt.zero_grad()
+    numel = sum(p.numel() for p in model.parameters())
+    out = {"weights": _max_diff(zero3_full_model_state(model), ref_model.state_dict()),
+           "optim": _optim_diff(zero3_full_optimizer_state(model, opt), ref_opt.state_dict()),
+           "mem": mem.as_dict(), "numel": numel, "comm": counter.total_bytes,
+           # per step: ACCUM forward all-gathers + ACCUM backward all-gathers + one reduce-scatter
+           "comm_theory": zero_comm_theory(3, numel=numel, world_size=world) * (2 * ACCUM + 1) / 3}
+    return out
+
+
+def _world(rank: int, world: int, checks: list[tuple[int, str]]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for stage, kind in checks:
+        results[f"{stage}-{kind}"] = _check_zero3(rank, world) if stage == 3 else _check_zero12(rank, world, stage,
+                                                                                                  kind)
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_world, 2, [(1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw")], timeout_s=180)
+
+
+@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "2-sgd", "3-adamw"])
+def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], key: str) -> None:
+    for rank_result in two_ranks:
+        r = rank_result[key]
+        print(f"{key}: max |w - w_ref| = {r['weights']:.2e}, max |state - state_ref| = {r['optim']:.2e}")
+        assert r["weights"] < 1e-5
+        assert r["optim"] < 1e-5
+        if "reload_optim" in r:
+            assert r["reload_optim"] < 1e-5
+
+
+@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw"])
+def test_per_rank_bytes_follow_the_formula(two_ranks: list[dict[str, Any]], key: str) -> None:
+    stage, world = int(key[0]), 2
+    for r in two_ranks:
+        numel, mem = r[key]["numel"], r[key]["mem"]
+        pad = 2 * world * 4 * 8  # < N elements of padding per group (2 groups), per dim-0 row for FSDP2
+        # AdamW: exp_avg + exp_avg_sq = 8 bytes per parameter, sharded over the ranks (+ the step scalars)
+        assert abs(mem["optim"] - 8 * numel / world) <= pad + 4 * 64, mem
+        expected_grads = 4 * numel if stage == 1 else 4 * numel / world
+        expected_params = 4 * numel if stage < 3 else 4 * numel / world
+        assert abs(mem["grads"] - expected_grads) <= 0.02 * expected_grads, mem
+        assert abs(mem["params"] - expected_params) <= 0.02 * expected_params, mem
+        assert math.isclose(r[key]["comm"], r[key]["comm_theory"], rel_tol=0.02), r[key]
+
+
+def test_stage2_on_4_ranks() -> None:
+    results = run_distributed(_world, 4, [(2, "adamw")], timeout_s=180)
+    for r in results:
+        print(f"2-adamw on 4 ranks: max |w - w_ref| = {r['2-adamw']['weights']:.2e}")
+        assert r["2-adamw"]["weights"] < 1e-5
+        assert r["2-adamw"]["optim"] < 1e-5
