@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.config import LayoutError
 
-__all__ = ["ParallelModuleMixin", "TP_STYLES", "require_hook"]
+__all__ = ["TP_STYLES", "ParallelModuleMixin", "require_hook"]
 
 TP_STYLES = ("column", "row", "vocab")
 """How a submodule splits under TP: ``column`` (output features over ``tp``), ``row`` (input features, all-reduce

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -99,8 +99,12 @@ class TextDataModule(pl.LightningDataModule):
         self.val_set: TokenWindows | None = None
 
     @property
+    def _hp(self) -> Any:
+        return self.hparams
+
+    @property
     def vocab_size(self) -> int:
-        if self.hparams.level == "byte":
+        if self._hp.level == "byte":
             return 256
         if self.vocab is None:
             self.setup("fit")
@@ -110,28 +114,28 @@ class TextDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        tokens, self.vocab = tokenize(load_text(self.hparams.path), self.hparams.level)
-        n_val = max(self.hparams.block_size + 1, int(tokens.numel() * self.hparams.val_fraction))
-        self.train_set = TokenWindows(tokens[:-n_val], self.hparams.block_size)
-        self.val_set = TokenWindows(tokens[-n_val:], self.hparams.block_size)
+        tokens, self.vocab = tokenize(load_text(self._hp.path), self._hp.level)
+        n_val = max(self._hp.block_size + 1, int(tokens.numel() * self._hp.val_fraction))
+        self.train_set = TokenWindows(tokens[:-n_val], self._hp.block_size)
+        self.val_set = TokenWindows(tokens[-n_val:], self._hp.block_size)
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         model_vocab = getattr(getattr(model, "hparams", None), "vocab_size", None)
         if model_vocab is not None and model_vocab < self.vocab_size:
             raise ValueError(
-                f"the data has {self.vocab_size} distinct tokens ({self.hparams.level}-level) but the model's "
+                f"the data has {self.vocab_size} distinct tokens ({self._hp.level}-level) but the model's "
                 f"vocab_size={model_vocab}. Fix: model vocab_size >= {self.vocab_size}."
             )
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        g = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
-                          num_workers=self.hparams.num_workers, drop_last=True)
+        g = torch.Generator().manual_seed(self._hp.seed)
+        return DataLoader(self.train_set, batch_size=self._hp.batch_size, shuffle=True, generator=g,
+                          num_workers=self._hp.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(self.val_set, batch_size=self._hp.batch_size, shuffle=False,
+                          num_workers=self._hp.num_workers)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.module import ParallelModuleMixin
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "Embedding", "Head", "MLP"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "Embedding", "Head"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -188,7 +188,8 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
         return plan
 
     def parallel_shape(self) -> dict[str, int]:
-        return {"n_layer": len(self.blocks), "n_head": self.hparams.n_head, "vocab_size": self.hparams.vocab_size}
+        hp: Any = self.hparams
+        return {"n_layer": len(self.blocks), "n_head": hp.n_head, "vocab_size": hp.vocab_size}
 
     # ------------------------------------------------------------------ Lightning
     def forward(self, idx: Tensor) -> Tensor:
@@ -217,7 +218,7 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp: Any = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         optimizer = torch.optim.AdamW(

@@ -120,7 +120,7 @@ class ParallelDims:
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks that share every coordinate with ``rank`` except along ``axis``."""
         c = self.coords(rank)._asdict()
-        size = dict(zip(MESH_AXES, self.shape))[_check_axis(axis)]
+        size = dict(zip(MESH_AXES, self.shape, strict=True))[_check_axis(axis)]
         return [self.rank_of(tuple({**c, axis: i}.values())) for i in range(size)]  # type: ignore[arg-type]
 
     def describe(self) -> str:

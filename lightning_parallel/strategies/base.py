@@ -129,7 +129,7 @@ class LayoutStrategy(DDPStrategy):
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return self.wrap_model(model)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

@@ -15,12 +15,17 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.parallel.data_parallel.exchange import (
+    CountingHookState,
+    ExchangeCounter,
+    counting_allreduce_hook,
+)
 
 from .base import LayoutStrategy
 
 __all__ = ["CommHook", "LPDDPStrategy"]
 
-CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd", "count"]
 
 
 class LPDDPStrategy(LayoutStrategy):
@@ -33,7 +38,8 @@ class LPDDPStrategy(LayoutStrategy):
         static_graph: the set of used parameters never changes between steps (lets DDP skip bookkeeping).
         find_unused_parameters: tolerate parameters that receive no gradient in a step.
         comm_hook: gradient compression before the all-reduce: ``fp16`` / ``bf16`` (halve the bytes, lossy),
-            ``powersgd`` (low-rank, lossy) or ``none`` (exact).
+            ``powersgd`` (low-rank, lossy) or ``none`` (exact); ``count`` is the exact all-reduce that also counts
+            each bucket's bytes in :attr:`exchange_counter` (the DP-vs-DDP benchmark's accounting).
         powersgd_rank: matrix approximation rank for ``powersgd``. powersgd_start_iter: exact all-reduce before it.
         kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
     """
@@ -53,8 +59,8 @@ class LPDDPStrategy(LayoutStrategy):
         powersgd_start_iter: int = 10,
         **kwargs: Any,
     ) -> None:
-        if comm_hook not in ("none", "fp16", "bf16", "powersgd"):
-            raise ValueError(f"comm_hook={comm_hook!r} is not one of ['none', 'fp16', 'bf16', 'powersgd'].")
+        if comm_hook not in ("none", "fp16", "bf16", "powersgd", "count"):
+            raise ValueError(f"comm_hook={comm_hook!r} is not one of ['none', 'fp16', 'bf16', 'powersgd', 'count'].")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0.")
         super().__init__(parallel, **kwargs)
@@ -66,6 +72,8 @@ class LPDDPStrategy(LayoutStrategy):
         )
         self._comm_hook_name = comm_hook
         self._powersgd = (powersgd_rank, powersgd_start_iter)
+        self.exchange_counter = ExchangeCounter()
+        """All-reduce calls and bytes per training step of this rank (filled with ``comm_hook="count"``)."""
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
@@ -83,9 +91,12 @@ class LPDDPStrategy(LayoutStrategy):
 
     @override
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        device_ids = self.determine_ddp_device_ids()
+        # A class-path CLI (jsonargparse) may fill every DistributedDataParallel argument with its default;
+        # the module, devices and the dp group are ours to set.
+        kwargs = {k: v for k, v in self._ddp_kwargs.items() if k not in ("module", "device_ids", "process_group")}
         return DistributedDataParallel(
-            module=model, device_ids=device_ids, process_group=self.mesh.get_group("dp"), **self._ddp_kwargs
+            module=model, device_ids=self.determine_ddp_device_ids(), process_group=self.mesh.get_group("dp"),
+            **kwargs,
         )
 
     @override
@@ -97,7 +108,9 @@ class LPDDPStrategy(LayoutStrategy):
 
         assert isinstance(self.model, DistributedDataParallel)
         group = self.mesh.get_group("dp")
-        if self._comm_hook_name == "fp16":
+        if self._comm_hook_name == "count":
+            self.model.register_comm_hook(CountingHookState(group, self.exchange_counter), counting_allreduce_hook)
+        elif self._comm_hook_name == "fp16":
             self.model.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif self._comm_hook_name == "bf16":
             self.model.register_comm_hook(group, default_hooks.bf16_compress_hook)
@@ -107,3 +120,8 @@ class LPDDPStrategy(LayoutStrategy):
                 process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start
             )
             self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.exchange_counter.step()

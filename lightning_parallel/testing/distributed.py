@@ -61,7 +61,7 @@ def _worker(
         )
         result = fn(rank, world_size, *args, **kwargs)
         queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - everything must reach the parent, including KeyboardInterrupt
+    except BaseException:  # everything must reach the parent, KeyboardInterrupt included
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -85,7 +85,7 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [

@@ -73,7 +73,7 @@ def test_lightning_demo_model_trains_unchanged_with_registered_name() -> None:
     trainer = pl.Trainer(strategy="lp_ddp_fork", accelerator="cpu", devices=2, max_steps=3, limit_val_batches=1,
                          **TRAINER_QUIET)
     trainer.fit(model)
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_sampler_takes_rank_and_size_from_dp_axis() -> None:
