@@ -142,6 +142,12 @@ def _facts(situation: Situation, hardware: Hardware) -> str:
         f"On one device the model needs {format_bytes(single.total)} ({format_bytes(single.model_states)} model "
         f"states) and {verdict} in {format_bytes(hardware.gpu_memory)}."
     )
+    pooled = hardware.world_size * hardware.gpu_memory
+    if hardware.world_size > 1 and pooled < single.model_states:
+        text += (
+            f" All {hardware.world_size} devices together hold {format_bytes(pooled)}, less than the model states: "
+            "only offload can fit it."
+        )
     if single.activations is None:
         text += (
             " Activations are not counted: the model's shape is unknown (give --model or --layers/--hidden/--heads)."
