@@ -33,6 +33,7 @@ import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.data import TextDataModule
 from lightning_parallel.models import GPT
+from lightning_parallel.parallel.zero import measure_model_state
 from lightning_parallel.planner import ModelShape, ModelSpec, TrainingSettings, estimate_memory, load_profile
 
 
@@ -50,14 +51,6 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _tensor_bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
 class MeasureStates(pl.Callback):
     """After step ``at_step``, write this rank's bytes of parameters, gradients, optimizer state and peak RSS."""
 
@@ -71,25 +64,38 @@ class MeasureStates(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step != self.at_step:
             return
-        params = list(pl_module.parameters())
-        optimizer = trainer.optimizers[0]
-        state = [v for s in optimizer.state.values() for v in s.values()]
+        # lp_sharded measures after its step, counting the gradient shards that live outside ``.grad`` (ZeRO-2)
+        measured = getattr(trainer.strategy, "last_model_state", None)
+        if measured is None:
+            measured = measure_model_state(pl_module, trainer.optimizers[0])
         record = {
             "rank": trainer.global_rank,
-            "params": _tensor_bytes(params),
-            "grads": _tensor_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _tensor_bytes(state),
+            "params": measured.params,
+            "grads": measured.grads,
+            "optimizer": measured.optim,
             "rss_growth": _status_bytes("VmHWM") - self.start_rss,
         }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _strategy_class(name: str) -> Any:
+    """The registered class, or (before registration lands) the sharded strategy's module; None if absent."""
+    if name in StrategyRegistry:
+        return StrategyRegistry[name]["strategy"]
+    if name == "lp_sharded":
+        try:
+            from lightning_parallel.strategies.sharded import LPShardedStrategy
+        except ImportError:
+            return None
+        return LPShardedStrategy
+    return None
+
+
 def _strategy(name: str, zero_stage: int) -> Any:
     if name == "auto":
         return "auto"
-    cls = StrategyRegistry[name]["strategy"]
     parallel = {"zero_stage": zero_stage} if zero_stage else None
-    return cls(parallel=parallel, start_method="fork")
+    return _strategy_class(name)(parallel=parallel, start_method="fork")
 
 
 def _run(args: argparse.Namespace, strategy: str, devices: int, zero_stage: int) -> list[dict[str, int]]:
@@ -143,10 +149,10 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
     cases = [("one device", "auto", 1, 0), ("lp_ddp x2", "lp_ddp", 2, 0)]
-    if "lp_sharded" in StrategyRegistry:
+    if _strategy_class("lp_sharded") is not None:
         cases += [("lp_sharded ZeRO-1 x2", "lp_sharded", 2, 1), ("lp_sharded ZeRO-2 x2", "lp_sharded", 2, 2)]
     else:
-        print("lp_sharded is not registered yet: the sharded stages are not measured.")
+        print("lp_sharded does not exist yet: the sharded stages are not measured.")
     _, shape = _predict(args, 1, 0)
     print(f"GPT L={args.layers} h={args.hidden} a={args.heads} V=256 s={args.seq}: {shape.total_params():,} "
           f"parameters; fp32 AdamW, micro-batch {args.batch}, {args.steps} steps, torch {torch.__version__}, "
