@@ -8,6 +8,7 @@ rank, and moves ``2 Psi`` (1, 2) or ``3 Psi`` (3) elements x ``(N-1)/N`` per ran
 """
 
 from .comm import CommCounter, all_gather_into, broadcast_module_states, reduce_scatter_mean, ring_bytes
+from .fairscale_backend import FairscaleUnavailableError, exact_oss, fairscale_sharded_ddp, require_fairscale
 from .flat import FlatShard
 from .memory import ModelStateBytes, measure_model_state, zero_comm_theory, zero_memory_formula
 from .optimizer import ZeroOptimizer
@@ -23,14 +24,18 @@ from .stage3 import (
 
 __all__ = [
     "CommCounter",
+    "FairscaleUnavailableError",
     "FlatShard",
     "ModelStateBytes",
     "ZeroOptimizer",
     "all_gather_into",
     "apply_zero3",
     "broadcast_module_states",
+    "exact_oss",
+    "fairscale_sharded_ddp",
     "measure_model_state",
     "reduce_scatter_mean",
+    "require_fairscale",
     "ring_bytes",
     "zero3_full_model_state",
     "zero3_full_optimizer_state",

@@ -129,20 +129,23 @@ def _to_local(value: Any) -> Any:
     return _copy(value)
 
 
-def zero3_local_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's shards of the model and optimizer state as plain tensors (a sharded checkpoint; no collective).
-
-    Loads back with :func:`zero3_load_local_state` on the same dp size.
-    """
-    return {"model": _to_local(dict(model.state_dict())), "optim": _to_local(optimizer.state_dict())}
+def zero3_local_state(model: nn.Module | None, optimizer: Optimizer | None = None) -> dict[str, Any]:
+    """This rank's shards of the model and/or optimizer state as plain tensors (a sharded checkpoint; no
+    collective). Loads back with :func:`zero3_load_local_state` on the same dp size."""
+    out: dict[str, Any] = {}
+    if model is not None:
+        out["model"] = _to_local(dict(model.state_dict()))
+    if optimizer is not None:
+        out["optim"] = _to_local(optimizer.state_dict())
+    return out
 
 
 @torch.no_grad()
 def zero3_load_local_state(model: nn.Module, optimizer: Optimizer | None, state: dict[str, Any]) -> None:
-    """Load :func:`zero3_local_state` output saved by this dp rank under the same layout."""
+    """Load :func:`zero3_local_state` output (``model`` and/or ``optim``) saved by this dp rank, same layout."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict().items() if "model" in state else ()):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         saved = state["model"][name]
         if saved.shape != local.shape:
@@ -151,7 +154,7 @@ def zero3_load_local_state(model: nn.Module, optimizer: Optimizer | None, state:
                 f"is {tuple(local.shape)}. Fix: resume on the same layout, or use a consolidated checkpoint."
             )
         local.copy_(saved)
-    if optimizer is None:
+    if optimizer is None or "optim" not in state:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     osd = state["optim"]

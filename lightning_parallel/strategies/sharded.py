@@ -1,0 +1,429 @@
+"""``lp_sharded`` (alias ``ddp_sharded``): ZeRO stages 1, 2 and 3 over the ``dp`` axis of a layout.
+
+Layout ``(N, 1, 1, z)`` with ``z`` in 1..3 (``parallel.zero_stage``, the source of truth). Over the ``dp`` process
+group of ``N`` ranks (``Psi`` parameters; ``P``, ``G``, ``K`` bytes per parameter of parameters, gradients and
+optimizer state):
+
+* stage 1 -- optimizer states sharded: ``(P+G) Psi + K Psi/N`` per rank;
+* stage 2 -- + gradients: ``P Psi + (G+K) Psi/N``;
+* stage 3 -- + parameters (torch FSDP2 ``fully_shard`` on every block and the root): ``(P+G+K) Psi/N``.
+
+Collectives: stages 1-2 run none in forward or backward (gradients accumulate locally, also across accumulation
+micro-batches); at the step boundary gradients are reduce-scattered (after the last backward, before clipping) and
+after the step the updated parameter shards are all-gathered: ``2 Psi (N-1)/N`` elements per rank and step. Stage 3
+all-gathers each block's parameters in forward and again in backward, and reduce-scatters its gradients in backward:
+``3 Psi (N-1)/N``. The mechanics are :mod:`lightning_parallel.parallel.zero`; this file adapts them to Lightning.
+
+Checkpoints: ``checkpoint="full"`` (default) writes one consolidated file that loads on one device into the plain
+module and optimizer (and resumes under any layout); ``checkpoint="sharded"`` writes a folder with ``meta.pt`` and one
+``rank_XXXXX.pt`` per rank (no gathering), which resumes exactly on the same layout.
+
+Measurement: after every optimizer step :attr:`LPShardedStrategy.last_model_state` holds this rank's bytes of
+parameters, gradients and optimizer state, and :attr:`LPShardedStrategy.last_step_comm` the bytes its collectives
+sent during that step (all micro-batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.parallel.zero import (
+    CommCounter,
+    ModelStateBytes,
+    ZeroOptimizer,
+    apply_zero3,
+    broadcast_module_states,
+    exact_oss,
+    fairscale_sharded_ddp,
+    measure_model_state,
+    require_fairscale,
+    zero3_full_model_state,
+    zero3_full_optimizer_state,
+    zero3_load_full_model_state,
+    zero3_load_full_optimizer_state,
+    zero3_load_local_state,
+    zero3_local_state,
+)
+
+from .base import LayoutStrategy, _CheckedMultiProcessingLauncher
+
+__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint"]
+
+ShardedBackend = Literal["native", "fairscale"]
+ShardedCheckpoint = Literal["full", "sharded"]
+DEFAULT_ZERO_STAGE = 2
+"""The stage ``lp_sharded`` runs when the layout leaves ``zero_stage`` at 0: 2, what Lightning 1.x's fairscale
+``ddp_sharded`` ran (optimizer states and gradients sharded, the same traffic as DDP)."""
+
+_META, _SHARDED_KEY = "meta.pt", "lp_sharded_checkpoint"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+class LPShardedStrategy(LayoutStrategy):
+    """ZeRO 1/2/3 over the ``dp`` axis of the layout mesh.
+
+    Args:
+        parallel: the layout; pp = tp = 1, offload none; ``zero_stage`` 1-3 (0 = take ``zero_stage`` below).
+        zero_stage: the stage to run when the layout leaves ``zero_stage`` at 0 (default
+            :data:`DEFAULT_ZERO_STAGE`); if the layout names another non-zero stage, that is an error.
+        backend: ``native`` (torch only: flat balanced shards for 1-2, FSDP2 for 3) or ``fairscale`` (``OSS`` +
+            DDP for 1, ``OSS`` + ``ShardedDataParallel`` for 2; whole parameters dealt to ranks; no stage 3).
+        checkpoint: ``full`` (one consolidated file, loads on one device) or ``sharded`` (a folder, one file per
+            rank, same-layout resume).
+        kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
+    """
+
+    strategy_name = "lp_sharded"
+
+    def __init__(
+        self,
+        parallel: ParallelConfig | dict[str, Any] | None = None,
+        *,
+        zero_stage: int | None = None,
+        backend: ShardedBackend = "native",
+        checkpoint: ShardedCheckpoint = "full",
+        **kwargs: Any,
+    ) -> None:
+        if backend not in ("native", "fairscale"):
+            raise ValueError(f"backend={backend!r} is not one of ['native', 'fairscale'].")
+        if checkpoint not in ("full", "sharded"):
+            raise ValueError(f"checkpoint={checkpoint!r} is not one of ['full', 'sharded'].")
+        if zero_stage is not None and zero_stage not in (1, 2, 3):
+            raise LayoutError(f"zero_stage={zero_stage!r} must be 1, 2 or 3 (0 is plain DDP: use lp_ddp).")
+        self._zero_default = zero_stage
+        self._backend: ShardedBackend = backend
+        self._checkpoint_kind: ShardedCheckpoint = checkpoint
+        super().__init__(self._resolve_stage(parallel), **kwargs)
+        if backend == "fairscale":
+            require_fairscale()
+        self.comm_counter = CommCounter()
+        self.last_model_state: ModelStateBytes | None = None
+        self.last_step_comm: dict[str, float] = {}
+        self._accumulating = False
+        self._patched: contextlib.ExitStack | None = None
+
+    # ------------------------------------------------------------------ the layout
+    def _resolve_stage(self, parallel: ParallelConfig | dict[str, Any] | None) -> ParallelConfig:
+        layout = ParallelConfig.from_dict(parallel)
+        wanted = self._zero_default
+        if layout.zero_stage == 0:
+            return layout.replace(zero_stage=wanted or DEFAULT_ZERO_STAGE)
+        if wanted is not None and wanted != layout.zero_stage:
+            raise LayoutError(
+                f"the layout says parallel.zero_stage={layout.zero_stage} but the strategy was built with "
+                f"zero_stage={wanted}. Fix: keep one (the layout's zero_stage is the one that counts)."
+            )
+        return layout
+
+    @override
+    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
+        super().set_layout(self._resolve_stage(parallel))
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.layout.zero_stage)
+
+    @property
+    def backend(self) -> ShardedBackend:
+        return self._backend
+
+    @override
+    def check_layout(self, layout: ParallelConfig) -> None:
+        if layout.zero_stage == 0:
+            raise LayoutError("lp_sharded runs ZeRO stages 1-3, but parallel.zero_stage=0. Fix: use lp_ddp for "
+                              "plain data parallelism, or set zero_stage to 1, 2 or 3.")
+        bad = {k: getattr(layout, k) for k, ok in (("pipeline_parallel_size", 1), ("tensor_parallel_size", 1),
+                                                   ("offload", "none")) if getattr(layout, k) != ok}
+        if bad:
+            key, value = next(iter(bad.items()))
+            hint = {"pipeline_parallel_size": "lp_hybrid (DP+PP+TP+ZeRO-1)", "tensor_parallel_size": "lp_tensor or "
+                    "lp_hybrid", "offload": "lp_zero_offload"}[key]
+            raise LayoutError(
+                f"lp_sharded shards the model over the dp axis only (layout (N, 1, 1, 1|2|3)), but parallel.{key}="
+                f"{value!r}. Fix: use strategy {hint}, or set {key} back to its default."
+            )
+        if self._backend == "fairscale" and layout.zero_stage == 3:
+            raise LayoutError(
+                "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
+                "(FullyShardedDataParallel) is CUDA-only. Fix: backend='native' for zero_stage=3 (torch FSDP2)."
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _CheckedMultiProcessingLauncher):
+            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def describe(self) -> str:
+        return f"{super().describe()} zero={self.zero_stage} backend={self._backend}"
+
+    # ------------------------------------------------------------------ wrapping
+    @property
+    def _dp_group(self) -> Any:
+        return self.mesh.get_group("dp")
+
+    @override
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.zero_stage == 3:
+            return apply_zero3(model, mesh=self.mesh["dp"])
+        if self._backend == "fairscale" and self.zero_stage == 1:
+            return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(),
+                                           process_group=self._dp_group, **self._ddp_kwargs)
+        # native 1-2 and fairscale 2 (ShardedDataParallel needs the optimizer: wrapped in setup_optimizers)
+        src = self.dims.group_ranks("dp", self.global_rank)[0]
+        broadcast_module_states(model, group=self._dp_group, src_rank=src)
+        return model
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """DDP comm hooks do not apply: the gradient sync is the ZeRO engine's."""
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.zero_stage == 3 or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._backend == "native":
+            self.optimizers = [ZeroOptimizer(opt, stage=self.zero_stage, group=self._dp_group,
+                                             counter=self.comm_counter) for opt in self.optimizers]
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"backend='fairscale' runs one optimizer, got {len(self.optimizers)}.")
+        oss = exact_oss(self.optimizers[0], group=self._dp_group)
+        for config in self.lr_scheduler_configs:
+            config.scheduler.optimizer = oss  # type: ignore[union-attr]
+        self.optimizers = [oss]
+        if self.zero_stage == 2:
+            assert self.model is not None
+            self.model = fairscale_sharded_ddp(self.model, oss, group=self._dp_group)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._patched = contextlib.ExitStack()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.zero_stage == 3:
+                self._patched.enter_context(self.comm_counter.patch_torch())
+            self._patched.enter_context(_clip_by_zero_norm(self.precision_plugin))
+
+    @override
+    def teardown(self) -> None:
+        if self._patched is not None:
+            self._patched.close()
+            self._patched = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the step
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batch: gradients stay local (no reduce-scatter) until the step's last backward."""
+        self._accumulating = True
+        try:
+            model: Any = self.model
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(False)
+                try:
+                    yield None
+                finally:
+                    model.set_requires_gradient_sync(True)
+            elif hasattr(model, "no_sync"):  # torch DDP, fairscale ShardedDataParallel
+                with model.no_sync():
+                    yield None
+            else:
+                yield None
+        finally:
+            self._accumulating = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._accumulating:
+            return
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroOptimizer):
+                opt.reduce_gradients()  # before Lightning's clipping, which must see the reduced shards
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        assert self.model is not None
+        extra = [s.shard_param.grad for s in raw.shards] if isinstance(raw, ZeroOptimizer) else []
+        self.last_model_state = measure_model_state(self.model, raw, extra_grads=extra)
+        self.last_step_comm = self.comm_counter.snapshot()
+        self.comm_counter.reset()
+        return output
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the flattened / sharded model and the wrapped optimizer
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None
+        if self.zero_stage == 3 and _is_fsdp(self.lightning_module):
+            if self._checkpoint_kind == "sharded":
+                return zero3_local_state(self.lightning_module)["model"]
+            return zero3_full_model_state(self.lightning_module)
+        # stages 1-2: parameters are views into flat buffers; copy so a checkpoint does not save the buffers
+        return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        sharded = self._checkpoint_kind == "sharded"
+        if isinstance(raw, ZeroOptimizer):
+            return raw.state_dict() if sharded else raw.consolidated_state_dict()
+        if self.zero_stage == 3 and self.lightning_module is not None and _is_fsdp(self.lightning_module):
+            if sharded:
+                return zero3_local_state(None, raw)["optim"]
+            return zero3_full_optimizer_state(self.lightning_module, raw)
+        consolidate = getattr(raw, "consolidate_state_dict", None)
+        if callable(consolidate):  # fairscale OSS: gather on rank 0 (sharded form not offered)
+            consolidate(recipient_rank=0)
+            return raw.state_dict() if self.global_rank == 0 else {}
+        return raw.state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._checkpoint_kind == "full" or self._backend == "fairscale":
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("lp_sharded_mkdir")
+        own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
+        if self.zero_stage == 3:
+            own["state_dict"] = checkpoint.pop("state_dict")
+        torch.save(own, path / _rank_file(self.global_rank))
+        if self.is_global_zero:
+            checkpoint[_SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size}
+            torch.save(checkpoint, path / _META)
+        self.barrier("lp_sharded_saved")
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=False)
+        checkpoint: dict[str, Any] = torch.load(path / _META, map_location="cpu", weights_only=False)
+        saved = checkpoint[_SHARDED_KEY]
+        if saved["world_size"] != self.world_size or saved["zero_stage"] != self.zero_stage:
+            raise LayoutError(
+                f"the sharded checkpoint {str(path)!r} was saved by {saved['world_size']} ranks at zero_stage="
+                f"{saved['zero_stage']}; this run has {self.world_size} ranks at zero_stage={self.zero_stage}. A "
+                "sharded checkpoint resumes on the same layout only. Fix: resume with that layout, or save with "
+                "checkpoint='full' (loads under any layout)."
+            )
+        checkpoint.update(torch.load(path / _rank_file(self.global_rank), map_location="cpu", weights_only=False))
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        state = checkpoint["state_dict"]
+        if self.zero_stage == 3 and _is_fsdp(module):
+            if _SHARDED_KEY in checkpoint:
+                zero3_load_local_state(module, None, {"model": state})
+            else:
+                zero3_load_full_model_state(module, state, strict=strict)
+            return
+        module.load_state_dict(state, strict=strict)  # copies into the flat buffers' views
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        module = self.lightning_module
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            if self.zero_stage == 3 and module is not None and _is_fsdp(module):
+                if _SHARDED_KEY in checkpoint:
+                    zero3_load_local_state(module, optimizer, {"optim": state})
+                else:
+                    zero3_load_full_optimizer_state(module, optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
+
+
+class _ShardedMultiProcessingLauncher(_CheckedMultiProcessingLauncher):
+    """Spawn/fork launcher that hands the main process full weights (not rank 0's DTensor shards) at stage 3."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        module = trainer.lightning_module
+        if module is None or not _is_fsdp(module):
+            return super()._collect_rank_zero_results(trainer, results)
+        full = zero3_full_model_state(module)  # collective: every rank is here
+        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign,assignment]
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def _clip_by_zero_norm(precision: Any) -> Generator[None, None, None]:
+    """Make Lightning's ``gradient_clip_val`` (norm) use the norm of the whole gradient across dp ranks.
+
+    Lightning clips ``precision.main_params(optimizer)`` by their local norm; with ZeRO-1/2 those are this rank's
+    gradient shard, so the norm must be all-reduced (``ZeroOptimizer.clip_grad_norm_``, fairscale
+    ``OSS.clip_grad_norm``). Stage 3's DTensor gradients already give torch's ``clip_grad_norm_`` the global norm.
+    """
+    original = precision.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(raw, ZeroOptimizer):
+            raw.clip_grad_norm_(float(clip_val))
+        elif callable(getattr(raw, "clip_grad_norm", None)):  # fairscale OSS
+            raw.clip_grad_norm(float(clip_val))  # type: ignore[attr-defined]
+        else:
+            original(optimizer, clip_val)
+
+    shadowed = "clip_grad_by_norm" in vars(precision)
+    precision.clip_grad_by_norm = clip_grad_by_norm
+    try:
+        yield None
+    finally:
+        if shadowed:
+            precision.clip_grad_by_norm = original
+        else:
+            del precision.clip_grad_by_norm
