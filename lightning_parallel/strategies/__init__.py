@@ -12,8 +12,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
+from .sharded import LPShardedStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LayoutStrategy", "register_strategies"]
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPShardedStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -24,6 +25,18 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
         {"start_method": "fork"},
     ),
     "lp_ddp_spawn": (LPDDPStrategy, "lp_ddp started by torch.multiprocessing spawn", {"start_method": "spawn"}),
+    "lp_sharded": (
+        LPShardedStrategy,
+        "ZeRO over the dp axis (N, 1, 1, z): parallel.zero_stage 1|2|3 (default 2); backend native or fairscale",
+        {},
+    ),
+    "ddp_sharded": (LPShardedStrategy, "alias of lp_sharded (ZeRO-2): Lightning 1.x's fairscale ddp_sharded", {}),
+    "lp_sharded_fork": (LPShardedStrategy, "lp_sharded started by fork (tests, notebooks; CPU)",
+                        {"start_method": "fork"}),
+    "lp_zero1": (LPShardedStrategy, "lp_sharded at ZeRO stage 1 (optimizer states sharded)", {"zero_stage": 1}),
+    "lp_zero2": (LPShardedStrategy, "lp_sharded at ZeRO stage 2 (+ gradients sharded)", {"zero_stage": 2}),
+    "lp_zero3": (LPShardedStrategy, "lp_sharded at ZeRO stage 3 (+ parameters sharded; torch FSDP2)",
+                 {"zero_stage": 3}),
 }
 
 
