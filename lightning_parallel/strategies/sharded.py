@@ -43,6 +43,8 @@ from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.zero import (
+    META_FILE,
+    SHARDED_KEY,
     CommCounter,
     ModelStateBytes,
     ZeroOptimizer,
@@ -51,6 +53,7 @@ from lightning_parallel.parallel.zero import (
     exact_oss,
     fairscale_sharded_ddp,
     measure_model_state,
+    rank_file,
     require_fairscale,
     zero3_full_model_state,
     zero3_full_optimizer_state,
@@ -69,13 +72,6 @@ ShardedCheckpoint = Literal["full", "sharded"]
 DEFAULT_ZERO_STAGE = 2
 """The stage ``lp_sharded`` runs when the layout leaves ``zero_stage`` at 0: 2, what Lightning 1.x's fairscale
 ``ddp_sharded`` ran (optimizer states and gradients sharded, the same traffic as DDP)."""
-
-_META, _SHARDED_KEY = "meta.pt", "lp_sharded_checkpoint"
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
 
 class LPShardedStrategy(LayoutStrategy):
     """ZeRO 1/2/3 over the ``dp`` axis of the layout mesh.
@@ -321,10 +317,10 @@ class LPShardedStrategy(LayoutStrategy):
         own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
         if self.zero_stage == 3:
             own["state_dict"] = checkpoint.pop("state_dict")
-        torch.save(own, path / _rank_file(self.global_rank))
+        torch.save(own, path / rank_file(self.global_rank))
         if self.is_global_zero:
-            checkpoint[_SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size}
-            torch.save(checkpoint, path / _META)
+            checkpoint[SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size}
+            torch.save(checkpoint, path / META_FILE)
         self.barrier("lp_sharded_saved")
 
     @override
@@ -339,8 +335,8 @@ class LPShardedStrategy(LayoutStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only=False)
-        checkpoint: dict[str, Any] = torch.load(path / _META, map_location="cpu", weights_only=False)
-        saved = checkpoint[_SHARDED_KEY]
+        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        saved = checkpoint[SHARDED_KEY]
         if saved["world_size"] != self.world_size or saved["zero_stage"] != self.zero_stage:
             raise LayoutError(
                 f"the sharded checkpoint {str(path)!r} was saved by {saved['world_size']} ranks at zero_stage="
@@ -348,7 +344,7 @@ class LPShardedStrategy(LayoutStrategy):
                 "sharded checkpoint resumes on the same layout only. Fix: resume with that layout, or save with "
                 "checkpoint='full' (loads under any layout)."
             )
-        checkpoint.update(torch.load(path / _rank_file(self.global_rank), map_location="cpu", weights_only=False))
+        checkpoint.update(torch.load(path / rank_file(self.global_rank), map_location="cpu", weights_only=False))
         return checkpoint
 
     @override
@@ -357,7 +353,7 @@ class LPShardedStrategy(LayoutStrategy):
         assert module is not None
         state = checkpoint["state_dict"]
         if self.zero_stage == 3 and _is_fsdp(module):
-            if _SHARDED_KEY in checkpoint:
+            if SHARDED_KEY in checkpoint:
                 zero3_load_local_state(module, None, {"model": state})
             else:
                 zero3_load_full_model_state(module, state, strict=strict)
@@ -369,7 +365,7 @@ class LPShardedStrategy(LayoutStrategy):
         module = self.lightning_module
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             if self.zero_stage == 3 and module is not None and _is_fsdp(module):
-                if _SHARDED_KEY in checkpoint:
+                if SHARDED_KEY in checkpoint:
                     zero3_load_local_state(module, optimizer, {"optim": state})
                 else:
                     zero3_load_full_optimizer_state(module, optimizer, state)

@@ -168,7 +168,8 @@ class ZeroOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (a *sharded* state dict: load it on the same number of dp ranks)."""
         return {"format": _SHARDED_FORMAT, "stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "numels": [s.numel for s in self.shards], "optim": self.optim.state_dict()}
+                "numels": [s.numel for s in self.shards],
+                "shapes": [[list(p.shape) for p in s.params] for s in self.shards], "optim": self.optim.state_dict()}
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The full state in the standard per-parameter form of the user's optimizer (collective: all-gathers).
