@@ -1,0 +1,51 @@
+"""Thread-based data parallel (DP): one process drives ``N`` devices (no Lightning import).
+
+Per step: **scatter** the batch from device 0 (forward), **replicate** the parameters to every device (forward),
+**apply** the replicas in threads, **gather** the outputs on device 0 (forward; the loss gradient is scattered back
+in backward), **reduce** the parameter gradients on device 0 (backward). :class:`DataParallelEngine` ties the pieces
+together and counts every exchange in an :class:`ExchangeCounter`; :func:`counting_allreduce_hook` counts DDP's
+single exchange (the gradient all-reduce) the same way.
+"""
+
+from .apply import parallel_apply
+from .engine import DataParallelEngine, data_parallel, default_cpu_threads
+from .exchange import (
+    ALLREDUCE_GRADS,
+    DP_KINDS,
+    GATHER_OUTPUTS,
+    REDUCE_GRADS,
+    REPLICATE_PARAMS,
+    SCATTER_GRAD,
+    SCATTER_INPUTS,
+    CountingHookState,
+    ExchangeCounter,
+    ExchangeStats,
+    counting_allreduce_hook,
+)
+from .gather import Reduction, gather
+from .replicate import replicate
+from .scatter import find_sample_count, scatter, split_sizes
+
+__all__ = [
+    "ALLREDUCE_GRADS",
+    "DP_KINDS",
+    "GATHER_OUTPUTS",
+    "REDUCE_GRADS",
+    "REPLICATE_PARAMS",
+    "SCATTER_GRAD",
+    "SCATTER_INPUTS",
+    "CountingHookState",
+    "DataParallelEngine",
+    "ExchangeCounter",
+    "ExchangeStats",
+    "Reduction",
+    "counting_allreduce_hook",
+    "data_parallel",
+    "default_cpu_threads",
+    "find_sample_count",
+    "gather",
+    "parallel_apply",
+    "replicate",
+    "scatter",
+    "split_sizes",
+]

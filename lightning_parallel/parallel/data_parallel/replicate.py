@@ -1,0 +1,136 @@
+"""Replicate: autograd-aware copies of a module on every device (forward exchange 2, backward exchange 5 of DP).
+
+``replicate(module, devices)`` returns one shallow copy of the module tree per device, built like torch's
+``nn.parallel.replicate`` (``Module._replicate_for_data_parallel``: each replica shares the Python attributes of its
+original, has no ``Parameter`` of its own, and holds plain tensors in place of the parameters). Where gradients are
+on, the tensors are outputs of one autograd function, :class:`_Replicate`:
+
+* forward (:data:`~.exchange.REPLICATE_PARAMS`): replica 0 uses the master parameters on device 0 as they are;
+  replicas ``1..N-1`` get copies of the latest weights (made every step, so they see the last optimizer step);
+* backward (:data:`~.exchange.REDUCE_GRADS`): called once, when every replica's backward is done, it sums each
+  parameter's gradients on device 0 in replica order (``g_0 + g_1 + ... + g_{N-1}``), so the master parameters'
+  ``.grad`` is the total and the optimizer steps once on device 0. A parameter no replica used keeps ``grad=None``,
+  exactly as on one device.
+
+Buffers are not differentiated: replica 0 shares the master's buffers (a BatchNorm's running statistics are updated
+from device 0's slice), replicas ``1..N-1`` get detached copies whose updates are dropped after the step. Without
+gradients (evaluation, ``torch.no_grad``/``inference_mode``) the copies are plain detached copies.
+
+torch's own ``replicate`` (coalesced ``Broadcast``/``ReduceAddCoalesced``) refuses CPU tensors, materializes zero
+gradients for unused parameters, and cannot count; this path makes per-tensor copies with ``Tensor.to`` on any device
+type. No Lightning import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .exchange import REDUCE_GRADS, REPLICATE_PARAMS, ExchangeCounter, tensor_bytes
+
+__all__ = ["replicate"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class _Replicate(torch.autograd.Function):
+    """``(params) -> (params on device 0, copies on device 1, ..., copies on device N-1)``; backward sums."""
+
+    @staticmethod
+    def forward(ctx: Any, devices: Sequence[torch.device], counter: ExchangeCounter | None,
+                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.num_params, ctx.source, ctx.counter = len(params), devices[0], counter
+        outputs: list[torch.Tensor] = list(params)
+        for device in devices[1:]:
+            outputs.extend(p.to(device, copy=True) for p in params)
+        return tuple(outputs)  # the forward bytes are counted by replicate(), with the buffers
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        p = ctx.num_params
+        moved, reduced = 0, []
+        for k in range(p):
+            total: torch.Tensor | None = None
+            for i, g in enumerate(grads[k::p]):  # replica order: device 0 first
+                if g is None:
+                    continue
+                moved += tensor_bytes(g) if i > 0 else 0
+                g = g.to(ctx.source)
+                total = g if total is None else total + g
+            reduced.append(total)
+        if ctx.counter is not None and len(grads) > p:
+            ctx.counter.record(REDUCE_GRADS, moved)
+        return (None, None, *reduced)
+
+
+def _copy_tensors(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], *, differentiable: bool,
+                  counter: ExchangeCounter | None) -> list[list[torch.Tensor]]:
+    """``out[i][k]``: tensor ``k`` for replica ``i`` (replica 0: the tensor itself, or a differentiable alias)."""
+    n, count = len(devices), len(tensors)
+    if not tensors:
+        return [[] for _ in devices]
+    if differentiable:
+        flat = list(_Replicate.apply(devices, counter, *tensors))
+    else:
+        flat = list(tensors) + [t.detach().to(d, copy=True) for d in devices[1:] for t in tensors]
+    return [flat[i * count:(i + 1) * count] for i in range(n)]
+
+
+def _wire(modules: list[nn.Module], copies: list[nn.Module], tensors: dict[int, torch.Tensor], kind: str) -> None:
+    """Point each replica's children, parameters (``kind='param'``) or buffers at the replica's own objects."""
+    index = {id(m): i for i, m in enumerate(modules)}
+    for module, replica in zip(modules, copies, strict=True):
+        if kind == "module":
+            for key, child in module._modules.items():
+                replica._modules[key] = None if child is None else copies[index[id(child)]]
+        elif kind == "param":
+            for key, param in module._parameters.items():
+                # a plain tensor attribute, as torch's replicate does: the replica owns no Parameter
+                object.__setattr__(replica, key, None if param is None else tensors[id(param)])
+        else:
+            for key, buf in module._buffers.items():
+                replica._buffers[key] = None if buf is None else tensors[id(buf)]
+
+
+def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCounter | None = None,
+              differentiable: bool | None = None) -> list[M]:
+    """One replica of ``module`` per device; ``replicas[0]`` runs on the master parameters (device 0).
+
+    Args:
+        module: the master module, on ``devices[0]``.
+        devices: one entry per replica (may repeat, e.g. ``[cpu] * N``).
+        counter: where the parameter and gradient exchanges are counted.
+        differentiable: connect the replicas to the master parameters for backward; default
+            ``torch.is_grad_enabled()``.
+    """
+    if not devices:
+        return []
+    if differentiable is None:
+        differentiable = torch.is_grad_enabled()
+    params = list(module.parameters())
+    grad_params = [p for p in params if p.requires_grad and differentiable]
+    plain_params = [p for p in params if not (p.requires_grad and differentiable)]
+    buffers = list(module.buffers())
+    per_device = list(zip(
+        _copy_tensors(grad_params, devices, differentiable=True, counter=counter),
+        _copy_tensors(plain_params, devices, differentiable=False, counter=None),
+        _copy_tensors(buffers, devices, differentiable=False, counter=None), strict=True,
+    ))
+    if counter is not None and len(devices) > 1:
+        nbytes = sum(tensor_bytes(t) for t in params + buffers)
+        counter.record(REPLICATE_PARAMS, nbytes * (len(devices) - 1))
+    modules = list(module.modules())
+    result: list[M] = []
+    for g, q, b in per_device:
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        param_map = {id(p): t for p, t in zip([*grad_params, *plain_params], g + q, strict=True)}
+        buffer_map = {id(x): t for x, t in zip(buffers, b, strict=True)}  # replica 0 shares the master's buffers
+        _wire(modules, copies, {}, "module")
+        _wire(modules, copies, param_map, "param")
+        _wire(modules, copies, buffer_map, "buffer")
+        result.append(copies[0])  # type: ignore[arg-type]
+    return result
