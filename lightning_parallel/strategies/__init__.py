@@ -12,9 +12,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
+from .dp import LPDPStrategy
 from .sharded import LPShardedStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPShardedStrategy", "LayoutStrategy", "register_strategies"]
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -25,6 +26,8 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
         {"start_method": "fork"},
     ),
     "lp_ddp_spawn": (LPDDPStrategy, "lp_ddp started by torch.multiprocessing spawn", {"start_method": "spawn"}),
+    "lp_dp": (LPDPStrategy, "thread-based data parallel: one process drives N devices (Lightning 1.x's dp)", {}),
+    "dp": (LPDPStrategy, "alias of lp_dp: Lightning 1.x's strategy='dp', removed in Lightning 2", {}),
     "lp_sharded": (
         LPShardedStrategy,
         "ZeRO over the dp axis (N, 1, 1, z): parallel.zero_stage 1|2|3 (default 2); backend native or fairscale",

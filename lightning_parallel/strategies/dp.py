@@ -1,0 +1,306 @@
+"""``lp_dp`` (alias ``dp``): single-process, thread-based data parallel for Lightning 2 (Lightning 1.x's ``dp``).
+
+One process drives ``N`` devices (``Trainer(strategy="dp", devices=N)``): ``cuda:0..N-1`` on GPUs, ``N`` CPU replicas
+on CPU. Every ``training_step``/``validation_step``/``test_step``/``predict_step`` runs through
+:class:`~lightning_parallel.parallel.data_parallel.DataParallelEngine`:
+
+* forward: the batch, moved to device 0 by Lightning, is **scattered** by samples (slice sizes differ by at most
+  one; with fewer samples than devices only that many replicas run); the module is **replicated** to every device
+  (autograd-aware copies of the latest weights); each replica runs the user's step on its slice in its own thread;
+  the outputs are **gathered** on device 0: the loss (and every other mean-like value) as the mean weighted by slice
+  size, so it equals one device on the whole batch; per-sample tensors are concatenated;
+* backward (Lightning's ``loss.backward()`` on device 0): the loss gradient is **scattered** back to the replicas and
+  their gradients are **reduced** (summed) into the master parameters' ``.grad`` on device 0;
+* the optimizer steps once, on device 0; checkpoints hold the plain module's ``state_dict`` (there is no wrapper).
+
+``self.log`` inside a step is recorded per replica (no shared state, no races) and replayed once on the master module
+after the step, each value reduced over the replicas by its ``reduce_fx`` (``mean``: weighted by slice size, ``sum``,
+``max``, ``min``). The exchanges of every training step are counted in :attr:`LPDPStrategy.exchange_counter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from numbers import Number
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_parallel.parallel.data_parallel import DataParallelEngine, ExchangeCounter, Reduction
+from lightning_parallel.parallel.data_parallel.exchange import GATHER_OUTPUTS, tensor_bytes
+
+__all__ = ["LPDPStrategy"]
+
+_STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
+
+class _LogRecorder:
+    """Stands in for ``LightningModule.log`` on one replica: records the calls, logs nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (Tensor, Number)):
+            raise ValueError(
+                f"lp_dp: self.log({name!r}, <{type(value).__name__}>) inside a step runs on a replica; only tensors "
+                "and numbers can be combined over the replicas. Fix: log a tensor or a float (e.g. metric.compute() "
+                "in an epoch-end hook), or update stateful metrics from outputs in on_train_batch_end."
+            )
+        self.calls.append((name, value, args, kwargs))
+
+
+def _combine_logged(values: list[Tensor], weights: list[float], reduce_fx: Any) -> Tensor:
+    """One value from the replicas' values of one metric, by the metric's ``reduce_fx``."""
+    stacked = torch.stack([v.float() for v in values])
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
+    if name in ("sum", "add"):
+        return stacked.sum(0)
+    if name in ("max", "amax"):
+        return stacked.amax(0)
+    if name in ("min", "amin"):
+        return stacked.amin(0)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).view(-1, *([1] * (stacked.dim() - 1)))
+    return (stacked * w).sum(0)
+
+
+class LPDPStrategy(ParallelStrategy):
+    """Thread-based data parallel in one process: Lightning 1.x's ``strategy="dp"`` for Lightning 2.
+
+    Args:
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for every Lightning strategy; the
+            Trainer's ``accelerator``/``devices`` fill ``parallel_devices`` (``[cpu] * N`` or ``cuda:0..N-1``).
+        loss_reduction: what the loss is over a slice: ``mean`` (the mean over its samples, Lightning's usual
+            case; combined as the slice-size weighted mean) or ``sum`` (combined as the sum).
+        cpu_threads: intra-op threads per replica thread on CPU; None = cores // devices (at least 1), 0 = leave
+            PyTorch's setting alone.
+    """
+
+    strategy_name = "lp_dp"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        loss_reduction: Reduction = "mean",
+        cpu_threads: int | None = None,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r} is not one of ['mean', 'sum'].")
+        if cpu_threads is not None and cpu_threads < 0:
+            raise ValueError(f"cpu_threads={cpu_threads} must be >= 0 (0 = leave PyTorch's setting alone).")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._loss_reduction: Reduction = loss_reduction
+        self._cpu_threads = cpu_threads
+        self._engine: DataParallelEngine | None = None
+        self._saved_threads: int | None = None
+        self.exchange_counter = ExchangeCounter()
+        """The exchanges of the training steps (validation, test and predict are not counted)."""
+
+    # ------------------------------------------------------------------ one process, N devices
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def engine(self) -> DataParallelEngine:
+        if self._engine is None:
+            raise RuntimeError("LPDPStrategy.engine exists after setup(); the Trainer has not set it up yet.")
+        return self._engine
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}  # one process reads every batch whole; the engine splits it
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"lp_dp runs each step on {self.num_replicas} replicas in threads and needs automatic optimization; "
+                f"{type(module).__name__}.automatic_optimization is False (manual_backward would run per replica). "
+                "Fix: use automatic optimization, or strategy lp_ddp."
+            )
+        devices = self.parallel_devices or [self.root_device]
+        self._saved_threads = torch.get_num_threads()
+        self._engine = DataParallelEngine(devices, reduction=self._loss_reduction, cpu_threads=self._cpu_threads,
+                                          counter=self.exchange_counter)
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the steps
+    def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Scatter the batch (``args[0]``), run ``method`` on every replica in threads, gather, replay the logs."""
+        module = self.lightning_module
+        assert module is not None
+        engine = self.engine
+        if not args:
+            raise ValueError(f"lp_dp: {method} was called without a batch.")
+        slices, sizes = engine.scatter(args[0])
+        replicas = engine.replicate(module, len(slices))
+        recorders = [_LogRecorder() for _ in replicas]
+        for device, replica, recorder in zip(engine.devices, replicas, recorders, strict=False):
+            object.__setattr__(replica, "log", recorder.log)  # log_dict goes through log too
+            if hasattr(replica, "_device"):
+                object.__setattr__(replica, "_device", device)
+        context: Callable[[], Any] = getattr(self.precision_plugin, _STEP_CONTEXTS[method])
+
+        def call(i: int) -> Any:
+            with context():
+                return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
+
+        outputs = engine.apply(call, len(slices))
+        result = engine.gather(outputs, sizes, force_reduce=method == "training_step")
+        self._replay_logs(module, recorders, sizes)
+        return result
+
+    def _replay_logs(self, module: pl.LightningModule, recorders: list[_LogRecorder], sizes: list[int]) -> None:
+        """Each metric logged on the replicas, reduced over them, logged once on the master module."""
+        by_name: dict[str, list[tuple[int, Any, tuple[Any, ...], dict[str, Any]]]] = {}
+        for i, recorder in enumerate(recorders):
+            for name, value, args, kwargs in recorder.calls:
+                by_name.setdefault(name, []).append((i, value, args, kwargs))
+        moved = 0
+        for name, entries in by_name.items():
+            values = [torch.as_tensor(v).to(self.root_device) for _, v, _, _ in entries]
+            moved += sum(tensor_bytes(v) for v in values[1:])
+            weights = [sizes[i] / max(1, sum(sizes[j] for j, *_ in entries)) for i, *_ in entries]
+            _, _, args, kwargs = entries[0]
+            kwargs = dict(kwargs)
+            if kwargs.get("batch_size") is not None:
+                kwargs["batch_size"] = sum(int(e[3].get("batch_size") or 0) for e in entries)
+            value = _combine_logged(values, weights, kwargs.get("reduce_fx", "mean"))
+            value = value.to(values[0].dtype) if values[0].is_floating_point() else value
+            pl.LightningModule.log(module, name, value, *args, **kwargs)
+        if moved and self.exchange_counter.enabled and len(recorders) > 1:
+            self.exchange_counter.record(GATHER_OUTPUTS, moved)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("predict_step", args, kwargs)
+
+    # ------------------------------------------------------------------ exchange counting: training steps only
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.exchange_counter.step()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.exchange_counter.enabled = False
+
+    @override
+    def on_validation_end(self) -> None:
+        self.exchange_counter.enabled = True
+
+    @override
+    def on_test_start(self) -> None:
+        self.exchange_counter.enabled = False
+
+    @override
+    def on_predict_start(self) -> None:
+        self.exchange_counter.enabled = False
+
+    # ------------------------------------------------------------------ one process: collectives are identities
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Identity: the values are already combined once on device 0 (there is one process)."""
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Any:
+        yield None
+
+    def describe(self) -> str:
+        kind = self.root_device.type
+        return f"{self.strategy_name} (1 process, {self.num_replicas} {kind} replicas in threads)"
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # no wrapper: the module is the master copy on device 0; replicas are made per step
