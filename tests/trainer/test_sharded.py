@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
@@ -75,10 +75,16 @@ def reference() -> GPT:
     return _fit("auto", 1)[0]
 
 
-@pytest.mark.parametrize(("stage", "backend"), [(1, "native"), (2, "native"), (3, "native"), (1, "fairscale"), (2, "fairscale")])
+CASES = [(1, "native"), (2, "native"), (3, "native"), (1, "fairscale"), (2, "fairscale")]
+
+
+@pytest.mark.parametrize(("stage", "backend"), CASES)
 def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None:
-    pytest.importorskip("fairscale") if backend == "fairscale" else None
-    strategy = LPShardedStrategy({"zero_stage": stage}, backend=backend, start_method="fork")  # type: ignore[arg-type]
+    """Gradient clipping (0.5, by the global norm) and accumulation (2) on, GPT's AdamW + warmup/cosine schedule."""
+    if backend == "fairscale":
+        pytest.importorskip("fairscale")
+    strategy = LPShardedStrategy({"zero_stage": stage}, backend=backend,  # type: ignore[arg-type]
+                                 start_method="fork")
     model, _ = _fit(strategy, 2)
     diff = _diff(model, reference)
     print(f"lp_sharded zero_stage={stage} backend={backend}: max |w - w_1dev| = {diff:.2e}")
@@ -147,3 +153,14 @@ def test_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path: Path, sta
     assert exact < 1e-6
     assert one_device < 1e-5
     assert reshard < 1e-6
+
+
+def test_recipe_runs_from_the_cli(tmp_path: Path) -> None:
+    """recipes/gpt_zero3.yaml, shortened, through the `lightning-parallel` command (2 processes, popen)."""
+    cmd = [sys.executable, "-m", "lightning_parallel", "fit", "--config", str(REPO / "recipes" / "gpt_zero3.yaml"),
+           "--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1",
+           "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+           "--trainer.enable_progress_bar", "false"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "zero=3 backend=native" in out.stdout and "4 steps" in out.stdout, out.stdout[-2000:]
