@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
-from lightning_parallel.config import LayoutError
+from lightning_parallel.cli import resolve_strategy
+from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.models import GPT
 from lightning_parallel.parallel.zero import consolidate_checkpoint
 from lightning_parallel.strategies import LPShardedStrategy
@@ -101,6 +102,13 @@ def test_layout_rules() -> None:
         LPShardedStrategy({"zero_stage": 1, "pipeline_parallel_size": 2})
     with pytest.raises(LayoutError, match="CUDA-only"):
         LPShardedStrategy({"zero_stage": 3}, backend="fairscale")
+    with pytest.raises(LayoutError, match="lp_zero_offload"):
+        LPShardedStrategy({"zero_stage": 2, "offload": "cpu"})
+    # registry names, as the CLI resolves them with a recipe's `parallel` section
+    for name, layout, stage in (("lp_sharded", None, 2), ("ddp_sharded", None, 2), ("lp_zero1", None, 1),
+                                ("lp_zero3", None, 3), ("lp_sharded", ParallelConfig(zero_stage=1), 1)):
+        strategy = resolve_strategy(name, layout)
+        assert isinstance(strategy, LPShardedStrategy) and strategy.zero_stage == stage, name
 
 
 def _ckpt_callback(path: Path) -> ModelCheckpoint:
