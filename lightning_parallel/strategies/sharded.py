@@ -34,6 +34,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -65,7 +66,7 @@ from lightning_parallel.parallel.zero import (
 
 from .base import LayoutStrategy, _CheckedMultiProcessingLauncher
 
-__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint"]
+__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
 
 ShardedBackend = Literal["native", "fairscale"]
 ShardedCheckpoint = Literal["full", "sharded"]
@@ -268,8 +269,15 @@ class LPShardedStrategy(LayoutStrategy):
         extra = [s.shard_param.grad for s in raw.shards] if isinstance(raw, ZeroOptimizer) else []
         self.last_model_state = measure_model_state(self.model, raw, extra_grads=extra)
         self.last_step_comm = self.comm_counter.snapshot()
-        self.comm_counter.reset()
         return output
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
+        if batch_idx % accumulate == 0:  # a step's traffic: all its micro-batches, nothing from validation
+            self.comm_counter.reset()
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -371,6 +379,24 @@ class LPShardedStrategy(LayoutStrategy):
                     zero3_load_full_optimizer_state(module, optimizer, state)
             else:
                 optimizer.load_state_dict(state)
+
+
+class ZeroStats(Callback):
+    """Log this rank's model-state bytes after each optimizer step and the bytes its collectives sent in that step
+    (``zero/params_bytes``, ``zero/grads_bytes``, ``zero/optim_bytes``, ``zero/model_state_bytes``,
+    ``zero/comm_bytes``), from :class:`LPShardedStrategy`'s built-in measurement; rank 0's values."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        mem = getattr(strategy, "last_model_state", None)
+        if not isinstance(strategy, LPShardedStrategy) or mem is None:
+            return
+        values = {"zero/params_bytes": mem.params, "zero/grads_bytes": mem.grads, "zero/optim_bytes": mem.optim,
+                  "zero/model_state_bytes": mem.total, "zero/comm_bytes": strategy.last_step_comm.get("total", 0.0)}
+        for key, value in values.items():
+            pl_module.log(key, float(value), rank_zero_only=True, on_step=True, on_epoch=False)
 
 
 class _ShardedMultiProcessingLauncher(_CheckedMultiProcessingLauncher):

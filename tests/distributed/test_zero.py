@@ -115,7 +115,23 @@ def _check_zero12(rank: int, world: int, stage: int, kind: str) -> dict[str, Any
     zero2.load_state_dict(full)
     zero2.load_state_dict(zero2.state_dict())  # the sharded form round-trips on the same layout
     out["reload_optim"] = _optim_diff(zero2.consolidated_state_dict(), ref_opt.state_dict())
+    out["double_reduce"] = _double_reduce(stage, rank, world)
     return out
+
+
+def _double_reduce(stage: int, rank: int, world: int) -> float:
+    """Reducing after each of two backwards (manual optimization) gives the gradient of reducing once after both."""
+    grads = []
+    for split in (True, False):
+        model = _model()
+        zero = ZeroOptimizer(_optimizer(model, "sgd"), stage=stage)
+        for x, y in _batches(world)[0]:
+            (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
+            if split:
+                zero.reduce_gradients()
+        zero.reduce_gradients() if not split else None
+        grads.append(torch.cat([s.shard_param.grad for s in zero.shards]))  # type: ignore[misc]
+    return float((grads[0] - grads[1]).abs().max())
 
 
 def _check_zero3(rank: int, world: int) -> dict[str, Any]:
@@ -169,6 +185,7 @@ def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], ke
         assert r["optim"] < 1e-5
         if "reload_optim" in r:
             assert r["reload_optim"] < 1e-5
+            assert r["double_reduce"] < 1e-7
 
 
 @pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw"])

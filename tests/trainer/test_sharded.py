@@ -17,8 +17,9 @@ import lightning_parallel  # noqa: F401
 from lightning_parallel.cli import resolve_strategy
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.zero import consolidate_checkpoint
+from lightning_parallel.parallel.zero import consolidate_checkpoint, zero_comm_theory, zero_memory_formula
 from lightning_parallel.strategies import LPShardedStrategy
+from lightning_parallel.strategies.sharded import ZeroStats
 
 T, B, STEPS = 16, 2, 4
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,22 @@ def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None
     diff = _diff(model, reference)
     print(f"lp_sharded zero_stage={stage} backend={backend}: max |w - w_1dev| = {diff:.2e}")
     assert diff < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_built_in_measurement_follows_the_formula(stage: int) -> None:
+    """ZeroStats logs rank 0's bytes after a step: parameters, gradients, AdamW state and traffic vs the formula."""
+    strategy = LPShardedStrategy({"zero_stage": stage}, start_method="fork")
+    model, trainer = _fit(strategy, 2, callbacks=[ZeroStats()], gradient_clip_val=None, accumulate_grad_batches=1)
+    m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zero/")}
+    psi, n = sum(p.numel() for p in model.parameters()), 2
+    expected = {"zero/params_bytes": 4 * psi / (n if stage == 3 else 1),
+                "zero/grads_bytes": 4 * psi / (1 if stage == 1 else n),
+                "zero/optim_bytes": 8 * psi / n,
+                "zero/comm_bytes": zero_comm_theory(stage, numel=psi, world_size=n)}
+    for key, value in expected.items():
+        assert abs(m[key] - value) <= 0.02 * value, (key, m[key], value)
+    assert m["zero/model_state_bytes"] == pytest.approx(zero_memory_formula(stage, numel=psi, world_size=n), rel=0.02)
 
 
 def test_layout_rules() -> None:

@@ -53,6 +53,7 @@ class FlatShard:
                 p.data = view
         self.shard_param = nn.Parameter(self.shard_of(self.flat))
         self.keep_full_grad = keep_full_grad
+        self.reduced: Tensor | None = None  # this step's reduced gradient shard, until the step
         self.flat_grad: Tensor | None = None
         if keep_full_grad:
             self.flat_grad = torch.zeros_like(self.flat)
@@ -115,10 +116,15 @@ class FlatShard:
         return full
 
     def release_full_grad(self) -> None:
-        """ZeRO-2: drop the parameters' full gradients once their shard is reduced."""
+        """After the reduce-scatter: ZeRO-2 drops the parameters' full gradients; ZeRO-1 zeroes the slots other ranks
+        own (their local values are spent), so a further backward accumulates from zero there."""
         if self.flat_grad is None:
             for p in self.params:
                 p.grad = None
+            return
+        start, end = self.shard_range
+        self.flat_grad[:start].zero_()
+        self.flat_grad[end:].zero_()
 
     def zero_grad(self) -> None:
         if self.flat_grad is not None:

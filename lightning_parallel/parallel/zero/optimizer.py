@@ -108,11 +108,19 @@ class ZeroOptimizer(Optimizer):
         nobody did); gradient clipping must come after it.
         """
         for shard in self.shards:
+            grad = shard.shard_param.grad
+            assert grad is not None
+            # a further reduction in the same step (manual optimization, several backwards) adds to the first
+            earlier = shard.reduced if self._grads_reduced else None
             full = shard.full_local_grad()
+            if earlier is not None and shard.flat_grad is not None:
+                shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
             out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
             reduce_scatter_mean(out, full, group=self.group, counter=self.counter)
-            assert shard.shard_param.grad is not None
-            shard.shard_param.grad.copy_(out)
+            if earlier is not None:
+                out.add_(earlier)
+            grad.copy_(out)
+            shard.reduced = out  # released by step() / zero_grad()
             shard.release_full_grad()
         self._grads_reduced = True
 
@@ -132,6 +140,8 @@ class ZeroOptimizer(Optimizer):
             self.reduce_gradients()
         self.optim.step()
         self._grads_reduced = False
+        for shard in self.shards:
+            shard.reduced = None
         self.all_gather_params()
         return loss
 
@@ -139,6 +149,7 @@ class ZeroOptimizer(Optimizer):
         """Clear gradients. ZeRO-1 always zeroes its flat gradient buffer in place (the ``.grad`` views stay)."""
         for shard in self.shards:
             shard.zero_grad()
+            shard.reduced = None
         self._grads_reduced = False
 
     @torch.no_grad()
