@@ -9,8 +9,9 @@ on CPU. Every ``training_step``/``validation_step``/``test_step``/``predict_step
   (autograd-aware copies of the latest weights); each replica runs the user's step on its slice in its own thread;
   the outputs are **gathered** on device 0: the loss (and every other mean-like value) as the mean weighted by slice
   size, so it equals one device on the whole batch; per-sample tensors are concatenated;
-* backward (Lightning's ``loss.backward()`` on device 0): the loss gradient is **scattered** back to the replicas and
-  their gradients are **reduced** (summed) into the master parameters' ``.grad`` on device 0;
+* backward (Lightning's ``loss.backward()`` on device 0): the loss gradient is **scattered** back to the replicas,
+  each replica's backward runs (in its own thread on CPU), and their gradients are **reduced** (summed) into the
+  master parameters' ``.grad`` on device 0;
 * the optimizer steps once, on device 0; checkpoints hold the plain module's ``state_dict`` (there is no wrapper).
 
 ``self.log`` inside a step is recorded per replica (no shared state, no races) and replayed once on the master module
@@ -35,7 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_parallel.parallel.data_parallel import DataParallelEngine, ExchangeCounter, Reduction
+from lightning_parallel.parallel.data_parallel import BackwardMode, DataParallelEngine, ExchangeCounter, Reduction
 from lightning_parallel.parallel.data_parallel.exchange import GATHER_OUTPUTS, tensor_bytes
 
 __all__ = ["LPDPStrategy"]
@@ -88,6 +89,10 @@ class LPDPStrategy(ParallelStrategy):
             case; combined as the slice-size weighted mean) or ``sum`` (combined as the sum).
         cpu_threads: intra-op threads per replica thread on CPU; None = cores // devices (at least 1), 0 = leave
             PyTorch's setting alone.
+        backward: how the replicas' backward runs: ``threads`` (each replica's backward in its own thread, then
+            the leaf gradients summed on device 0), ``graph`` (one autograd graph through torch-style replicas, as
+            torch's DataParallel), ``auto`` = threads on CPU (where one backward call runs on one thread), graph on
+            GPUs (where PyTorch already runs each device's backward on its own thread). Both give the same result.
     """
 
     strategy_name = "lp_dp"
@@ -101,15 +106,19 @@ class LPDPStrategy(ParallelStrategy):
         *,
         loss_reduction: Reduction = "mean",
         cpu_threads: int | None = None,
+        backward: BackwardMode = "auto",
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r} is not one of ['mean', 'sum'].")
         if cpu_threads is not None and cpu_threads < 0:
             raise ValueError(f"cpu_threads={cpu_threads} must be >= 0 (0 = leave PyTorch's setting alone).")
+        if backward not in ("auto", "threads", "graph"):
+            raise ValueError(f"backward={backward!r} is not one of ['auto', 'threads', 'graph'].")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._loss_reduction: Reduction = loss_reduction
         self._cpu_threads = cpu_threads
+        self._backward: BackwardMode = backward
         self._engine: DataParallelEngine | None = None
         self._saved_threads: int | None = None
         self.exchange_counter = ExchangeCounter()
@@ -173,7 +182,7 @@ class LPDPStrategy(ParallelStrategy):
         devices = self.parallel_devices or [self.root_device]
         self._saved_threads = torch.get_num_threads()
         self._engine = DataParallelEngine(devices, reduction=self._loss_reduction, cpu_threads=self._cpu_threads,
-                                          counter=self.exchange_counter)
+                                          counter=self.exchange_counter, backward=self._backward)
         super().setup(trainer)
 
     @override
@@ -195,7 +204,7 @@ class LPDPStrategy(ParallelStrategy):
         if not args:
             raise ValueError(f"lp_dp: {method} was called without a batch.")
         slices, sizes = engine.scatter(args[0])
-        replicas = engine.replicate(module, len(slices))
+        replicas, plan = engine.replicate(module, len(slices))
         recorders = [_LogRecorder() for _ in replicas]
         for device, replica, recorder in zip(engine.devices, replicas, recorders, strict=False):
             object.__setattr__(replica, "log", recorder.log)  # log_dict goes through log too
@@ -208,7 +217,7 @@ class LPDPStrategy(ParallelStrategy):
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
         outputs = engine.apply(call, len(slices))
-        result = engine.gather(outputs, sizes, force_reduce=method == "training_step")
+        result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
 

@@ -36,16 +36,19 @@ def reference() -> pl.LightningModule:
     return model
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_lp_dp_equals_one_device(reference: pl.LightningModule, devices: int, record_property: Any) -> None:
+@pytest.mark.parametrize(("devices", "backward"), [(2, "auto"), (3, "auto"), (2, "graph")])
+def test_lp_dp_equals_one_device(reference: pl.LightningModule, devices: int, backward: Any,
+                                 record_property: Any) -> None:
     model = tiny_gpt()
     assert max_abs_diff(model, reference) > 1e-3  # the reference really trained
-    trainer = _trainer("dp", devices)
+    trainer = _trainer("dp" if backward == "auto" else LPDPStrategy(backward=backward), devices)
     trainer.fit(model, SequentialTokens(batch_size=GLOBAL_BATCH))
     assert isinstance(trainer.strategy, LPDPStrategy) and trainer.world_size == 1
     diff = max_abs_diff(model, reference)
     record_property("max_abs_weight_diff", diff)
-    print(f"lp_dp {devices} devices vs 1 device after {STEPS} AdamW steps: max abs weight diff {diff:.3e}")
+    mode = "threads" if backward == "auto" else backward  # auto = threads on CPU
+    print(f"lp_dp {devices} devices (backward={mode}) vs 1 device after {STEPS} AdamW steps: "
+          f"max abs weight diff {diff:.3e}")
     assert diff < 5e-6
     counter = trainer.strategy.exchange_counter
     assert counter.steps == STEPS and counter.exchanges_per_step == 5

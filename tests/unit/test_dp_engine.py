@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from lightning_parallel.parallel.data_parallel import (
     REPLICATE_PARAMS,
     SCATTER_GRAD,
     SCATTER_INPUTS,
+    BackwardMode,
     DataParallelEngine,
     ExchangeCounter,
     data_parallel,
@@ -90,13 +92,14 @@ def test_scatter_uneven_and_unsplittable_batches() -> None:
     assert sizes == [1] and slices == [{"a": 1, "b": "text"}]  # nothing to split: device 0 alone
 
 
+@pytest.mark.parametrize("backward", ["threads", "graph"])
 @pytest.mark.parametrize(("devices", "samples"), [(1, 10), (2, 10), (3, 10), (4, 7), (3, 2)])
-def test_replicated_gradients_equal_one_device(devices: int, samples: int) -> None:
+def test_replicated_gradients_equal_one_device(devices: int, samples: int, backward: BackwardMode) -> None:
     ref, dp = _mlp(), _mlp()
     batch = _data(samples)
     _loss(ref, batch).backward()
     counter = ExchangeCounter()
-    engine = DataParallelEngine([CPU] * devices, counter=counter)
+    engine = DataParallelEngine([CPU] * devices, counter=counter, backward=backward)
     loss = engine.run(dp, batch, _loss, force_reduce=True)
     loss.backward()
     engine.close()
@@ -115,7 +118,28 @@ def test_replicated_gradients_equal_one_device(devices: int, samples: int) -> No
         assert stats[GATHER_OUTPUTS].nbytes == 4 * (used - 1) and stats[SCATTER_GRAD].nbytes == 4 * (used - 1)
 
 
-def test_unused_parameters_keep_no_gradient_and_tied_weights_sum() -> None:
+def test_threads_backward_runs_each_replica_backward_in_its_own_thread() -> None:
+    threads: set[str] = set()
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.register_hook(lambda g: (threads.add(threading.current_thread().name), time.sleep(0.05))[1])
+            return y.pow(2).mean()
+
+    engine = DataParallelEngine([CPU] * 3, backward="threads")
+    assert engine.backward_mode == "threads"
+    engine.run(Spy(), torch.randn(6, 4), lambda replica, x: replica(x), force_reduce=True).backward()
+    engine.close()
+    assert len(threads) == 3  # the calling thread and two workers
+
+
+@pytest.mark.parametrize("backward", ["threads", "graph"])
+def test_unused_parameters_keep_no_gradient_and_tied_weights_sum(backward: BackwardMode) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -131,7 +155,7 @@ def test_unused_parameters_keep_no_gradient_and_tied_weights_sum() -> None:
     model, ref = Tied(), Tied()
     ref.load_state_dict(model.state_dict())
     x = torch.randn(6, 4)
-    data_parallel(model, x, [CPU] * 3).backward()
+    data_parallel(model, x, [CPU] * 3, backward=backward).backward()
     ref(x).backward()
     assert model.unused.weight.grad is None
     assert model.a.weight.grad is not None and ref.a.weight.grad is not None

@@ -8,7 +8,7 @@ single exchange (the gradient all-reduce) the same way.
 """
 
 from .apply import parallel_apply
-from .engine import DataParallelEngine, data_parallel, default_cpu_threads
+from .engine import BackwardMode, DataParallelEngine, data_parallel, default_cpu_threads
 from .exchange import (
     ALLREDUCE_GRADS,
     DP_KINDS,
@@ -22,8 +22,8 @@ from .exchange import (
     ExchangeStats,
     counting_allreduce_hook,
 )
-from .gather import Reduction, gather
-from .replicate import replicate
+from .gather import BackwardPlan, Reduction, gather
+from .replicate import LeafReplicas, replicate, replicate_leaves
 from .scatter import find_sample_count, scatter, split_sizes
 
 __all__ = [
@@ -34,10 +34,13 @@ __all__ = [
     "REPLICATE_PARAMS",
     "SCATTER_GRAD",
     "SCATTER_INPUTS",
+    "BackwardMode",
+    "BackwardPlan",
     "CountingHookState",
     "DataParallelEngine",
     "ExchangeCounter",
     "ExchangeStats",
+    "LeafReplicas",
     "Reduction",
     "counting_allreduce_hook",
     "data_parallel",
@@ -46,6 +49,7 @@ __all__ = [
     "gather",
     "parallel_apply",
     "replicate",
+    "replicate_leaves",
     "scatter",
     "split_sizes",
 ]

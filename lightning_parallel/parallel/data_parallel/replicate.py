@@ -24,14 +24,15 @@ type. No Lightning import here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from .exchange import REDUCE_GRADS, REPLICATE_PARAMS, ExchangeCounter, tensor_bytes
 
-__all__ = ["replicate"]
+__all__ = ["LeafReplicas", "replicate", "replicate_leaves"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -96,27 +97,52 @@ def _wire(modules: list[nn.Module], copies: list[nn.Module], tensors: dict[int, 
                 replica._buffers[key] = None if buf is None else tensors[id(buf)]
 
 
-def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCounter | None = None,
-              differentiable: bool | None = None) -> list[M]:
-    """One replica of ``module`` per device; ``replicas[0]`` runs on the master parameters (device 0).
+@dataclass
+class LeafReplicas(Generic[M]):
+    """Replicas whose trainable parameters are their own autograd leaves (the ``backward="threads"`` mode).
 
-    Args:
-        module: the master module, on ``devices[0]``.
-        devices: one entry per replica (may repeat, e.g. ``[cpu] * N``).
-        counter: where the parameter and gradient exchanges are counted.
-        differentiable: connect the replicas to the master parameters for backward; default
-            ``torch.is_grad_enabled()``.
+    ``leaves[i][k]`` is replica ``i``'s leaf for ``params[k]`` (replica 0: a detached alias of the master parameter,
+    no copy; others: copies on their device). Each replica's backward fills its leaves' ``.grad``;
+    :meth:`reduce_grads` sums them on device 0 (:data:`~.exchange.REDUCE_GRADS`).
     """
-    if not devices:
-        return []
-    if differentiable is None:
-        differentiable = torch.is_grad_enabled()
+
+    replicas: list[M]
+    leaves: list[list[torch.Tensor]]
+    params: list[torch.Tensor]
+
+    def reduce_grads(self, destination: torch.device, counter: ExchangeCounter | None) -> list[torch.Tensor | None]:
+        """Per master parameter: the sum of the replicas' leaf gradients, in replica order (None if unused)."""
+        moved, reduced = 0, []
+        for k in range(len(self.params)):
+            total: torch.Tensor | None = None
+            for i, leaves in enumerate(self.leaves):
+                g = leaves[k].grad
+                if g is None:
+                    continue
+                moved += tensor_bytes(g) if i > 0 else 0
+                g = g.to(destination)
+                total = g if total is None else total + g
+            reduced.append(total)
+        if counter is not None and len(self.leaves) > 1:
+            counter.record(REDUCE_GRADS, moved)
+        return reduced
+
+
+def _leaf_copies(params: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[list[torch.Tensor]]:
+    first = [p.detach().requires_grad_(True) for p in params]
+    return [first] + [[p.detach().to(d, copy=True).requires_grad_(True) for p in params] for d in devices[1:]]
+
+
+def _build(module: M, devices: Sequence[torch.device], counter: ExchangeCounter | None, differentiable: bool,
+           leaves: bool) -> tuple[list[M], list[list[torch.Tensor]], list[torch.Tensor]]:
     params = list(module.parameters())
     grad_params = [p for p in params if p.requires_grad and differentiable]
     plain_params = [p for p in params if not (p.requires_grad and differentiable)]
     buffers = list(module.buffers())
+    grad_copies = (_leaf_copies(grad_params, devices) if leaves
+                   else _copy_tensors(grad_params, devices, differentiable=True, counter=counter))
     per_device = list(zip(
-        _copy_tensors(grad_params, devices, differentiable=True, counter=counter),
+        grad_copies,
         _copy_tensors(plain_params, devices, differentiable=False, counter=None),
         _copy_tensors(buffers, devices, differentiable=False, counter=None), strict=True,
     ))
@@ -133,4 +159,38 @@ def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCo
         _wire(modules, copies, param_map, "param")
         _wire(modules, copies, buffer_map, "buffer")
         result.append(copies[0])  # type: ignore[arg-type]
-    return result
+    return result, [list(g) for g in grad_copies], list(grad_params)
+
+
+def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCounter | None = None,
+              differentiable: bool | None = None) -> list[M]:
+    """One replica of ``module`` per device, connected to the master parameters by autograd (``graph`` mode).
+
+    ``replicas[0]`` runs on the master parameters (device 0); backward through any replica's output sums the
+    gradients into the master ``.grad`` (see :class:`_Replicate`).
+
+    Args:
+        module: the master module, on ``devices[0]``.
+        devices: one entry per replica (may repeat, e.g. ``[cpu] * N``).
+        counter: where the parameter and gradient exchanges are counted.
+        differentiable: connect the replicas to the master parameters for backward; default
+            ``torch.is_grad_enabled()``.
+    """
+    if not devices:
+        return []
+    if differentiable is None:
+        differentiable = torch.is_grad_enabled()
+    return _build(module, devices, counter, differentiable, leaves=False)[0]
+
+
+def replicate_leaves(module: M, devices: Sequence[torch.device], *,
+                     counter: ExchangeCounter | None = None) -> LeafReplicas[M]:
+    """One replica of ``module`` per device with its own leaf parameters (``threads`` backward mode).
+
+    The replicas are *not* connected to the master parameters: each replica's backward runs on its own (in its
+    own thread), and :meth:`LeafReplicas.reduce_grads` sums the leaf gradients on device 0. This is what lets the
+    replicas' backward passes run in parallel on CPU, where PyTorch's autograd engine runs one backward call on
+    the calling thread only.
+    """
+    replicas, leaves, params = _build(module, devices, counter, True, leaves=True)
+    return LeafReplicas(replicas, leaves, params)
