@@ -2,6 +2,7 @@
 
     python scripts/bench_dp_vs_ddp.py                              # CPU (or GPUs when present), gpt_tiny
     python scripts/bench_dp_vs_ddp.py --model configs/model/gpt_small.yaml --block-size 256 --devices 4
+    python scripts/bench_dp_vs_ddp.py --runs lp_dp,lp_ddp,lp_dp_graph       # + lp_dp with torch-style graph backward
 
 Runs ``one`` (a single device), ``lp_dp`` (one process, N replicas in threads) and ``lp_ddp`` (N processes; forked
 on CPU, re-launched on GPUs) each in a fresh Python process, and prints one table: samples/s, the ratio to one
@@ -24,10 +25,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ("one", "lp_dp", "lp_ddp")
+RUNS = ("one", "lp_dp", "lp_ddp", "lp_dp_graph")  # lp_dp_graph: lp_dp with backward="graph" (torch DP's design)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,8 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads-per-device", type=int, default=1,
                    help="CPU: intra-op threads of one 'device' (one-device run, each DP replica, each DDP rank)")
     p.add_argument("--out", default=str(ROOT / "runs/bench_dp_vs_ddp"), help="folder for JSON results and the PNG")
+    p.add_argument("--runs", default="one,lp_dp,lp_ddp",
+                   help=f"comma-separated configurations out of {','.join(RUNS)}; 'one' is always run (the baseline)")
     p.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.runs = ["one", *[r for r in args.runs.split(",") if r and r != "one"]]
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown or "lp_dp" not in args.runs or "lp_ddp" not in args.runs:
+        p.error(f"--runs {','.join(args.runs)}: must include lp_dp and lp_ddp, out of {list(RUNS)}.")
     if args.batch % args.devices:
         p.error(f"--batch {args.batch} must be divisible by --devices {args.devices} (DDP's per-rank batch).")
     return args
@@ -132,8 +139,9 @@ def worker(args: argparse.Namespace) -> None:
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=per_loader, drop_last=True)
     strategy: Any = "auto"
     devices = 1
-    if args.worker == "lp_dp":
-        strategy, devices = LPDPStrategy(cpu_threads=args.threads_per_device), args.devices
+    if args.worker in ("lp_dp", "lp_dp_graph"):
+        backward: Literal["graph", "auto"] = "graph" if args.worker == "lp_dp_graph" else "auto"
+        strategy, devices = LPDPStrategy(cpu_threads=args.threads_per_device, backward=backward), args.devices
     elif args.worker == "lp_ddp":
         strategy = LPDDPStrategy(comm_hook="count", start_method="popen" if cuda else "fork")
         devices = args.devices
@@ -150,6 +158,7 @@ def run_one(run: str, args: argparse.Namespace, argv: list[str]) -> dict[str, An
     out = Path(args.out)
     for stale in out.glob(f"{run}_rank*.json"):
         stale.unlink()
+    load_before = os.getloadavg()[0]  # other work on the machine skews CPU figures: reported with them
     cmd = [sys.executable, __file__, *argv, "--worker", run]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(args.threads_per_device))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -161,6 +170,7 @@ def run_one(run: str, args: argparse.Namespace, argv: list[str]) -> dict[str, An
     rank0["peak_mb"] = max(r["peak_mb"] for r in ranks)
     rank0["total_mb"] = sum(r["peak_mb"] for r in ranks)
     rank0["processes"] = len(ranks)
+    rank0["load_before"] = load_before
     return rank0
 
 
@@ -168,12 +178,12 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     best: dict[str, dict[str, Any]] = {}
     for attempt in range(args.repeats):
-        for run in RUNS:
+        for run in args.runs:
             result = run_one(run, args, argv)
             print(f"  {run} (run {attempt + 1}): {result['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
             if run not in best or result["samples_per_s"] > best[run]["samples_per_s"]:
                 best[run] = result
-    results = [best[run] for run in RUNS]
+    results = [best[run] for run in args.runs]
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
     return results
 
@@ -181,12 +191,12 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     base = next(r for r in results if r["run"] == "one")["samples_per_s"]
     rows = ["| run | processes | samples/s | vs one device | exchanges/step | transfers/step | MiB/step | "
-            "peak memory (MiB): largest process / all |", "|---|---|---|---|---|---|---|---|"]
+            "peak memory (MiB): largest process / all | load avg before |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ex = r["exchanges"] or {"exchanges_per_step": 0, "calls_per_step": 0, "bytes_per_step": 0}
         rows.append(f"| {r['run']} | {r['processes']} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x | "
                      f"{ex['exchanges_per_step']} | {ex['calls_per_step']:.0f} | {ex['bytes_per_step'] / 2**20:.2f} | "
-                     f"{r['peak_mb']:.0f} / {r['total_mb']:.0f} |")
+                     f"{r['peak_mb']:.0f} / {r['total_mb']:.0f} | {r['load_before']:.1f} |")
     dp, ddp = (next(r for r in results if r["run"] == k) for k in ("lp_dp", "lp_ddp"))
     rows.append("")
     rows.append(f"DDP/DP throughput ratio: {ddp['samples_per_s'] / dp['samples_per_s']:.2f}")
