@@ -138,7 +138,7 @@ def _check_zero3(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     ref_model, ref_opt = _reference("adamw", world)
-    model = apply_zero3(_model(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    model: Any = apply_zero3(_model(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     opt = _optimizer(model, "adamw")
     sched = _scheduler(opt)
     counter = CommCounter()

@@ -38,8 +38,11 @@ class _Data(pl.LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else None
-        sampler = DistributedSampler(self.dataset, shuffle=False, **kwargs) if kwargs else None
+        trainer: Any = self.trainer
+        kwargs = trainer.strategy.distributed_sampler_kwargs if trainer.world_size > 1 else None
+        sampler: DistributedSampler | None = None
+        if kwargs:
+            sampler = DistributedSampler(self.dataset, shuffle=False, **kwargs)
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
