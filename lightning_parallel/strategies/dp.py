@@ -179,6 +179,12 @@ class LPDPStrategy(ParallelStrategy):
                 f"{type(module).__name__}.automatic_optimization is False (manual_backward would run per replica). "
                 "Fix: use automatic optimization, or strategy lp_ddp."
             )
+        if self._layer_sync is not None:
+            raise ValueError(
+                "lp_dp cannot synchronise BatchNorm statistics across its replicas (Trainer(sync_batchnorm=True) needs "
+                "one process per device). Fix: drop sync_batchnorm (each replica then normalises its slice), or use "
+                "strategy lp_ddp with sync_batchnorm=True."
+            )
         devices = self.parallel_devices or [self.root_device]
         self._saved_threads = torch.get_num_threads()
         self._engine = DataParallelEngine(devices, reduction=self._loss_reduction, cpu_threads=self._cpu_threads,

@@ -168,7 +168,7 @@ def test_any_lightning_module_trains_under_both_names() -> None:
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_manual_optimization_is_refused_with_the_fix() -> None:
+def test_manual_optimization_and_sync_batchnorm_are_refused_with_the_fix() -> None:
     class Manual(BoringModel):
         def __init__(self) -> None:
             super().__init__()
@@ -176,6 +176,8 @@ def test_manual_optimization_is_refused_with_the_fix() -> None:
 
     with pytest.raises(ValueError, match="automatic optimization"):
         _trainer("dp", 2, max_steps=1).fit(Manual())
+    with pytest.raises(ValueError, match="sync_batchnorm"):
+        _trainer("dp", 2, max_steps=1, sync_batchnorm=True).fit(BoringModel())
 
 
 def test_lp_dp_recipe_runs_from_the_cli(tmp_path: Path, root: Path) -> None:
