@@ -58,6 +58,15 @@ def test_lp_dp_equals_one_device(reference: pl.LightningModule, devices: int, ba
     assert kinds["reduce_grads"].bytes_per_step == param_bytes * (devices - 1)
 
 
+def test_gradient_accumulation_and_clipping_equal_one_device() -> None:
+    options = {"max_steps": 6, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    ref = tiny_gpt()
+    _trainer("auto", 1, **options).fit(ref, SequentialTokens(batch_size=GLOBAL_BATCH))
+    model = tiny_gpt()
+    _trainer("lp_dp", 3, **options).fit(model, SequentialTokens(batch_size=GLOBAL_BATCH))
+    assert max_abs_diff(model, ref) < 5e-6
+
+
 class _Regression(pl.LightningModule):
     """A small MLP with SGD whose batches are nested: ``{"x": x, "meta": {"target": (y,), "tag": "t"}}``;
     logs a mean (loss), a sum (samples seen) and, in validation, a ``sync_dist`` metric."""
