@@ -1,0 +1,405 @@
+"""``lp_zero_offload``: DeepSpeed ZeRO-2/3 with CPU or NVMe offload, on CUDA and on CPU (gloo).
+
+A different engine in kind (``DESIGN.md``): the DeepSpeed engine owns the data-parallel collectives, so this subclasses
+Lightning's ``DeepSpeedStrategy`` (engine wrapping, checkpoint folders, launchers) rather than ``LayoutStrategy``,
+but takes the same ``parallel=`` layout (``layout`` / ``set_layout()``, so the CLI hands it the recipe's ``parallel``
+section). The layout is the source of truth for ``zero_stage`` and ``offload``; presets fill them when the layout
+leaves them at their defaults:
+
+* ``lp_zero_offload``: stage 2, optimizer offloaded to CPU -- per rank the device keeps the parameters (``p Psi``)
+  and gradient buckets; the host keeps 1/N_d of the fp32 master weights, Adam moments and an fp32 gradient partition
+  and runs CPU Adam. Backward reduce-scatters gradients (buckets, overlapped with ``overlap_comm``) and copies the
+  partition to the host; after the host step the updated weights are all-gathered.
+* ``lp_zero3_offload``: stage 3, optimizer and parameters on CPU -- the device holds only the gathered layers in
+  flight: each layer's parameters are all-gathered before its forward and its backward, gradients reduce-scattered.
+* ``lp_zero3_offload_nvme``: stage 3 with both on NVMe under ``parallel.nvme_path`` (ZeRO-Infinity, needs libaio).
+
+CPU runs use DeepSpeed's CPU accelerator over gloo; ``root_device`` is ``cpu:<local_rank>``. Checkpoints are the
+engine's folders; NVMe-offloaded state, which DeepSpeed 0.19.8 neither saves nor restores, is written per rank next
+to them and restored and verified on resume (:mod:`lightning_parallel.parallel.offload.state`).
+:meth:`LPZeroOffloadStrategy.consolidated_state_dict` and :func:`convert_to_fp32_state_dict` give one fp32 state
+dict that loads on one device.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators.cuda import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.parallel.offload import (
+    LIBAIO_HELP,
+    OFFLOAD_STATE_DIR,
+    OffloadConfigError,
+    OffloadEngineConfig,
+    OpsUnavailableError,
+    build_engine,
+    check_batch_sizes,
+    consolidated_state_dict,
+    convert_to_fp32_state_dict,
+    ensure_ops,
+    libaio_available,
+    load_deepspeed_config,
+    load_local_state,
+    offload_targets,
+    required_ops,
+    save_local_state,
+)
+
+__all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
+
+_DEFAULT_STAGE, _DEFAULT_OFFLOAD = 2, "cpu"
+
+
+class LPZeroOffloadStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO with offload, configured by a layout plus typed DeepSpeed keys.
+
+    Args:
+        parallel: the layout (``ParallelConfig`` or mapping): ``zero_stage`` 1-3, ``offload`` none|cpu|nvme,
+            ``nvme_path``; pp = tp = 1. Stage/offload left at 0/none take ``zero_stage``/``offload`` below.
+        zero_stage, offload: the preset's stage and offload target (a layout that names others is an error).
+        zero_optimization: typed ``zero_optimization`` keys in DeepSpeed's names (``overlap_comm``,
+            ``reduce_bucket_size``, ``offload_optimizer.pin_memory``, ``sub_group_size``, ...); unknown keys are
+            refused with the nearest name. ``stage`` and the offload ``device``s come from the layout.
+        aio: typed ``aio`` keys (NVMe I/O: ``block_size``, ``queue_depth``, ...).
+        config: a whole DeepSpeed config (JSON path or dict) used as the base; typed keys override it, and a base
+            that contradicts the layout or the run (stage, offload device, batch sizes) is refused.
+        start_method: ``popen`` (re-run the script per rank, like torchrun), ``spawn`` or ``fork`` (cheapest inside
+            an already-imported process; CPU only).
+        timeout: timeout of every collective.
+        kwargs: passed to Lightning's ``DeepSpeedStrategy`` (accelerator, parallel_devices, cluster_environment,
+            precision_plugin, process_group_backend, logging_level, load_full_weights, ...).
+    """
+
+    strategy_name = "lp_zero_offload"
+
+    def __init__(
+        self,
+        parallel: ParallelConfig | dict[str, Any] | None = None,
+        *,
+        zero_stage: int | None = None,
+        offload: Literal["none", "cpu", "nvme"] | None = None,
+        zero_optimization: dict[str, Any] | None = None,
+        aio: dict[str, Any] | None = None,
+        config: str | Path | dict[str, Any] | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: timedelta | None = default_pg_timeout,
+        logging_level: int = logging.WARN,
+        **kwargs: Any,
+    ) -> None:
+        if zero_stage is not None and zero_stage not in (1, 2, 3):
+            raise LayoutError(f"zero_stage={zero_stage!r} must be 1, 2 or 3 (0 is plain DDP: use lp_ddp).")
+        if offload is not None and offload not in ("none", "cpu", "nvme"):
+            raise LayoutError(f"offload={offload!r} is not one of ['none', 'cpu', 'nvme'].")
+        self._preset = (zero_stage, offload)
+        typed: dict[str, Any] = {}
+        if zero_optimization:
+            typed["zero_optimization"] = dict(zero_optimization)
+        if aio:
+            typed["aio"] = dict(aio)
+        self._typed = OffloadEngineConfig.from_dict(typed)
+        self._base = load_deepspeed_config(config)
+        self._layout = self._resolve_layout(parallel)
+        super().__init__(config=self._effective_config(), timeout=timeout, logging_level=logging_level, **kwargs)
+        self._start_method = start_method
+        self._final_state: dict[str, torch.Tensor] | None = None
+        self.ops_built: dict[str, float] = {}
+        """Seconds spent building each DeepSpeed op in this process (empty when all were cached)."""
+
+    # ------------------------------------------------------------------ the layout
+    @property
+    def layout(self) -> ParallelConfig:
+        return self._layout
+
+    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
+        """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
+        self._layout = self._resolve_layout(parallel)
+        self.config = self._effective_config()
+        self._config_initialized = False
+
+    def _resolve_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> ParallelConfig:
+        layout = ParallelConfig.from_dict(parallel)
+        stage, offload = self._preset
+        changes: dict[str, Any] = {}
+        for key, wanted, default in (("zero_stage", stage, 0), ("offload", offload, "none")):
+            have = getattr(layout, key)
+            if have == default:
+                changes[key] = wanted if wanted is not None else {"zero_stage": _DEFAULT_STAGE,
+                                                                  "offload": _DEFAULT_OFFLOAD}[key]
+            elif wanted is not None and wanted != have:
+                raise LayoutError(
+                    f"the layout says parallel.{key}={have!r} but the strategy preset says {key}={wanted!r}. "
+                    f"Fix: keep one (parallel.{key} is the one that counts), or pick the matching preset."
+                )
+        if changes.get("offload") == "nvme" and not layout.nvme_path:
+            raise LayoutError(
+                "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."
+            )
+        layout = layout.replace(**changes) if changes else layout
+        self._check_layout(layout)
+        return layout
+
+    def _check_layout(self, layout: ParallelConfig) -> None:
+        if layout.pipeline_parallel_size != 1 or layout.tensor_parallel_size != 1:
+            raise LayoutError(
+                "lp_zero_offload is data parallel only (the DeepSpeed engine), but parallel.pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size} and tensor_parallel_size={layout.tensor_parallel_size}. Fix: set "
+                "both to 1, or use lp_hybrid (ZeRO-1 + PP + TP)."
+            )
+        if layout.offload == "nvme" and layout.zero_stage != 3:
+            raise LayoutError(
+                f"parallel.offload='nvme' needs zero_stage=3 (ZeRO-Infinity); DeepSpeed offloads to NVMe only at "
+                f"stage 3, got zero_stage={layout.zero_stage}. Fix: zero_stage=3, or offload='cpu'."
+            )
+        if layout.offload == "nvme" and not libaio_available():
+            raise OpsUnavailableError(LIBAIO_HELP)
+
+    # ------------------------------------------------------------------ the DeepSpeed config
+    def _effective_config(self) -> dict[str, Any]:
+        """Typed defaults < base DeepSpeed config < explicit typed keys < the layout's stage/offload/nvme_path."""
+        layout = self._layout
+        param_device = layout.offload if layout.zero_stage == 3 else "none"
+        explicit_param = self._typed.explicit_dict().get("zero_optimization", {}).get("offload_param", {})
+        if "device" in explicit_param and layout.zero_stage == 3:
+            param_device = explicit_param["device"]  # stage 3 may keep parameters on the device: 'none'
+        from_layout: dict[str, Any] = {"stage": layout.zero_stage, "offload_optimizer": {"device": layout.offload},
+                       "offload_param": {"device": param_device}}
+        self._check_agrees(from_layout, param_device)
+        if layout.nvme_path:
+            from_layout["offload_optimizer"]["nvme_path"] = layout.nvme_path
+            from_layout["offload_param"]["nvme_path"] = layout.nvme_path
+        typed = self._typed.replace({"zero_optimization": from_layout})
+        cfg = typed.to_deepspeed(self._base)
+        zero = cfg["zero_optimization"]
+        for key in ("offload_optimizer", "offload_param"):
+            if zero[key]["device"] == "none":
+                del zero[key]
+        if layout.zero_stage < 3:
+            zero.pop("offload_param", None)
+        return cfg
+
+    def _check_agrees(self, from_layout: dict[str, Any], param_device: str) -> None:
+        for source, cfg in (("zero_optimization=", self._typed.explicit_dict()), ("the DeepSpeed config", self._base)):
+            stage, opt, par = offload_targets({"zero_optimization": {"stage": from_layout["stage"],
+                                                                     **(cfg.get("zero_optimization") or {})}})
+            if stage != from_layout["stage"]:
+                raise OffloadConfigError(
+                    f"{source} sets zero_optimization.stage={stage}, but the layout says zero_stage="
+                    f"{from_layout['stage']}. Fix: set parallel.zero_stage (the layout is the source of truth)."
+                )
+            given = (cfg.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device")
+            if given is not None and given != from_layout["offload_optimizer"]["device"]:
+                raise OffloadConfigError(
+                    f"{source} sets zero_optimization.offload_optimizer.device={opt!r}, but the layout says "
+                    f"offload={from_layout['offload_optimizer']['device']!r}. Fix: set parallel.offload."
+                )
+            given = (cfg.get("zero_optimization") or {}).get("offload_param", {}).get("device")
+            if given is not None and given not in (param_device, "none"):
+                raise OffloadConfigError(
+                    f"{source} sets zero_optimization.offload_param.device={par!r}, but the layout says "
+                    f"offload={self._layout.offload!r}. Fix: set parallel.offload (or offload_param.device: none "
+                    "to keep stage-3 parameters on the device)."
+                )
+
+    @override
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        """Pass the Trainer's accumulation, the DataLoader's batch and ``gradient_clip_val`` to the engine; refuse
+        a DeepSpeed config that disagrees (never rewrite it silently)."""
+        assert isinstance(self.config, dict)
+        if self.lightning_module is None:
+            return
+        trainer = self.lightning_module.trainer
+        accumulation = int(trainer.accumulate_grad_batches)
+        micro = self._auto_select_batch_size() if trainer.fit_loop._data_source.is_defined() else None
+        check_batch_sizes(self.config, micro_batch=micro, accumulation=accumulation, world_size=self.world_size)
+        self.config["gradient_accumulation_steps"] = accumulation
+        self.config.setdefault("train_micro_batch_size_per_gpu", micro or 1)
+        clip = trainer.gradient_clip_val
+        given = self.config.get("gradient_clipping")
+        if given is not None and clip is not None and float(given) != float(clip):
+            raise OffloadConfigError(
+                f"the DeepSpeed config sets gradient_clipping={given}, but Trainer(gradient_clip_val={clip}). "
+                "Fix: set one of them (the engine clips the global gradient norm)."
+            )
+        self.config["gradient_clipping"] = float(given if given is not None else (clip or 0.0))
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        device = self.parallel_devices[self.local_rank]
+        return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
+
+    def _on_cpu(self) -> bool:
+        return not isinstance(self.accelerator, CUDAAccelerator)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _OffloadSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                        self.num_nodes)
+        else:
+            self._launcher = _OffloadMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def prepare_ops(self) -> dict[str, float]:
+        """Select DeepSpeed's accelerator (CPU or CUDA) and build the C++ ops this run loads, with a progress message
+        for each build; called by the launcher before the ranks start."""
+        _select_deepspeed_accelerator("cpu" if self._on_cpu() else "cuda")
+        _, opt, par = offload_targets(self.config or {})
+        names = required_ops(accelerator="cpu" if self._on_cpu() else "cuda", offload_optimizer=opt,
+                             offload_param=par)
+        self.ops_built.update(ensure_ops(names))
+        return self.ops_built
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed's CPU accelerator runs on gloo.
+        _select_deepspeed_accelerator("cpu" if self._on_cpu() else "cuda")
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        assert self.parallel_devices is not None
+        if not self._on_cpu():
+            _validate_device_index_selection(self.parallel_devices)
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None,
+                                   lr_scheduler: Any = None) -> tuple[Any, Any]:
+        assert self.config is not None
+        engine, engine_optimizer, _ = build_engine(model, config=self.config, optimizer=optimizer,
+                                                   lr_scheduler=lr_scheduler, device_rank=self.root_device.index)
+        return engine, engine_optimizer
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def offloads_to_nvme(self) -> bool:
+        return self._layout.offload == "nvme"
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.offloads_to_nvme:
+            folder = Path(self.broadcast(str(filepath))) / OFFLOAD_STATE_DIR
+            save_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
+            self.barrier("lp_zero_offload_nvme_state_saved")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        client_state = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.offloads_to_nvme and self.lightning_module is not None:
+            folder = Path(checkpoint_path) / OFFLOAD_STATE_DIR
+            if not folder.is_dir():
+                raise RuntimeError(
+                    f"{checkpoint_path} has no {OFFLOAD_STATE_DIR}/ folder: it was not written by lp_zero_offload "
+                    "with NVMe offload, and DeepSpeed's own checkpoint does not restore NVMe-offloaded state "
+                    "(it would resume from the initial weights). Refusing to resume from it."
+                )
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            if fitting:
+                load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
+            self.barrier("lp_zero_offload_nvme_state_loaded")
+        return client_state
+
+    @override
+    def on_train_start(self) -> None:
+        """After a resume, give the host optimizer the learning rates of the restored schedulers: DeepSpeed's ZeRO
+        checkpoint restores the optimizer *state* but not its param groups, so without this the first resumed step
+        would run at the scheduler's initial lr."""
+        super().on_train_start()
+        for config in self.lr_scheduler_configs:
+            last = getattr(config.scheduler, "_last_lr", None)
+            optimizer = getattr(config.scheduler, "optimizer", None)
+            if last is None or optimizer is None or len(last) != len(optimizer.param_groups):
+                continue
+            for group, lr in zip(optimizer.param_groups, last, strict=True):
+                group["lr"] = lr
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 weights keyed as ``LightningModule.state_dict()`` (collective: call on every rank)."""
+        assert self.lightning_module is not None
+        return consolidated_state_dict(self.lightning_module)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and isinstance(self._launcher, _MultiProcessingLauncher) and self.zero_stage_3:
+            # spawn/fork hand rank 0's weights back to the main process; under ZeRO-3 they are partitioned
+            self._final_state = self.consolidated_state_dict()
+        super().teardown()
+
+    def describe(self) -> str:
+        return f"{self.strategy_name} ({self._layout.describe()})"
+
+
+def _select_deepspeed_accelerator(kind: str) -> None:
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator()._name == kind:
+        return
+    if kind == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
+
+
+class _OffloadSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, building DeepSpeed's ops (with a message) before the ranks start."""
+
+    def __init__(self, strategy: LPZeroOffloadStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._lp_strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self._lp_strategy.prepare_ops()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _OffloadMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher: ops built first; rank 0 hands back consolidated weights under ZeRO-3."""
+
+    def __init__(self, strategy: LPZeroOffloadStrategy, start_method: str) -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self._lp_strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self._lp_strategy.prepare_ops()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        final, self._lp_strategy._final_state = self._lp_strategy._final_state, None
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is None or final is None or output.weights_path is None:
+            return output
+        self._strategy.checkpoint_io.save_checkpoint(final, output.weights_path)
+        return output
