@@ -26,13 +26,26 @@ from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.recipes import expand_config_args
 from lightning_parallel.strategies.base import LayoutStrategy
 
-__all__ = ["LightningParallelCLI", "main", "resolve_strategy"]
+__all__ = ["LightningParallelCLI", "main", "resolve_strategy", "takes_layout"]
 
 _DESCRIPTION = (
     "lightning-parallel: train a LightningModule with DP, DDP, ZeRO, offload, pipeline, tensor or hybrid "
     "parallelism. Subcommands: fit, validate, test, predict (Lightning's CLI, with a `parallel` layout section) "
     "and plan (recommend a layout: `lightning-parallel plan --help`)."
 )
+
+
+def takes_layout(strategy: Any) -> bool:
+    """A strategy (class or instance) that takes a layout: a ``LayoutStrategy``, or any strategy with the same small
+    protocol -- a ``parallel=`` argument, a ``layout`` property and ``set_layout()`` (``lp_zero_offload``)."""
+    if isinstance(strategy, type):
+        return issubclass(strategy, LayoutStrategy) or (
+            callable(getattr(strategy, "set_layout", None)) and hasattr(strategy, "layout")
+        )
+    return isinstance(strategy, LayoutStrategy) or (
+        callable(getattr(strategy, "set_layout", None)) and isinstance(getattr(strategy, "layout", None),
+                                                                       ParallelConfig)
+    )
 
 
 def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
@@ -46,13 +59,15 @@ def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
     if isinstance(strategy, str) and strategy in StrategyRegistry:
         entry = StrategyRegistry[strategy]
         cls = entry["strategy"]
-        if isinstance(cls, type) and issubclass(cls, LayoutStrategy):
+        if isinstance(cls, type) and takes_layout(cls):
             return cls(parallel=layout, **entry["init_params"])
-    elif isinstance(strategy, LayoutStrategy):
-        if custom and strategy.layout not in (default, layout):
+    elif takes_layout(strategy):
+        # the layout the user gave the strategy (presets may have filled in a stage: not "given")
+        given = getattr(strategy, "explicit_layout", strategy.layout)
+        if custom and given not in (default, layout):
             raise LayoutError(
                 f"the layout is given twice and the two differ: the `parallel` section says {layout.describe()} "  # type: ignore[union-attr]
-                f"but trainer.strategy.init_args.parallel says {strategy.layout.describe()}. Fix: keep one."
+                f"but trainer.strategy.init_args.parallel says {given.describe()}. Fix: keep one."
             )
         if custom:
             strategy.set_layout(layout)  # type: ignore[arg-type]

@@ -14,8 +14,10 @@ from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
 from .sharded import LPShardedStrategy
+from .zero_offload import LPZeroOffloadStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LayoutStrategy", "register_strategies"]
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LPZeroOffloadStrategy",
+           "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -40,6 +42,23 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
     "lp_zero2": (LPShardedStrategy, "lp_sharded at ZeRO stage 2 (+ gradients sharded)", {"zero_stage": 2}),
     "lp_zero3": (LPShardedStrategy, "lp_sharded at ZeRO stage 3 (+ parameters sharded; torch FSDP2)",
                  {"zero_stage": 3}),
+    "lp_zero_offload": (
+        LPZeroOffloadStrategy,
+        "DeepSpeed ZeRO-2 + optimizer offloaded to CPU (CPU Adam); CPU (gloo) or CUDA",
+        {"zero_stage": 2, "offload": "cpu"},
+    ),
+    "lp_zero_offload_fork": (LPZeroOffloadStrategy, "lp_zero_offload started by fork (tests, notebooks; CPU)",
+                             {"zero_stage": 2, "offload": "cpu", "start_method": "fork"}),
+    "lp_zero3_offload": (
+        LPZeroOffloadStrategy,
+        "DeepSpeed ZeRO-3 + optimizer and parameters offloaded to CPU; CPU (gloo) or CUDA",
+        {"zero_stage": 3, "offload": "cpu"},
+    ),
+    "lp_zero3_offload_nvme": (
+        LPZeroOffloadStrategy,
+        "DeepSpeed ZeRO-3 + optimizer and parameters on NVMe under parallel.nvme_path (ZeRO-Infinity; libaio)",
+        {"zero_stage": 3, "offload": "nvme"},
+    ),
 }
 
 

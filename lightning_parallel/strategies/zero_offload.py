@@ -116,6 +116,7 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
             typed["aio"] = dict(aio)
         self._typed = OffloadEngineConfig.from_dict(typed)
         self._base = load_deepspeed_config(config)
+        self._explicit_layout = ParallelConfig.from_dict(parallel)
         self._layout = self._resolve_layout(parallel)
         super().__init__(config=self._effective_config(), timeout=timeout, logging_level=logging_level, **kwargs)
         self._start_method = start_method
@@ -128,8 +129,14 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
     def layout(self) -> ParallelConfig:
         return self._layout
 
+    @property
+    def explicit_layout(self) -> ParallelConfig:
+        """The layout as given (``parallel=``), before the preset filled in stage and offload."""
+        return self._explicit_layout
+
     def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
         """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
+        self._explicit_layout = ParallelConfig.from_dict(parallel)
         self._layout = self._resolve_layout(parallel)
         self.config = self._effective_config()
         self._config_initialized = False
