@@ -61,4 +61,27 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$PY" -m pip install --quiet -e ".[dev]"
   echo "$want" > "$stamp"
 fi
+# DeepSpeed (lp_zero_offload): its sdist imports torch while building, so it is built against the torch installed
+# above (--no-build-isolation, never a second torch) in a step of its own. LP_SKIP_DEEPSPEED=1 skips it and the
+# offload tests then skip with that reason. Its C++ ops compile on first use (announced; cached in
+# TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions: keep that folder between CI runs to skip the compile).
+if [ -z "${LP_SKIP_DEEPSPEED:-}" ]; then
+  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)'; then
+    echo "[setup] installing DeepSpeed (lp_zero_offload), built against the installed torch"
+    "$PY" -m pip install --quiet setuptools wheel ninja packaging
+    "$PY" -m pip install --quiet --no-build-isolation "deepspeed>=0.16" ||
+      echo "[setup] WARNING: DeepSpeed did not install; lp_zero_offload and its tests are unavailable"
+  fi
+  # NVMe offload needs libaio's headers (DeepSpeed's async_io op). Installed here only as root on Debian/Ubuntu;
+  # elsewhere the NVMe tests skip and say why.
+  if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libaio-dev >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "[setup] installing libaio-dev (NVMe offload)"
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev; } >/dev/null 2>&1 ||
+        echo "[setup] libaio-dev could not be installed: the NVMe offload tests will be skipped"
+    else
+      echo "[setup] libaio-dev is missing (needs root: apt-get install libaio-dev): NVMe offload tests will be skipped"
+    fi
+  fi
+fi
 "$PY" -c 'import torch, lightning; print(f"[setup] torch {torch.__version__}, lightning {lightning.__version__}, cuda available: {torch.cuda.is_available()}")'

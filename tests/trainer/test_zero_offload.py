@@ -20,7 +20,13 @@ from torch.utils.data import TensorDataset
 
 pytest.importorskip("deepspeed", reason="lp_zero_offload needs DeepSpeed: pip install -e '.[deepspeed]'")
 
-from lightning_parallel.parallel.offload import convert_to_fp32_state_dict, libaio_available
+from lightning_parallel.parallel.offload import (
+    convert_to_fp32_state_dict,
+    ensure_ops,
+    libaio_available,
+    missing_ops,
+    required_ops,
+)
 from lightning_parallel.parallel.offload.optim import rebind_scheduler, to_host_optimizer
 from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy
 from tests.helpers import TRAINER_QUIET, SequentialTokens, max_abs_diff, max_rel_diff
@@ -101,6 +107,25 @@ def _fit(model: pl.LightningModule, strategy: Any, devices: int, batch_size: int
 def _strategy(stage: int, offload: str = "cpu", **kwargs: Any) -> LPZeroOffloadStrategy:
     parallel = {"zero_stage": stage, "offload": offload, **kwargs.pop("parallel", {})}
     return LPZeroOffloadStrategy(parallel=parallel, start_method="fork", **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_ops(pytestconfig: pytest.Config) -> None:
+    """Build DeepSpeed's ops once, before the first run, and say so on the terminal (a cold build takes minutes:
+    comm ~45 s, CPU Adam ~65 s, pin_memory + async_io ~4-9 min on 2 shared cores; cached in TORCH_EXTENSIONS_DIR)."""
+    names = required_ops(accelerator="cpu", offload_optimizer="nvme" if libaio_available() else "cpu",
+                         offload_param="none")
+    todo = missing_ops(names)
+    if not todo:
+        return
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+
+    def say(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(f"[lp_zero_offload] {line}")
+
+    say(f"building DeepSpeed ops {todo} once for this machine (first use; later runs load them from the cache)")
+    ensure_ops(todo, report=say)
 
 
 @pytest.fixture(scope="module")
