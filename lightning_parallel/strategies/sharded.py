@@ -1,6 +1,7 @@
 """``lp_sharded`` (alias ``ddp_sharded``): ZeRO stages 1, 2 and 3 over the ``dp`` axis of a layout.
 
-Layout ``(N, 1, 1, z)`` with ``z`` in 1..3 (``parallel.zero_stage``, the source of truth). Over the ``dp`` process
+Layout ``(N, 1, 1, z)`` with ``z`` in 1..3 (``parallel.zero_stage``, the source of truth; left at 0, the strategy
+runs its ``zero_stage`` argument or :data:`DEFAULT_ZERO_STAGE` = 2). Over the ``dp`` process
 group of ``N`` ranks (``Psi`` parameters; ``P``, ``G``, ``K`` bytes per parameter of parameters, gradients and
 optimizer state):
 
@@ -78,8 +79,8 @@ class LPShardedStrategy(LayoutStrategy):
     """ZeRO 1/2/3 over the ``dp`` axis of the layout mesh.
 
     Args:
-        parallel: the layout; pp = tp = 1, offload none; ``zero_stage`` 1-3 (0 = take ``zero_stage`` below).
-        zero_stage: the stage to run when the layout leaves ``zero_stage`` at 0 (default
+        parallel: the layout; pp = tp = 1, offload none; ``zero_stage`` 1-3 (0 = not set: ``zero_stage`` below).
+        zero_stage: the stage to run when the layout leaves ``zero_stage`` at 0 (written into the layout; None =
             :data:`DEFAULT_ZERO_STAGE`); if the layout names another non-zero stage, that is an error.
         backend: ``native`` (torch only: flat balanced shards for 1-2, FSDP2 for 3) or ``fairscale`` (``OSS`` +
             DDP for 1, ``OSS`` + ``ShardedDataParallel`` for 2; whole parameters dealt to ranks; no stage 3).
@@ -122,10 +123,12 @@ class LPShardedStrategy(LayoutStrategy):
 
     # ------------------------------------------------------------------ the layout
     def _resolve_stage(self, parallel: ParallelConfig | dict[str, Any] | None) -> ParallelConfig:
+        # A stage given by the layout or the zero_stage argument is written into the layout; none at all leaves
+        # the layout's 0, read as DEFAULT_ZERO_STAGE, so that the CLI can still hand over a `parallel` section.
         layout = ParallelConfig.from_dict(parallel)
         wanted = self._zero_default
         if layout.zero_stage == 0:
-            return layout.replace(zero_stage=wanted or DEFAULT_ZERO_STAGE)
+            return layout if wanted is None else layout.replace(zero_stage=wanted)
         if wanted is not None and wanted != layout.zero_stage:
             raise LayoutError(
                 f"the layout says parallel.zero_stage={layout.zero_stage} but the strategy was built with "
@@ -139,7 +142,8 @@ class LPShardedStrategy(LayoutStrategy):
 
     @property
     def zero_stage(self) -> int:
-        return int(self.layout.zero_stage)
+        """The stage that runs: the layout's, or :data:`DEFAULT_ZERO_STAGE` when the layout leaves it at 0."""
+        return int(self.layout.zero_stage) or DEFAULT_ZERO_STAGE
 
     @property
     def backend(self) -> ShardedBackend:
@@ -147,10 +151,10 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before spawning, what lp_sharded does not run: stage 0, pp or tp > 1, offload, fairscale stage 3."""
-        if layout.zero_stage == 0:
-            raise LayoutError("lp_sharded runs ZeRO stages 1-3, but parallel.zero_stage=0. Fix: use lp_ddp for "
-                              "plain data parallelism, or set zero_stage to 1, 2 or 3.")
+        """Refuse, before spawning, what lp_sharded does not run: pp or tp > 1, offload, fairscale stage 3.
+
+        ``zero_stage=0`` in the layout means "not set": the strategy runs :data:`DEFAULT_ZERO_STAGE` (plain data
+        parallelism without ZeRO is ``lp_ddp``)."""
         bad = {k: getattr(layout, k) for k, ok in (("pipeline_parallel_size", 1), ("tensor_parallel_size", 1),
                                                    ("offload", "none")) if getattr(layout, k) != ok}
         if bad:
@@ -161,7 +165,7 @@ class LPShardedStrategy(LayoutStrategy):
                 f"lp_sharded shards the model over the dp axis only (layout (N, 1, 1, 1|2|3)), but parallel.{key}="
                 f"{value!r}. Fix: use strategy {hint}, or set {key} back to its default."
             )
-        if self._backend == "fairscale" and layout.zero_stage == 3:
+        if self._backend == "fairscale" and (layout.zero_stage or self._zero_default) == 3:
             raise LayoutError(
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
                 "(FullyShardedDataParallel) is CUDA-only. Fix: backend='native' for zero_stage=3 (torch FSDP2)."
@@ -175,6 +179,8 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def describe(self) -> str:
+        if self._dims is None:
+            return f"{self.strategy_name} ({self.layout.replace(zero_stage=self.zero_stage).describe()})"
         return f"{super().describe()} zero={self.zero_stage} backend={self._backend}"
 
     # ------------------------------------------------------------------ wrapping

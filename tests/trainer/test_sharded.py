@@ -120,9 +120,11 @@ def test_built_in_measurement_follows_the_formula(stage: int) -> None:
 
 
 def test_layout_rules() -> None:
-    assert LPShardedStrategy().layout.zero_stage == 2
-    assert LPShardedStrategy({"zero_stage": 3}).layout.zero_stage == 3
+    assert LPShardedStrategy().zero_stage == 2
+    assert LPShardedStrategy({"zero_stage": 3}).zero_stage == 3
     assert LPShardedStrategy(zero_stage=1).layout.zero_stage == 1
+    # a strategy built without a stage takes the CLI's `parallel` section (LightningCLI builds it from class_path)
+    assert resolve_strategy(LPShardedStrategy(), ParallelConfig(zero_stage=3)).zero_stage == 3
     with pytest.raises(LayoutError, match="keep one"):
         LPShardedStrategy({"zero_stage": 3}, zero_stage=1)
     with pytest.raises(LayoutError, match="lp_hybrid"):
