@@ -188,6 +188,37 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     return results
 
 
+def parallel_capacity(devices: int) -> float:
+    """How much faster ``devices`` threads of 1-thread matmuls run than one: ``devices`` on an idle machine with that
+    many free cores; less when other work holds them (then no run below can reach its ideal speed-up either)."""
+    import threading
+
+    import torch
+
+    a = torch.randn(512, 512)
+    saved = torch.get_num_threads()
+
+    def work() -> None:
+        torch.set_num_threads(1)
+        for _ in range(40):
+            a @ a
+
+    try:
+        start = time.perf_counter()
+        for _ in range(devices):
+            work()
+        serial = time.perf_counter() - start
+        threads = [threading.Thread(target=work) for _ in range(devices)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return serial / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     base = next(r for r in results if r["run"] == "one")["samples_per_s"]
     rows = ["| run | processes | samples/s | vs one device | exchanges/step | transfers/step | MiB/step | "
@@ -253,8 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     title = (f"GPT {kw['n_layer']}x{kw['n_embd']}, seq {kw['block_size']}, global batch {args.batch}, "
              f"{args.steps} steps (best of {args.repeats}), {where}")
     print(f"benchmark: {title}", file=sys.stderr)
+    capacity = parallel_capacity(args.devices) if not cuda else float(args.devices)
     results = run_all(args, list(sys.argv[1:] if argv is None else argv))
-    text = f"{title} ({results[0]['params'] / 1e6:.2f}M parameters)\n\n{table(results, args)}"
+    capacity = min(capacity, parallel_capacity(args.devices)) if not cuda else capacity
+    text = (f"{title} ({results[0]['params'] / 1e6:.2f}M parameters)\n"
+            f"machine check: {args.devices} threads of matmuls ran {capacity:.2f}x as fast as one "
+            f"(ideal {args.devices}x; lower = other load held the cores)\n\n{table(results, args)}")
     print(text)
     (Path(args.out) / "table.md").write_text(text + "\n")
     png = Path(args.out) / "bench_dp_vs_ddp.png"
