@@ -324,9 +324,13 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
                     "with NVMe offload, and DeepSpeed's own checkpoint does not restore NVMe-offloaded state "
                     "(it would resume from the initial weights). Refusing to resume from it."
                 )
-            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-            if fitting:
-                load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
+            if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+                raise RuntimeError(
+                    f"validate/test/predict from the NVMe-offloaded checkpoint {checkpoint_path}: DeepSpeed's engine "
+                    "would evaluate without the saved weights. Fix: load lightning_parallel.strategies.zero_offload."
+                    "convert_to_fp32_state_dict(path) into the module and evaluate it without offload."
+                )
+            load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
             self.barrier("lp_zero_offload_nvme_state_loaded")
         return client_state
 

@@ -53,7 +53,7 @@ def build_engine(
         optimizer = host
     params = model_parameters if model_parameters is not None else (p for p in model.parameters() if p.requires_grad)
     engine, engine_optimizer, _, scheduler = deepspeed.initialize(
-        args=argparse.Namespace(device_rank=device_rank),
+        args=argparse.Namespace(device_rank=device_rank) if device_rank is not None else None,
         config=config,
         model=model,
         model_parameters=params,
