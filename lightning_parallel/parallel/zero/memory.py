@@ -64,12 +64,15 @@ def measure_model_state(
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state this rank holds (each storage counted once).
 
-    ``extra_grads``: gradient tensors that live outside the model's ``.grad`` (ZeRO-2's gradient shards).
+    ``extra_grads``: gradient tensors that live outside the model's ``.grad``; a
+    :class:`~lightning_parallel.parallel.zero.ZeroOptimizer`'s gradient shards are found on their own.
     """
     seen: set[int] = set()
     params = list(model.parameters())
     param_bytes = _storage_bytes(params, seen)
-    grad_bytes = _storage_bytes([*(p.grad for p in params if p.grad is not None), *extra_grads], seen)
+    shard_grads = [s.shard_param.grad for s in getattr(optimizer, "shards", [])]  # ZeroOptimizer (stage 2's shards)
+    grads = [*(p.grad for p in params if p.grad is not None), *shard_grads, *extra_grads]
+    grad_bytes = _storage_bytes(grads, seen)
     state = [v for s in optimizer.state.values() for v in s.values()]
     optim_bytes = _storage_bytes(state, seen)
     return ModelStateBytes(params=param_bytes, grads=grad_bytes, optim=optim_bytes)
