@@ -235,7 +235,9 @@ class LPDPStrategy(ParallelStrategy):
                 by_name.setdefault(name, []).append((i, value, args, kwargs))
         moved = 0
         for name, entries in by_name.items():
+            keep_graph = bool(entries[0][3].get("enable_graph"))
             values = [torch.as_tensor(v).to(self.root_device) for _, v, _, _ in entries]
+            values = values if keep_graph else [v.detach() for v in values]
             moved += sum(tensor_bytes(v) for v in values[1:])
             weights = [sizes[i] / max(1, sum(sizes[j] for j, *_ in entries)) for i, *_ in entries]
             _, _, args, kwargs = entries[0]
@@ -282,8 +284,16 @@ class LPDPStrategy(ParallelStrategy):
         self.exchange_counter.enabled = False
 
     @override
+    def on_test_end(self) -> None:
+        self.exchange_counter.enabled = True
+
+    @override
     def on_predict_start(self) -> None:
         self.exchange_counter.enabled = False
+
+    @override
+    def on_predict_end(self) -> None:
+        self.exchange_counter.enabled = True
 
     # ------------------------------------------------------------------ one process: collectives are identities
     @override
