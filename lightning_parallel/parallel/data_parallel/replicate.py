@@ -16,6 +16,11 @@ Buffers are not differentiated: replica 0 shares the master's buffers (a BatchNo
 from device 0's slice), replicas ``1..N-1`` get detached copies whose updates are dropped after the step. Without
 gradients (evaluation, ``torch.no_grad``/``inference_mode``) the copies are plain detached copies.
 
+:func:`replicate_leaves` is the other way (the engine's ``threads`` backward mode): the replicas' trainable
+parameters are their own autograd leaves (replica 0: detached aliases of the master parameters, no copy), so each
+replica's backward can run on its own thread; :meth:`LeafReplicas.reduce_grads` then sums the leaf gradients on
+device 0 in replica order -- the same exchange 5, the same numbers.
+
 torch's own ``replicate`` (coalesced ``Broadcast``/``ReduceAddCoalesced``) refuses CPU tensors, materializes zero
 gradients for unused parameters, and cannot count; this path makes per-tensor copies with ``Tensor.to`` on any device
 type. No Lightning import here.
