@@ -130,3 +130,20 @@ def ensure_ops(names: Iterable[str], *, report: Callable[[str], None] = _say) ->
         built[name] = time.perf_counter() - start
         report(f"built {name!r} in {built[name]:.0f} s")
     return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_parallel.parallel.offload.ops [op ...]``: build DeepSpeed's ops ahead of use (default:
+    the CPU collective op and CPU Adam, plus pin_memory and async_io where libaio is available)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    names = args or required_ops(accelerator="cpu", offload_optimizer="cpu", offload_param="none")
+    if not args and libaio_available():
+        names += ["pin_memory", "async_io"]
+    start = time.perf_counter()
+    built = ensure_ops(names)
+    _say(f"ops ready in {time.perf_counter() - start:.0f} s (built: {sorted(built) or 'none, all cached'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
