@@ -248,7 +248,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
     names = [r["run"] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(names, [r["samples_per_s"] for r in results], color=["grey", "tab:orange", "tab:blue"])
+    colors = {"one": "grey", "lp_dp": "tab:orange", "lp_ddp": "tab:blue", "lp_dp_graph": "tab:olive"}
+    ax1.bar(names, [r["samples_per_s"] for r in results], color=[colors[n] for n in names])
     ax1.set_ylabel("samples / s")
     ax1.set_title("throughput")
     seen = {k for r in results if r["exchanges"] for k in r["exchanges"]["kinds"]}
@@ -262,6 +263,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     for x, r in enumerate(results):
         count = (r["exchanges"] or {}).get("exchanges_per_step", 0)
         ax2.annotate(f"{count} exchange{'s' * (count != 1)}", (x, bottom[x]), ha="center", va="bottom", fontsize=9)
+    ax2.set_ylim(0, max(bottom) * 1.15 or 1.0)
     ax2.set_ylabel("MiB per step")
     ax2.set_title("exchanged bytes per step, by kind")
     ax2.legend(fontsize=8)
