@@ -266,7 +266,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax2.set_ylim(0, max(bottom) * 1.15 or 1.0)
     ax2.set_ylabel("MiB per step")
     ax2.set_title("exchanged bytes per step, by kind")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
