@@ -247,7 +247,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["run"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     colors = {"one": "grey", "lp_dp": "tab:orange", "lp_ddp": "tab:blue", "lp_dp_graph": "tab:olive"}
     ax1.bar(names, [r["samples_per_s"] for r in results], color=[colors[n] for n in names])
     ax1.set_ylabel("samples / s")
@@ -266,7 +266,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax2.set_ylim(0, max(bottom) * 1.15 or 1.0)
     ax2.set_ylabel("MiB per step")
     ax2.set_title("exchanged bytes per step, by kind")
-    ax2.legend(fontsize=8, loc="upper left")
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
