@@ -23,7 +23,7 @@ from typing_extensions import override
 import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig
-from lightning_parallel.recipes import expand_config_args
+from lightning_parallel.recipes import expand_config_args, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
 __all__ = ["LightningParallelCLI", "main", "resolve_strategy", "takes_layout"]
@@ -84,7 +84,8 @@ def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
 class LightningParallelCLI(LightningCLI):
     """LightningCLI with the ``parallel`` section, OmegaConf interpolation, subclass mode and a run summary."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, written_limits: dict[str, int | float] | None = None, **kwargs: Any) -> None:
+        self._written_limits = written_limits or {}
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
@@ -104,6 +105,9 @@ class LightningParallelCLI(LightningCLI):
         if layout is not None and not isinstance(layout, ParallelConfig):
             layout = ParallelConfig.from_dict(dict(layout))
         config = dict(config)
+        for key, value in self._written_limits.items():  # `1` means one batch, `1.0` all: keep what was written
+            if isinstance(value, int) and config.get(key) == value:
+                config[key] = value
         config["strategy"] = resolve_strategy(config.get("strategy", "auto"), layout)
         existing = list(config.get("callbacks") or []) + list(callbacks)
         if not any(isinstance(c, RunSummary) for c in existing):
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too
             warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-            LightningParallelCLI(args=expand_config_args(args))
+            expanded = expand_config_args(args)
+            LightningParallelCLI(args=expanded, written_limits=written_batch_limits(expanded))
     except LayoutError as err:
         print(f"lightning-parallel: error: {err}", file=sys.stderr)
         return 2

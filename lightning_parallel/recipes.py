@@ -13,11 +13,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_parallel.config import LayoutError
 
-__all__ = ["compose_recipe", "expand_config_args"]
+__all__ = ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "written_batch_limits"]
+
+BATCH_LIMIT_KEYS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                    "overfit_batches")
 
 
 def _load(path: Path, seen: tuple[Path, ...]) -> DictConfig:
@@ -54,30 +58,85 @@ def compose_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def expand_config_args(args: list[str]) -> list[str]:
-    """Replace every ``--config FILE`` whose file has ``defaults`` by the composed config (a temporary file)."""
+    """Replace every ``--config FILE`` whose file has ``defaults`` by the composed config (a temporary file).
+
+    Command-line overrides of scalar keys the composed config already has (``--model.init_args.block_size 64``)
+    are written into it as well, so interpolations that point at them (``${model.init_args.block_size}``) follow.
+    """
+    overrides = _scalar_overrides(args)
     out: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         if arg in ("--config", "-c") and i + 1 < len(args):
-            out += [arg, _expanded(args[i + 1])]
+            out += [arg, _expanded(args[i + 1], overrides)]
             i += 2
             continue
         if arg.startswith("--config="):
-            arg = "--config=" + _expanded(arg.split("=", 1)[1])
+            arg = "--config=" + _expanded(arg.split("=", 1)[1], overrides)
         out.append(arg)
         i += 1
     return out
 
 
-def _expanded(path: str) -> str:
+def _scalar_overrides(args: list[str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg.startswith(("--config", "--print")):
+            continue
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = arg[2:], args[i + 1]
+        else:
+            continue
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str | int | float | bool):
+            found[key] = parsed
+    return found
+
+
+def _expanded(path: str, overrides: dict[str, Any]) -> str:
     p = Path(path)
     if p.suffix not in (".yaml", ".yml") or not p.is_file():
         return path
     if "defaults" not in (OmegaConf.load(p) or {}):
         return path
-    composed = compose_recipe(p)
+    composed = OmegaConf.create(compose_recipe(p))
+    for key, value in overrides.items():
+        current = OmegaConf.select(composed, key, default=None, throw_on_resolution_failure=False)
+        if current is not None and not isinstance(current, DictConfig | ListConfig):
+            OmegaConf.update(composed, key, value)
     tmp = tempfile.NamedTemporaryFile("w", prefix=f"{p.stem}.", suffix=".composed.yaml", delete=False)
     with tmp:
-        tmp.write(f"# composed from {p}\n" + OmegaConf.to_yaml(OmegaConf.create(composed)))
+        tmp.write(f"# composed from {p}\n" + OmegaConf.to_yaml(composed))
     return tmp.name
+
+
+def written_batch_limits(args: list[str]) -> dict[str, int | float]:
+    """The ``trainer.limit_*_batches`` / ``overfit_batches`` values as the user wrote them (config files, then the
+    command line, last one wins).
+
+    Lightning reads ``1`` as one batch and ``1.0`` as all of them, but Trainer's signature says ``float | int``, so
+    the CLI parser turns every integer into a float; the CLI uses this to give integers back their type.
+    """
+    found: dict[str, int | float] = {}
+    pairs: list[tuple[str, str]] = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            pairs.append((key, value))
+        elif (arg.startswith("--") or arg == "-c") and i + 1 < len(args):
+            pairs.append((arg, args[i + 1]))
+    for key, value in pairs:
+        name = key[len("--trainer."):]
+        if key in ("--config", "-c") and Path(value).is_file():
+            trainer = (OmegaConf.to_container(OmegaConf.load(value)) or {}).get("trainer")  # type: ignore[union-attr]
+            if isinstance(trainer, dict):
+                found.update({k: v for k, v in trainer.items() if k in BATCH_LIMIT_KEYS and isinstance(v, int | float)})
+        elif key.startswith("--trainer.") and name in BATCH_LIMIT_KEYS:
+            try:
+                found[name] = int(value)
+            except ValueError:
+                found.pop(name, None)
+    return found

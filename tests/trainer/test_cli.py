@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lightning_parallel import LayoutError, LPDDPStrategy, ParallelConfig
-from lightning_parallel.cli import main, resolve_strategy
-from lightning_parallel.recipes import compose_recipe
+from lightning_parallel.cli import LightningParallelCLI, main, resolve_strategy
+from lightning_parallel.recipes import compose_recipe, expand_config_args, written_batch_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
@@ -90,3 +90,19 @@ def test_recipe_composition(tmp_path: Path) -> None:
     (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
     with pytest.raises(LayoutError, match="cycle"):
         compose_recipe(tmp_path / "a.yaml")
+
+
+def test_integer_batch_limits_keep_their_type() -> None:
+    """Trainer's signature says float | int, so the parser makes `1` a float, which Lightning reads as 100%."""
+    args = ["--config", QUICKSTART, "--trainer.limit_val_batches", "1", "--trainer.limit_train_batches", "0.5"]
+    expanded = expand_config_args(args)
+    assert written_batch_limits(expanded) == {"limit_val_batches": 1}
+    cli = LightningParallelCLI(args=expanded, run=False, written_limits=written_batch_limits(expanded))
+    assert cli.trainer.limit_val_batches == 1 and isinstance(cli.trainer.limit_val_batches, int)
+    assert cli.trainer.limit_train_batches == 0.5
+
+
+def test_interpolations_follow_command_line_overrides() -> None:
+    expanded = expand_config_args(["fit", "--config", QUICKSTART, "--model.init_args.block_size", "64"])
+    composed = Path(expanded[2]).read_text()
+    assert "block_size: 64" in composed and "block_size: ${model.init_args.block_size}" in composed
