@@ -44,11 +44,11 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
                  {"zero_stage": 3}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
-        "DeepSpeed ZeRO-2 + optimizer offloaded to CPU (CPU Adam); CPU (gloo) or CUDA",
-        {"zero_stage": 2, "offload": "cpu"},
+        "DeepSpeed ZeRO + offload; parallel.zero_stage 2|3 and offload cpu|nvme (default: ZeRO-2 + optimizer on CPU)",
+        {},
     ),
     "lp_zero_offload_fork": (LPZeroOffloadStrategy, "lp_zero_offload started by fork (tests, notebooks; CPU)",
-                             {"zero_stage": 2, "offload": "cpu", "start_method": "fork"}),
+                             {"start_method": "fork"}),
     "lp_zero3_offload": (
         LPZeroOffloadStrategy,
         "DeepSpeed ZeRO-3 + optimizer and parameters offloaded to CPU; CPU (gloo) or CUDA",

@@ -6,10 +6,11 @@ but takes the same ``parallel=`` layout (``layout`` / ``set_layout()``, so the C
 section). The layout is the source of truth for ``zero_stage`` and ``offload``; presets fill them when the layout
 leaves them at their defaults:
 
-* ``lp_zero_offload``: stage 2, optimizer offloaded to CPU -- per rank the device keeps the parameters (``p Psi``)
-  and gradient buckets; the host keeps 1/N_d of the fp32 master weights, Adam moments and an fp32 gradient partition
-  and runs CPU Adam. Backward reduce-scatters gradients (buckets, overlapped with ``overlap_comm``) and copies the
-  partition to the host; after the host step the updated weights are all-gathered.
+* ``lp_zero_offload``: stage and offload from the layout; by default stage 2 with the optimizer offloaded to CPU --
+  per rank the device keeps the parameters (``p Psi``) and gradient buckets; the host keeps 1/N_d of the fp32 master
+  weights, Adam moments and an fp32 gradient partition and runs CPU Adam. Backward reduce-scatters gradients
+  (buckets, overlapped with ``overlap_comm``) and copies the partition to the host; after the host step the updated
+  weights are all-gathered.
 * ``lp_zero3_offload``: stage 3, optimizer and parameters on CPU -- the device holds only the gathered layers in
   flight: each layer's parameters are all-gathered before its forward and its backward, gradients reduce-scattered.
 * ``lp_zero3_offload_nvme``: stage 3 with both on NVMe under ``parallel.nvme_path`` (ZeRO-Infinity, needs libaio).
@@ -24,6 +25,7 @@ dict that loads on one device.
 from __future__ import annotations
 
 import logging
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -153,7 +155,8 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
             elif wanted is not None and wanted != have:
                 raise LayoutError(
                     f"the layout says parallel.{key}={have!r} but the strategy preset says {key}={wanted!r}. "
-                    f"Fix: keep one (parallel.{key} is the one that counts), or pick the matching preset."
+                    "Fix: keep one: use strategy lp_zero_offload (it takes stage and offload from the layout), or "
+                    "the preset that matches the layout (lp_zero3_offload, lp_zero3_offload_nvme)."
                 )
         if changes.get("offload") == "nvme" and not layout.nvme_path:
             raise LayoutError(
@@ -307,6 +310,11 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.offloads_to_nvme:  # DeepSpeed copies the swap folder with copytree, which refuses an existing target
+            target = Path(self.broadcast(str(filepath)))
+            if self.is_global_zero and target.is_dir():
+                shutil.rmtree(target)
+            self.barrier("lp_zero_offload_nvme_overwrite")
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.offloads_to_nvme:
             folder = Path(self.broadcast(str(filepath))) / OFFLOAD_STATE_DIR

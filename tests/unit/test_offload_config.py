@@ -91,10 +91,12 @@ def test_registered_presets_and_the_cli_hands_them_the_layout() -> None:
     from lightning_parallel.cli import resolve_strategy
     from lightning_parallel.config import ParallelConfig
 
+    assert StrategyRegistry["lp_zero3_offload"]["init_params"] == {"zero_stage": 3, "offload": "cpu"}
     for name, stage, offload in (("lp_zero_offload", 2, "cpu"), ("lp_zero3_offload", 3, "cpu")):
-        assert StrategyRegistry[name]["init_params"] == {"zero_stage": stage, "offload": offload}
         resolved = resolve_strategy(name, ParallelConfig())
         assert (resolved.layout.zero_stage, resolved.layout.offload) == (stage, offload)
+    generic = resolve_strategy("lp_zero_offload", ParallelConfig(zero_stage=3, offload="cpu"))
+    assert generic.layout.zero_stage == 3  # lp_zero_offload takes stage and offload from the layout
     nvme = resolve_strategy("lp_zero3_offload_nvme", ParallelConfig(zero_stage=3, offload="nvme", nvme_path="/tmp/s"))
     assert nvme.config["zero_optimization"]["offload_param"] == {**nvme.config["zero_optimization"]["offload_param"],
                                                                  "device": "nvme", "nvme_path": "/tmp/s"}
