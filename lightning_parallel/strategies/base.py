@@ -14,6 +14,7 @@ data-parallel layouts (``lp_ddp``), other engines where DDP cannot serve.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -122,6 +123,10 @@ class LayoutStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # initializes the default process group
         self._mesh = self.dims.build_mesh(self.root_device.type)
+        # Lightning leaves the process group alive after fit (a script may go on to test). Tear it down before the
+        # interpreter finalizes, so the backend's threads are joined in order rather than destroyed at exit.
+        atexit.unregister(_destroy_process_group_at_exit)
+        atexit.register(_destroy_process_group_at_exit)
 
     @property
     @override
@@ -144,6 +149,13 @@ class LayoutStrategy(DDPStrategy):
     def describe(self) -> str:
         dims = self._dims.describe() if self._dims is not None else self._layout.describe()
         return f"{self.strategy_name} ({dims})"
+
+
+def _destroy_process_group_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
