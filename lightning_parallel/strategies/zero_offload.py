@@ -371,7 +371,10 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
         super().teardown()
 
     def describe(self) -> str:
-        return f"{self.strategy_name} ({self._layout.describe()})"
+        layout = self._layout
+        if layout.data_parallel_size == "auto" and self.parallel_devices:
+            layout = layout.replace(data_parallel_size=self.num_nodes * len(self.parallel_devices))
+        return f"{self.strategy_name} ({layout.describe()})"
 
 
 def _select_deepspeed_accelerator(kind: str) -> None:
