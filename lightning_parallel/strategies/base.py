@@ -31,6 +31,14 @@ from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 
 __all__ = ["LayoutStrategy"]
 
+# Which strategy runs a layout that sets this key (for refusals).
+_STRATEGY_FOR_KEY = {
+    "pipeline_parallel_size": "lp_pipeline or lp_hybrid (DP+PP+TP+ZeRO-1)",
+    "tensor_parallel_size": "lp_tensor or lp_hybrid",
+    "zero_stage": "lp_sharded",
+    "offload": "lp_zero_offload",
+}
+
 
 class LayoutStrategy(DDPStrategy):
     """Base strategy: a parallel layout -> resolved degrees -> named DeviceMesh -> a wrapped model.
@@ -72,6 +80,20 @@ class LayoutStrategy(DDPStrategy):
 
     def check_layout(self, layout: ParallelConfig) -> None:
         """Presets override this to refuse layouts they do not run (the base runs what its subclass wraps)."""
+
+    def refuse_keys(self, layout: ParallelConfig, keys: tuple[str, ...], *, shape: str) -> None:
+        """Refuse a layout that sets any of ``keys`` away from its default, naming the strategy that runs it.
+
+        ``shape`` says what this strategy runs, e.g. ``"replicates the whole model on every rank (N, 1, 1, 0)"``.
+        """
+        default = ParallelConfig()
+        for key in keys:
+            value = getattr(layout, key)
+            if value != getattr(default, key):
+                raise LayoutError(
+                    f"{self.strategy_name} {shape}, but parallel.{key}={value!r}. Fix: use strategy "
+                    f"{_STRATEGY_FOR_KEY[key]}, or set {key} back to its default."
+                )
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp)."""

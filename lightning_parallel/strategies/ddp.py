@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.data_parallel.exchange import (
     CountingHookState,
     ExchangeCounter,
@@ -77,17 +77,8 @@ class LPDDPStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        bad = {k: getattr(layout, k) for k, ok in (("pipeline_parallel_size", 1), ("tensor_parallel_size", 1),
-                                                   ("zero_stage", 0), ("offload", "none"))
-               if getattr(layout, k) != ok}
-        if bad:
-            key, value = next(iter(bad.items()))
-            hint = {"pipeline_parallel_size": "lp_pipeline or lp_hybrid", "tensor_parallel_size": "lp_tensor or "
-                    "lp_hybrid", "zero_stage": "lp_sharded", "offload": "lp_zero_offload"}[key]
-            raise LayoutError(
-                f"lp_ddp replicates the whole model on every rank (layout (N, 1, 1, 0)), but parallel.{key}="
-                f"{value!r}. Fix: use strategy {hint}, or set {key} back to its default."
-            )
+        self.refuse_keys(layout, ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload"),
+                         shape="replicates the whole model on every rank (layout (N, 1, 1, 0))")
 
     @override
     def wrap_model(self, model: nn.Module) -> nn.Module:

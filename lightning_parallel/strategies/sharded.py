@@ -155,16 +155,8 @@ class LPShardedStrategy(LayoutStrategy):
 
         ``zero_stage=0`` in the layout means "not set": the strategy runs :data:`DEFAULT_ZERO_STAGE` (plain data
         parallelism without ZeRO is ``lp_ddp``)."""
-        bad = {k: getattr(layout, k) for k, ok in (("pipeline_parallel_size", 1), ("tensor_parallel_size", 1),
-                                                   ("offload", "none")) if getattr(layout, k) != ok}
-        if bad:
-            key, value = next(iter(bad.items()))
-            hint = {"pipeline_parallel_size": "lp_hybrid (DP+PP+TP+ZeRO-1)", "tensor_parallel_size": "lp_tensor or "
-                    "lp_hybrid", "offload": "lp_zero_offload"}[key]
-            raise LayoutError(
-                f"lp_sharded shards the model over the dp axis only (layout (N, 1, 1, 1|2|3)), but parallel.{key}="
-                f"{value!r}. Fix: use strategy {hint}, or set {key} back to its default."
-            )
+        self.refuse_keys(layout, ("pipeline_parallel_size", "tensor_parallel_size", "offload"),
+                         shape="shards the model over the dp axis only (layout (N, 1, 1, 1|2|3))")
         if self._backend == "fairscale" and (layout.zero_stage or self._zero_default) == 3:
             raise LayoutError(
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
