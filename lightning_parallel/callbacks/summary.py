@@ -1,4 +1,4 @@
-"""Callbacks the CLI adds to every run."""
+"""``RunSummary``: the callback the CLI adds to every run."""
 
 from __future__ import annotations
 
