@@ -11,7 +11,8 @@ from lightning_parallel.planner.hardware import Hardware, list_profiles, load_pr
 from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory, model_states, model_states_bytes
 from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec, load_recipe
 from lightning_parallel.planner.plan import Plan, make_plan
-from lightning_parallel.planner.recipe import recipe_dict, write_recipe
+from lightning_parallel.planner.recipe_writer import recipe_dict, write_recipe
+from lightning_parallel.planner.report import format_plan, plan_json
 from lightning_parallel.planner.settings import StateBytes, TrainingSettings
 from lightning_parallel.planner.units import format_bytes, parse_bytes, parse_count
 
@@ -30,6 +31,7 @@ __all__ = [
     "estimate_memory",
     "evaluate",
     "format_bytes",
+    "format_plan",
     "layer_activation_bytes",
     "list_profiles",
     "load_profile",
@@ -40,6 +42,7 @@ __all__ = [
     "model_states_bytes",
     "parse_bytes",
     "parse_count",
+    "plan_json",
     "recipe_dict",
     "strategy_name",
     "write_recipe",

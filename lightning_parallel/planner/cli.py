@@ -20,8 +20,8 @@ from typing import Any
 from lightning_parallel.planner.hardware import Hardware, list_profiles, load_profile, make_hardware
 from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec, load_recipe
 from lightning_parallel.planner.plan import make_plan
-from lightning_parallel.planner.recipe import write_recipe
-from lightning_parallel.planner.report import format_plan
+from lightning_parallel.planner.recipe_writer import write_recipe
+from lightning_parallel.planner.report import format_plan, plan_json
 from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import parse_count
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightning-parallel plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps(plan_json(plan), indent=2))
     else:
         print(format_plan(plan, top=args.top))
         if args.write_recipe:

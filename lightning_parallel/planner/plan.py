@@ -1,4 +1,8 @@
-"""A plan: every candidate layout ranked, and the recommendation with the guide's branch and the reasoning."""
+"""A plan: every candidate layout ranked, and the recommendation with the guide's branch and the reasoning.
+
+Output lives in :mod:`lightning_parallel.planner.report` (``format_plan``, ``plan_json``), which imports this module,
+never the other way round.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ _FAMILY_TEXT: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Plan:
-    """The result of :func:`make_plan`."""
+    """The result of :func:`make_plan`; :func:`lightning_parallel.planner.report.plan_json` gives its JSON form."""
 
     model: ModelSpec
     training: TrainingSettings
@@ -77,30 +81,6 @@ class Plan:
         """Model states per device for pure data parallelism over all devices: ddp, zero1, zero2, zero3."""
         n = self.model.params_per_device(pp=1, tp=1)
         return model_states_bytes(n, self.training.state_bytes, dp=self.hardware.world_size)
-
-    def to_json(self) -> dict[str, Any]:
-        """The machine-readable plan (``lightning-parallel plan --json``)."""
-        from lightning_parallel.planner.report import candidate_json, recommendation_json
-
-        return {
-            "model": {
-                "name": self.model.name,
-                "params": self.model.n_params,
-                "largest_layer_params": self.model.largest_layer_params,
-            },
-            "training": {
-                "precision": self.training.precision,
-                "optimizer": self.training.optimizer,
-                "state_bytes_per_param": vars(self.training.state_bytes),
-                "micro_batch_size": self.training.micro_batch_size,
-                "activation_checkpointing": self.training.activation_checkpointing,
-            },
-            "hardware": vars(self.hardware),
-            "model_states_bytes": self.model_states_bytes,
-            "single_device_bytes": self.situation.single_device.total,
-            "recommendation": recommendation_json(self),
-            "candidates": [candidate_json(c) for c in self.candidates],
-        }
 
 
 def _rank_key(candidate: Candidate, families: tuple[str, ...]) -> tuple[Any, ...]:

@@ -1,16 +1,18 @@
-"""The planner's output: a readable table and reasoning, or a JSON object."""
+"""The planner's output: a readable table and reasoning (:func:`format_plan`), or a JSON object (:func:`plan_json`).
+
+The dependency goes one way: this module reads a :class:`~lightning_parallel.planner.plan.Plan`; ``plan.py`` does not
+import it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_parallel.planner.guide import Candidate
+from lightning_parallel.planner.plan import Plan
 from lightning_parallel.planner.units import format_bytes, format_count
 
-if TYPE_CHECKING:
-    from lightning_parallel.planner.plan import Plan
-
-__all__ = ["candidate_json", "format_plan", "recommendation_json"]
+__all__ = ["candidate_json", "format_plan", "plan_json", "recommendation_json"]
 
 _COLUMNS = (
     "#",
@@ -193,4 +195,28 @@ def recommendation_json(plan: Plan) -> dict[str, Any]:
         "num_micro_batches": lay.num_micro_batches,
         "memory_bytes": candidate_json(chosen)["memory_bytes"],
         **base,
+    }
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The machine-readable plan (``lightning-parallel plan --json``): model, training, hardware, model states per
+    device for pure data parallelism, the recommendation and every candidate."""
+    return {
+        "model": {
+            "name": plan.model.name,
+            "params": plan.model.n_params,
+            "largest_layer_params": plan.model.largest_layer_params,
+        },
+        "training": {
+            "precision": plan.training.precision,
+            "optimizer": plan.training.optimizer,
+            "state_bytes_per_param": vars(plan.training.state_bytes),
+            "micro_batch_size": plan.training.micro_batch_size,
+            "activation_checkpointing": plan.training.activation_checkpointing,
+        },
+        "hardware": vars(plan.hardware),
+        "model_states_bytes": plan.model_states_bytes,
+        "single_device_bytes": plan.situation.single_device.total,
+        "recommendation": recommendation_json(plan),
+        "candidates": [candidate_json(c) for c in plan.candidates],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from lightning_parallel.planner import (
     make_hardware,
     make_plan,
 )
+from lightning_parallel.planner import plan as plan_module
 from lightning_parallel.planner.cli import main
 from lightning_parallel.planner.plan import Plan
+from lightning_parallel.planner.report import plan_json
 
 ADAMW_BF16 = TrainingSettings()
 
@@ -161,6 +164,19 @@ def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) ->
                 "offload", "tiled_layers", "branch", "reason"):
         assert key in rec
     assert rec["strategy"] == "lp_sharded" and rec["zero_stage"] == 2 and rec["tiled_layers"] is False
+
+
+def test_plan_json_lives_in_report_and_plan_does_not_import_it() -> None:
+    """``plan_json`` gives the JSON the CLI prints; ``plan.py`` never imports ``report.py`` (no import circle)."""
+    plan = _plan(ModelSpec.from_params(7_500_000_000), nodes=8, gpus_per_node=8, gpu_memory="32GB")
+    out = plan_json(plan)
+    assert out["model_states_bytes"] == plan.model_states_bytes
+    assert out["recommendation"]["strategy"] == "lp_sharded" and len(out["candidates"]) == len(plan.candidates)
+    json.dumps(out)  # serializable as it is
+    tree = ast.parse(Path(plan_module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "lightning_parallel.planner.report" not in imported, imported
 
 
 def test_cli_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:

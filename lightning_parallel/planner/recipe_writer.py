@@ -1,0 +1,103 @@
+"""Writing the planner's recommended layout as a recipe that ``lightning-parallel fit --config`` runs
+(``lightning-parallel plan --write-recipe PATH``)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_parallel.config import ParallelConfig, check_model_compat
+from lightning_parallel.planner.plan import Plan
+from lightning_parallel.planner.units import format_bytes
+
+__all__ = ["recipe_dict", "recipe_text", "write_recipe"]
+
+_PARALLEL_ALWAYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload")
+
+
+def _parallel_section(layout: ParallelConfig) -> dict[str, Any]:
+    defaults = ParallelConfig().to_dict()
+    values = layout.to_dict()
+    return {k: v for k, v in values.items() if k in _PARALLEL_ALWAYS or v != defaults[k]}
+
+
+def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = None) -> dict[str, Any]:
+    """The recipe of the recommended layout: trainer, parallel, model (GPT) and data sections."""
+    shape, chosen = plan.model.shape, plan.recommended
+    if shape is None:
+        raise ValueError(
+            "--write-recipe needs the model's shape to write its model section; give --model NAME, "
+            "--layers/--hidden/--heads, or --recipe PATH instead of --params."
+        )
+    if chosen is None:
+        raise ValueError("--write-recipe: no layout fits this model on this hardware, so there is no recipe to write.")
+    layout, hw, training = chosen.layout, plan.hardware, plan.training
+    check_model_compat(layout, n_layer=shape.n_layer, n_head=shape.n_head, vocab_size=shape.vocab_size)
+    seq_len = training.sequence_length(shape.block_size)
+    batch = training.micro_batch_size * training.micro_batches(layout.pipeline_parallel_size)
+    single = chosen.strategy == "single_device"
+    return {
+        "seed_everything": 1234,
+        "trainer": {
+            "strategy": "auto" if single else chosen.strategy,
+            "accelerator": accelerator or hw.accelerator,
+            "devices": 1 if single else hw.gpus_per_node,
+            "num_nodes": hw.nodes,
+            "precision": training.trainer_precision,
+            "max_steps": max_steps,
+        },
+        "parallel": _parallel_section(layout),
+        "model": {
+            "class_path": "lightning_parallel.models.GPT",
+            "init_args": {
+                "n_layer": shape.n_layer,
+                "n_head": shape.n_head,
+                "n_embd": shape.n_embd,
+                "block_size": shape.block_size,
+                "vocab_size": shape.vocab_size,
+                "dropout": shape.dropout,
+                "bias": shape.bias,
+                "tie_embeddings": shape.tie_embeddings,
+            },
+        },
+        "data": {
+            "class_path": "lightning_parallel.data.TextDataModule",
+            "init_args": {"block_size": seq_len, "batch_size": batch},
+        },
+    }
+
+
+def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: str | None = None) -> str:
+    """The recipe as YAML, headed by comments that say where it came from and why."""
+    body = recipe_dict(plan, max_steps=max_steps, accelerator=accelerator)
+    chosen = plan.recommended
+    assert chosen is not None  # recipe_dict raised otherwise
+    mem = chosen.memory
+    pipelined = chosen.layout.pipeline_parallel_size > 1
+    notes = [
+        f"written by: {command}",
+        f"branch: {plan.branch}",
+        f"predicted per device: {format_bytes(mem.total)} (model states {format_bytes(mem.model_states)})",
+        *textwrap.wrap(f"why: {plan.reason}", width=116),
+        f"optimizer: {plan.training.optimizer} (GPT.configure_optimizers uses AdamW); data.batch_size is per "
+        "data-parallel rank" + (", split into num_micro_batches micro-batches" if pipelined else ""),
+    ]
+    if chosen.tiled_layers:
+        notes.append("tiled_layers: the largest layer must run tiled (Memory Centric Tiling, e.g. a tiled nn.Linear);")
+        notes.append("the parallel section has no key for it: tile the model's largest layer yourself.")
+    header = "\n".join(f"# {line}" for line in notes)
+    return f"{header}\n{yaml.safe_dump(body, sort_keys=False)}"
+
+
+def write_recipe(
+    plan: Plan, path: str | Path, *, command: str, max_steps: int = 20, accelerator: str | None = None
+) -> Path:
+    """Write the recipe to ``path`` (folders created) and return the path."""
+    text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
