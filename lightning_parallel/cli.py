@@ -23,7 +23,7 @@ from typing_extensions import override
 import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig
-from lightning_parallel.recipes import expand_config_args, written_batch_limits
+from lightning_parallel.recipe_files import expand_config_args, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
 __all__ = ["LightningParallelCLI", "main", "resolve_strategy", "takes_layout"]

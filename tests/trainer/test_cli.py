@@ -11,7 +11,7 @@ import pytest
 
 from lightning_parallel import LayoutError, LPDDPStrategy, ParallelConfig
 from lightning_parallel.cli import LightningParallelCLI, main, resolve_strategy
-from lightning_parallel.recipes import compose_recipe, expand_config_args, written_batch_limits
+from lightning_parallel.recipe_files import compose_recipe, expand_config_args, written_batch_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
