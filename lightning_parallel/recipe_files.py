@@ -6,7 +6,8 @@ with a ``defaults`` list; each entry is either a path (merged at the top level) 
 fragments may have ``defaults`` of their own. Later entries override earlier ones and the recipe's own keys override
 them all. OmegaConf interpolations (``${model.init_args.block_size}``) are kept and resolved by the CLI on the
 complete composed file (command-line overrides come after). :func:`written_batch_limits` reads back the
-``limit_*_batches`` values as written, so that ``1`` stays one batch (``docs/limits.md``, "LightningCLI").
+``limit_*_batches`` values as written, so that ``1`` stays one batch (``docs/limits.md``, "LightningCLI reads
+integer batch limits as floats").
 """
 
 from __future__ import annotations

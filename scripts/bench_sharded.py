@@ -2,10 +2,11 @@
 
 For world sizes 1, 2, 4 (gloo ranks on this machine) and stages 0 (torch DDP, what ``lp_ddp`` runs), 1, 2 (flat
 balanced shards, :class:`~lightning_parallel.parallel.zero.ZeroOptimizer`) and 3 (torch FSDP2): per-rank bytes of
-parameters, gradients and optimizer state after a step, next to the formula of GUIDE.md section 2 with fp32 AdamW's
-byte sizes (P = G = 4, K = 8; see :mod:`lightning_parallel.parallel.zero.memory`); bytes sent per rank and step by the
-collectives, next to theory (2 Psi for stages 0-2, 3 Psi for stage 3, x 4 bytes x (N-1)/N); step time relative to
-stage 0 (DDP) at the same world size. Writes ``results.json``, ``table.md`` and ``memory.png`` under ``--out``.
+parameters, gradients and optimizer state after a step, next to the ZeRO formula (``docs/formulas.md``, "ZeRO:
+model-state memory per device") with fp32 AdamW's byte sizes (P = G = 4, K = 8; see
+:mod:`lightning_parallel.parallel.zero.memory`); bytes sent per rank and step by the collectives, next to theory
+(2 Psi for stages 0-2, 3 Psi for stage 3, x 4 bytes x (N-1)/N); step time relative to stage 0 (DDP) at the same
+world size. Writes ``results.json``, ``table.md`` and ``memory.png`` under ``--out``.
 
     python scripts/bench_sharded.py --out benchmarks/sharded
 """

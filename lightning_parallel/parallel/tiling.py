@@ -1,9 +1,9 @@
 """Memory Centric Tiling: a ``nn.Linear`` split into tiles computed one after another (no Lightning import).
 
-The guide's "largest layer does not fit" branch (``GUIDE.md`` section 3). :class:`TiledLinear` holds an
-``out_tiles x in_tiles`` grid of small ``nn.Linear`` submodules; tile ``(o, i)`` maps input features slice ``i`` to
-output features slice ``o``, and output slice ``o`` is the sum over ``i`` of its tiles (plus slice ``o`` of the
-bias, held by tile ``(o, 0)``). The tiles run sequentially.
+The decision guide's "largest layer does not fit" branch (``docs/formulas.md``, "Choosing a strategy").
+:class:`TiledLinear` holds an ``out_tiles x in_tiles`` grid of small ``nn.Linear`` submodules; tile ``(o, i)`` maps
+input features slice ``i`` to output features slice ``o``, and output slice ``o`` is the sum over ``i`` of its tiles
+(plus slice ``o`` of the bias, held by tile ``(o, 0)``). The tiles run sequentially.
 
 What it saves, honestly:
 

@@ -1,6 +1,6 @@
 """``DataParallelEngine``: one process drives ``N`` devices with threads (DP), the five exchanges of a step.
 
-Per step, all through device 0 (``GUIDE.md`` section 1)::
+Per step, all through device 0 (``docs/formulas.md``, "DP versus DDP: what moves per step")::
 
     forward   1 scatter   the batch (on device 0) is split by samples, slice i copied to device i
               2 replicate the latest parameters are copied from device 0 to devices 1..N-1 (autograd-aware)

@@ -1,9 +1,10 @@
 """Exchange accounting: how many transfers a step makes, of which kind, and how many bytes each moves.
 
-The guide (``GUIDE.md`` section 1) says DP makes five exchanges per batch, all through device 0, and DDP one. This
-module makes that countable. :class:`ExchangeCounter` is a thread-safe tally of ``kind -> (calls, bytes)``; the DP
-engine records into it at every transfer it makes, and :func:`counting_allreduce_hook` is an exact DDP comm hook (a
-plain all-reduce, no compression) that records every gradient bucket it all-reduces.
+DP makes five exchanges per batch, all through device 0, and DDP one (``docs/formulas.md``, "DP versus DDP: what
+moves per step"). This module makes that countable. :class:`ExchangeCounter` is a thread-safe tally of
+``kind -> (calls, bytes)``; the DP engine records into it at every transfer it makes, and
+:func:`counting_allreduce_hook` is an exact DDP comm hook (a plain all-reduce, no compression) that records every
+gradient bucket it all-reduces.
 
 What a byte count means:
 

@@ -6,7 +6,8 @@ gradients all-reduced by torch DDP in backward, each rank steps its parameters, 
 parameters to the others. Stage 2: ``ShardedDataParallel`` reduces each gradient to its owner rank in backward
 (``reduce``) and frees the others; the step ends with the same broadcasts.
 
-fairscale's trap (FINDINGS.md): ``ShardedDataParallel + OSS`` is silently wrong with ``zero_grad(set_to_none=True)``;
+fairscale's trap (``docs/limits.md``, "fairscale ShardedDataParallel + OSS is wrong with
+``zero_grad(set_to_none=True)``"): ``ShardedDataParallel + OSS`` is silently wrong with ``set_to_none=True``;
 :func:`exact_oss` builds an ``OSS`` whose ``zero_grad`` always zeroes in place, which makes it exact.
 No Lightning import.
 """

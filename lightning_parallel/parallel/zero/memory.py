@@ -1,8 +1,9 @@
 """Per-rank model-state bytes (parameters, gradients, optimizer state) and the ZeRO formulas they follow.
 
 With ``Psi`` parameters, ``N`` dp ranks, ``P`` and ``G`` bytes per parameter and gradient element and ``K`` bytes of
-optimizer state per parameter (GUIDE.md section 2 uses mixed-precision Adam: ``P = G = 2``, ``K = 12``; fp32 AdamW
-as trained here has ``P = G = 4``, ``K = 8``: ``exp_avg`` and ``exp_avg_sq``, the parameters being the master copy)::
+optimizer state per parameter (``docs/formulas.md``, "ZeRO: model-state memory per device"; mixed-precision Adam has
+``P = G = 2``, ``K = 12``; fp32 AdamW as trained here has ``P = G = 4``, ``K = 8``: ``exp_avg`` and ``exp_avg_sq``,
+the parameters being the master copy)::
 
     stage 0 (DDP)  (P + G + K) Psi          stage 2  P Psi + (G + K) Psi / N
     stage 1        (P + G) Psi + K Psi / N  stage 3  (P + G + K) Psi / N

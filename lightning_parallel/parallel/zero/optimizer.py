@@ -1,7 +1,8 @@
 """``ZeroOptimizer``: ZeRO stages 1 and 2 over the ``dp`` process group, around any torch optimizer.
 
 What is sharded along ``dp`` (``N`` ranks, ``Psi`` parameters, ``P``/``G`` bytes per parameter and gradient element,
-``K`` bytes of optimizer state per parameter; the formulas of GUIDE.md section 2 with these byte sizes):
+``K`` bytes of optimizer state per parameter; the formulas of ``docs/formulas.md``, "ZeRO: model-state memory per
+device"):
 
 * stage 1 -- optimizer states. Each rank steps only its ``1/N`` flat shard of every param group (see
   :class:`~lightning_parallel.parallel.zero.flat.FlatShard`). Per rank: ``P Psi + G Psi + K Psi / N``.
