@@ -1,4 +1,5 @@
-"""The decision guide (GUIDE.md section 3): one test per branch, the CLI, the JSON object and the recipe."""
+"""The decision guide (docs/formulas.md, "Choosing a strategy"): one test per branch, the CLI, the JSON object and
+the recipe."""
 
 from __future__ import annotations
 
