@@ -63,7 +63,7 @@ class StepCost:
 
 
 def axis_links(layout: ParallelConfig, hardware: Hardware) -> dict[str, str]:
-    """Which link each mesh axis spans; tp innermost, then pp, then dp (DESIGN.md's mesh order)."""
+    """Which link each mesh axis spans; tp innermost, then pp, then dp (the mesh order of ``docs/architecture.md``)."""
     dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
     intra, inter = f"intra-node {hardware.intra_node}", f"inter-node {hardware.inter_node}"
     g = hardware.gpus_per_node

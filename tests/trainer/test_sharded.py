@@ -179,7 +179,7 @@ def test_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path: Path, sta
     consolidated offline, resumes a single-device run to the same weights.
 
     One global batch per epoch: resuming from an epoch-end checkpoint, Lightning runs one batch of the old epoch
-    on a fresh iterator and then starts the next epoch (a loop quirk of plain DDP too, FINDINGS.md), which only
+    on a fresh iterator and then starts the next epoch (a loop quirk of plain DDP too, docs/limits.md), which only
     replays the same data when an epoch is one batch."""
     def strategy() -> LPShardedStrategy:
         return LPShardedStrategy({"zero_stage": stage}, checkpoint="sharded", start_method="fork")

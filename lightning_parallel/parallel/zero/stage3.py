@@ -61,7 +61,7 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
 
 
 def _copy(value: Any) -> Any:
-    # get_*_state_dict(cpu_offload=True) may alias live tensors on CPU (FINDINGS.md): copy.
+    # get_*_state_dict(cpu_offload=True) may alias live tensors on CPU (docs/limits.md): copy.
     if isinstance(value, Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
