@@ -26,12 +26,13 @@ from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.recipe_files import expand_config_args, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
-__all__ = ["LightningParallelCLI", "main", "resolve_strategy", "takes_layout"]
+__all__ = ["LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
 
 _DESCRIPTION = (
-    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO, offload, pipeline, tensor or hybrid "
-    "parallelism. Subcommands: fit, validate, test, predict (Lightning's CLI, with a `parallel` layout section) "
-    "and plan (recommend a layout: `lightning-parallel plan --help`)."
+    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP) or ZeRO-offload (pipeline, tensor "
+    "and hybrid parallelism are planned). Subcommands: fit, validate, test, predict (Lightning's CLI, with a "
+    "`parallel` layout section), plan (recommend a layout: `lightning-parallel plan --help`) and check (build "
+    "everything `fit` would, start nothing: `lightning-parallel check --config RECIPE`)."
 )
 
 
@@ -115,6 +116,45 @@ class LightningParallelCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
+class _CheckCLI(LightningParallelCLI):
+    """What ``fit`` builds -- the model (on the meta device: no memory, any size), the data module, the Trainer with
+    its strategy and the layout resolved against ``devices x num_nodes`` -- and nothing started."""
+
+    @override
+    def instantiate_classes(self) -> None:
+        import torch
+
+        with torch.device("meta"):
+            self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        self.model = self._get(self.config_init, "model")
+        self.trainer = self.instantiate_trainer()
+
+
+def check_recipe(args: list[str]) -> str:
+    """``lightning-parallel check --config RECIPE [overrides]``: the dry run of ``fit``.
+
+    Composes the recipe, parses it like ``fit`` (unknown keys and bad values refused), builds the model on the meta
+    device, the data module and the Trainer -- which resolves the layout against ``devices x num_nodes`` -- and checks
+    the module against the layout (heads % tp, layers >= pp). Starts no process and allocates no weights. Returns the
+    summary line; a bad recipe raises :class:`LayoutError` (or exits through the parser, like ``fit``).
+    """
+    expanded = expand_config_args(args)
+    cli = _CheckCLI(args=expanded, run=False, written_limits=written_batch_limits(expanded))
+    strategy = cli.trainer.strategy
+    check_module = getattr(strategy, "check_module", None)
+    if callable(check_module):
+        check_module(cli.model)
+    describe = getattr(strategy, "describe", None)
+    name = describe() if callable(describe) else type(strategy).__name__
+    n_params = sum(p.numel() for p in cli.model.parameters())
+    return (
+        f"lightning-parallel: recipe OK | strategy {name} | {cli.trainer.num_nodes} node(s) x "
+        f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}) | model "
+        f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device) | nothing was started"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lightning-parallel`` command."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -122,6 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_parallel.planner.cli import main as plan_main
 
         return plan_main(args[1:])
+    if args and args[0] == "check":
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+                print(check_recipe(args[1:]), flush=True)
+        except LayoutError as err:
+            print(f"lightning-parallel: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         with warnings.catch_warnings():
             # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too

@@ -71,10 +71,13 @@ class ParallelConfig:
     """Pipeline stages the layer sequence is split into (vertical split). Bounds: >= 1, <= number of layers."""
     tensor_parallel_size: int = 1
     """Ranks each weight matrix is split across (horizontal split). Bounds: >= 1, divides attention heads."""
-    zero_stage: ZeroStage = 0
-    """ZeRO over the dp axis: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters. Bounds: 0-3."""
-    offload: Offload = "none"
-    """Where ZeRO-offload keeps optimizer states (and parameters at stage 3): none, cpu or nvme."""
+    zero_stage: ZeroStage | None = None
+    """ZeRO over the dp axis: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters; None (not set) = the
+    strategy's preset decides (lp_ddp 0, lp_sharded 2, lp_zero_offload 2). An explicit value runs as written or is
+    refused with the fix. Bounds: 0-3."""
+    offload: Offload | None = None
+    """Where ZeRO-offload keeps optimizer states (and parameters at stage 3): none, cpu or nvme; None (not set) =
+    the strategy's preset decides (lp_zero_offload cpu, every other strategy none)."""
     nvme_path: str | None = None
     """Folder for NVMe offload; required when offload='nvme'."""
     num_micro_batches: int | None = None
@@ -120,6 +123,25 @@ class ParallelConfig:
 
     # ------------------------------------------------------------------ rules
     @property
+    def zero(self) -> int:
+        """The ZeRO stage with "not set" read as 0 (what the cross-field rules and the arithmetic use)."""
+        return int(self.zero_stage) if self.zero_stage is not None else 0
+
+    @property
+    def offload_device(self) -> str:
+        """The offload target with "not set" read as ``none``."""
+        return self.offload if self.offload is not None else "none"
+
+    def with_preset(self, *, zero_stage: int | None = None, offload: str | None = None) -> ParallelConfig:
+        """This layout with the keys it leaves unset (None) filled by a strategy's preset; set keys are kept."""
+        changes: dict[str, Any] = {}
+        if self.zero_stage is None and zero_stage is not None:
+            changes["zero_stage"] = zero_stage
+        if self.offload is None and offload is not None:
+            changes["offload"] = offload
+        return self.replace(**changes) if changes else self
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches per pipeline step, with the default resolved."""
         return self.num_micro_batches if self.num_micro_batches is not None else self.pipeline_parallel_size
@@ -132,8 +154,10 @@ class ParallelConfig:
         _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
         if self.num_micro_batches is not None:
             _check_positive_int("num_micro_batches", self.num_micro_batches)
-        _check_choice("zero_stage", self.zero_stage, get_args(ZeroStage))
-        _check_choice("offload", self.offload, get_args(Offload))
+        if self.zero_stage is not None:
+            _check_choice("zero_stage", self.zero_stage, get_args(ZeroStage))
+        if self.offload is not None:
+            _check_choice("offload", self.offload, get_args(Offload))
         _check_choice("pipeline_schedule", self.pipeline_schedule, get_args(PipelineSchedule))
         _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
         _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
@@ -146,7 +170,7 @@ class ParallelConfig:
             )
 
     def _validate_zero(self) -> None:
-        pp, z = self.pipeline_parallel_size, self.zero_stage
+        pp, z, offload = self.pipeline_parallel_size, self.zero, self.offload_device
         if pp > 1 and z >= 2:
             raise LayoutError(
                 f"parallel.zero_stage={z} with pipeline_parallel_size={pp}: ZeRO-2/3 shard gradients that every "
@@ -154,23 +178,23 @@ class ParallelConfig:
                 "(neither in DeepSpeed nor here). Fix: zero_stage=1 (the DP+PP+TP+ZeRO-1 hybrid) or "
                 "pipeline_parallel_size=1."
             )
-        if self.offload != "none" and z < 2:
+        if offload != "none" and self.zero_stage is not None and z < 2:
             raise LayoutError(
-                f"parallel.offload={self.offload!r} needs ZeRO stage 2 or 3, but zero_stage={z}. "
+                f"parallel.offload={offload!r} needs ZeRO stage 2 or 3, but zero_stage={z}. "
                 "Fix: zero_stage=2 (optimizer offload) or zero_stage=3 (optimizer and parameter offload)."
             )
-        if self.offload != "none" and (pp > 1 or self.tensor_parallel_size > 1):
+        if offload != "none" and (pp > 1 or self.tensor_parallel_size > 1):
             raise LayoutError(
-                f"parallel.offload={self.offload!r} runs on the DeepSpeed engine, which here is data parallel only, "
+                f"parallel.offload={offload!r} runs on the DeepSpeed engine, which here is data parallel only, "
                 f"but pipeline_parallel_size={pp} and tensor_parallel_size={self.tensor_parallel_size}. "
                 "Fix: set both to 1, or offload='none'."
             )
-        if self.offload == "nvme" and not self.nvme_path:
+        if offload == "nvme" and not self.nvme_path:
             raise LayoutError("parallel.offload='nvme' needs parallel.nvme_path (a folder on a fast local disk).")
-        if self.nvme_path and self.offload != "nvme":
+        if self.nvme_path and self.offload is not None and offload != "nvme":
             raise LayoutError(
                 f"parallel.nvme_path={self.nvme_path!r} is only used with offload='nvme', but offload="
-                f"{self.offload!r}. Fix: set offload='nvme' or remove nvme_path."
+                f"{offload!r}. Fix: set offload='nvme' or remove nvme_path."
             )
 
     def _validate_pipeline(self) -> None:
@@ -206,13 +230,16 @@ class ParallelConfig:
             )
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``dp=auto pp=1 tp=1 zero=0``."""
+        """A short human-readable form, e.g. ``dp=auto pp=1 tp=1 zero=0`` (``zero=preset``: not set)."""
+        zero = "preset" if self.zero_stage is None else str(self.zero_stage)
         text = (
             f"dp={self.data_parallel_size} pp={self.pipeline_parallel_size} "
-            f"tp={self.tensor_parallel_size} zero={self.zero_stage}"
+            f"tp={self.tensor_parallel_size} zero={zero}"
         )
-        if self.offload != "none":
+        if self.offload is not None and self.offload != "none":
             text += f" offload={self.offload}"
+        if self.activation_checkpointing != "none":
+            text += f" recompute={self.activation_checkpointing}"
         return text
 
 

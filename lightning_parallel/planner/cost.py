@@ -116,7 +116,7 @@ def _traffic(
     b, m = training.micro_batch_size, training.micro_batches(pp)
     out: dict[str, float] = {}
     if dp > 1:
-        factor = 3 if layout.zero_stage == 3 else 2
+        factor = 3 if layout.zero == 3 else 2
         out["dp"] = factor * state.grad * local * (dp - 1) / dp
     shape = model.shape
     if shape is not None and tp > 1:
@@ -125,11 +125,11 @@ def _traffic(
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m
     if shape is not None and pp > 1:
         out["pp"] = 2 * m * e * seq_len * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
-    if layout.offload != "none":
+    if layout.offload_device != "none":
         shard = local / dp
-        out["offload"] = 2 * state.grad * shard + (2 * state.param * shard if layout.zero_stage == 3 else 0)
+        out["offload"] = 2 * state.grad * shard + (2 * state.param * shard if layout.zero == 3 else 0)
         out["host_optimizer"] = shard
-        if layout.offload == "nvme":
+        if layout.offload_device == "nvme":
             ranks = min(hardware.gpus_per_node, dp)
             out["nvme"] = 2 * state.optimizer * shard * ranks
     return out

@@ -1,5 +1,5 @@
-"""The decision guide (GUIDE.md section 3) as code: which branch a model and a machine fall in, which layouts
-fit, and which one to use.
+"""The decision guide (docs/formulas.md, "Choosing a strategy") as code: which branch a model and a machine fall in,
+which layouts fit, and which one to use.
 
 Branches::
 
@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.layouts import entry, strategy_for
 from lightning_parallel.planner.cost import StepCost, estimate_step
 from lightning_parallel.planner.hardware import Hardware
 from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory
@@ -75,6 +76,8 @@ class Candidate:
     why_not: str
     """Empty when it fits; else which limit it breaks, with the numbers."""
     tiled_layers: bool = False
+    available: bool = True
+    """Its strategy exists in this version (:mod:`lightning_parallel.layouts`); only such layouts are recommended."""
 
 
 @dataclass(frozen=True)
@@ -91,27 +94,19 @@ class Situation:
 
 
 def strategy_name(layout: ParallelConfig, *, world_size: int) -> str:
-    """The registered strategy a layout runs under (DESIGN.md: each named strategy is a preset of the layout)."""
-    pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero_stage
-    if layout.offload != "none" or (zero == 3 and pp == tp == 1):
-        return "single_device" if world_size == 1 and layout.offload == "none" else "lp_zero_offload"
-    if world_size == 1:
+    """The strategy a layout runs under: ``single_device`` for one device without offload, else the layout table's
+    (:func:`lightning_parallel.layouts.strategy_for`; each named strategy is a preset of the layout)."""
+    if world_size == 1 and layout.offload_device == "none":
         return "single_device"
-    if pp == tp == 1:
-        return "lp_ddp" if zero == 0 else "lp_sharded"
-    if zero == 0 and tp == 1:
-        return "lp_pipeline"
-    if zero == 0 and pp == 1:
-        return "lp_tensor"
-    return "lp_hybrid"
+    return strategy_for(layout)
 
 
 def family_of(layout: ParallelConfig, *, world_size: int) -> str:
     """single | ddp | zero | offload | pp | tp | 3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | hybrid (other mixes)."""
-    pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero_stage
+    pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero
     if int(layout.data_parallel_size) > 1 and pp > 1 and tp > 1 and zero == 1:
         return "3d-zero1"
-    if layout.offload != "none":
+    if layout.offload_device != "none":
         return "offload"
     if world_size == 1:
         return "single"
@@ -188,21 +183,23 @@ def evaluate(model: ModelSpec, training: TrainingSettings, hardware: Hardware, l
     layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size) or 0
     layer_fits = layer + hardware.reserved_memory <= limit
     tiles = 1
-    if not layer_fits and layout.zero_stage == 3:
+    if not layer_fits and layout.zero == 3:
         tiles = max(2, math.ceil(layer / (TILE_FRACTION * limit)))
     memory = estimate_memory(model, training, hardware, layout, tiles=tiles)
     why = _why_not(memory, hardware, layout)
     if not layer_fits and tiles == 1 and not why:
         why = f"largest layer {format_bytes(layer)} (weights + gradients) does not fit in {format_bytes(limit)}"
+    strategy = strategy_name(layout, world_size=world)
     return Candidate(
         layout=layout,
-        strategy=strategy_name(layout, world_size=world),
+        strategy=strategy,
         family=family_of(layout, world_size=world),
         memory=memory,
         cost=estimate_step(model, training, hardware, layout),
         fits=not why,
         why_not=why,
         tiled_layers=tiles > 1,
+        available=strategy == "single_device" or entry(strategy).available,
     )
 
 
@@ -211,9 +208,10 @@ def _why_not(memory: MemoryEstimate, hardware: Hardware, layout: ParallelConfig)
         return f"device {format_bytes(memory.total)} > {format_bytes(hardware.gpu_memory)}"
     if memory.host_per_node > hardware.cpu_memory_per_node:
         return f"host {format_bytes(memory.host_per_node)} > {format_bytes(hardware.cpu_memory_per_node)} per node"
-    if layout.offload == "nvme" and not hardware.nvme:
+    if layout.offload_device == "nvme" and not hardware.nvme:
         return "no NVMe disk"
     return ""
+
 
 
 def assess(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> Situation:

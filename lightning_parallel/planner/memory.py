@@ -122,10 +122,10 @@ def estimate_memory(
     dp, pp, tp = _degrees(layout)
     n_local = model.params_per_device(pp=pp, tp=tp)
     state = training.state_bytes
-    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero_stage, offload=layout.offload)
+    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero, offload=layout.offload_device)
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved_memory + round(BUFFER_FRACTION * (states.device + (acts or 0)))
-    if layout.zero_stage == 3:
+    if layout.zero == 3:
         buffers += math.ceil((state.param + state.grad) * model.largest_layer_per_device(tp=tp) / tiles)
     ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp)
     return MemoryEstimate(

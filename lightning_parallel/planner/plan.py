@@ -73,8 +73,10 @@ class Plan:
     candidates: list[Candidate]
     """Ranked: those that fit first (guide's family order, then throughput), then the rest by memory."""
     recommended: Candidate | None
-    """The first candidate if it fits; None when nothing fits."""
+    """The best candidate that fits and whose strategy exists in this version; None when there is none."""
     reason: str
+    guide_choice: Candidate | None = None
+    """The best candidate that fits, whether or not its strategy exists yet (the guide's own answer)."""
 
     @property
     def model_states_bytes(self) -> dict[str, int]:
@@ -87,9 +89,9 @@ def _rank_key(candidate: Candidate, families: tuple[str, ...]) -> tuple[Any, ...
     layout = candidate.layout
     family_rank = families.index(candidate.family) if candidate.family in families else len(families)
     per_token = float(f"{1.0 / candidate.cost.tokens_per_s:.3g}")
-    offload_rank = ("none", "cpu", "nvme").index(layout.offload)
+    offload_rank = ("none", "cpu", "nvme").index(layout.offload_device)
     model_parallel = layout.pipeline_parallel_size * layout.tensor_parallel_size
-    return (family_rank, candidate.tiled_layers, per_token, model_parallel, layout.zero_stage, offload_rank)
+    return (family_rank, candidate.tiled_layers, per_token, model_parallel, layout.zero, offload_rank)
 
 
 def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> Plan:
@@ -101,8 +103,14 @@ def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) 
     fitting = sorted((c for c in evaluated if c.fits), key=lambda c: _rank_key(c, families))
     rest = sorted((c for c in evaluated if not c.fits), key=lambda c: c.memory.total)
     ranked = fitting + rest
-    recommended = fitting[0] if fitting else None
+    guide_choice = fitting[0] if fitting else None
+    recommended = next((c for c in fitting if c.available), None)
     reason = _reason(situation, hardware, branch, recommended, ranked)
+    if guide_choice is not None and guide_choice is not recommended:
+        reason += (
+            f" The guide's first choice, {guide_choice.strategy} {guide_choice.layout.describe()}, is not available "
+            "in this version, so it is not recommended."
+        )
     return Plan(
         model=model,
         training=training,
@@ -112,6 +120,7 @@ def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) 
         candidates=ranked,
         recommended=recommended,
         reason=reason,
+        guide_choice=guide_choice,
     )
 
 
@@ -152,8 +161,10 @@ def _reason(
             "activation checkpointing (--activation-checkpointing full), a smaller micro-batch, or NVMe."
         )
     if chosen.family != families[0]:
-        skipped = ", ".join(_FAMILY_TEXT[f] for f in families[: families.index(chosen.family)])
-        text += f" No layout of {skipped} fits, so the next in the guide's order is used."
+        before = families[: families.index(chosen.family)] if chosen.family in families else families
+        skipped = ", ".join(_FAMILY_TEXT[f] for f in before)
+        text += (f" No layout of {skipped} both fits and has a strategy in this version, so the next in the guide's "
+                 "order is used.")
     mem = chosen.memory
     text += (
         f" Chosen: {chosen.strategy} {chosen.layout.describe()}: {format_bytes(mem.total)} per device "
@@ -175,12 +186,12 @@ def _cheaper_not_fitting(chosen: Candidate, ranked: list[Candidate]) -> str:
         for c in ranked
         if not c.fits
         and c.family == chosen.family
-        and c.layout.zero_stage < chosen.layout.zero_stage
+        and c.layout.zero < chosen.layout.zero
         and c.layout.pipeline_parallel_size == chosen.layout.pipeline_parallel_size
         and c.layout.tensor_parallel_size == chosen.layout.tensor_parallel_size
-        and c.layout.offload == chosen.layout.offload
+        and c.layout.offload_device == chosen.layout.offload_device
     ]
     if not lighter:
         return ""
-    best = max(lighter, key=lambda c: c.layout.zero_stage)
-    return f" ZeRO-{best.layout.zero_stage} of the same shape does not fit ({best.why_not})."
+    best = max(lighter, key=lambda c: c.layout.zero)
+    return f" ZeRO-{best.layout.zero} of the same shape does not fit ({best.why_not})."

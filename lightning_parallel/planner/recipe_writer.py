@@ -39,17 +39,23 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     seq_len = training.sequence_length(shape.block_size)
     batch = training.micro_batch_size * training.micro_batches(layout.pipeline_parallel_size)
     single = chosen.strategy == "single_device"
-    return {
+    # One device: Lightning's own strategy, no parallel section -- unless activations are recomputed, which takes a
+    # layout: lp_ddp on one process does that (no collective moves anything with one rank).
+    recompute = layout.activation_checkpointing != "none"
+    strategy = ("lp_ddp" if recompute else "auto") if single else chosen.strategy
+    parallel = _parallel_section(layout) if not single else (
+        {"activation_checkpointing": layout.activation_checkpointing} if recompute else {})
+    recipe: dict[str, Any] = {
         "seed_everything": 1234,
         "trainer": {
-            "strategy": "auto" if single else chosen.strategy,
+            "strategy": strategy,
             "accelerator": accelerator or hw.accelerator,
             "devices": 1 if single else hw.gpus_per_node,
             "num_nodes": hw.nodes,
             "precision": training.trainer_precision,
             "max_steps": max_steps,
         },
-        "parallel": _parallel_section(layout),
+        "parallel": parallel,
         "model": {
             "class_path": "lightning_parallel.models.GPT",
             "init_args": {
@@ -68,6 +74,9 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
             "init_args": {"block_size": seq_len, "batch_size": batch},
         },
     }
+    if not parallel:
+        del recipe["parallel"]
+    return recipe
 
 
 def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: str | None = None) -> str:

@@ -48,14 +48,14 @@ def _row(rank: str, c: Candidate, scale: float) -> list[str]:
     def _gb(num: int | None) -> str:
         return "n/a" if num is None else f"{num / scale:.1f}" if num >= 0.05 * scale else f"{num / scale:.2f}"
 
-    offload = lay.offload + ("+tiled" if c.tiled_layers else "")
+    offload = lay.offload_device + ("+tiled" if c.tiled_layers else "")
     return [
         rank,
-        c.strategy,
+        c.strategy + ("" if c.available else " (n/a)"),
         str(lay.data_parallel_size),
         str(lay.pipeline_parallel_size),
         str(lay.tensor_parallel_size),
-        str(lay.zero_stage),
+        str(lay.zero),
         offload,
         lay.activation_checkpointing,
         _gb(mem.params),
@@ -102,11 +102,13 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     ]
     shown = _select(plan.candidates, top)
     unit, scale = _unit(plan.candidates)
-    rows = [list(_COLUMNS)] + [_row(str(i + 1) if c.fits else "-", c, scale) for i, c in shown]
+    rows = [list(_COLUMNS)] + [_row(str(i + 1) if c.fits and c.available else "-", c, scale) for i, c in shown]
     lines.append(f"Candidate layouts ({unit} per device; tokens/s is a rough no-overlap estimate, for ranking only):")
     lines.append(_table(rows))
     if len(shown) < len(plan.candidates):
         lines.append(f"... {len(plan.candidates) - len(shown)} more layouts not shown (--top 0 shows all)")
+    if any(not c.available for _, c in shown):
+        lines.append("(n/a): the guide's strategy for that layout is not available in this version; never recommended")
     lines += ["", _recommendation_text(plan)]
     return "\n".join(lines)
 
@@ -126,7 +128,8 @@ def _select(candidates: list[Candidate], top: int) -> list[tuple[int, Candidate]
             if key not in seen:
                 seen.add(key)
                 keep.add(i)
-        pure = c.layout.pipeline_parallel_size == c.layout.tensor_parallel_size == 1 and c.layout.offload == "none"
+        lay = c.layout
+        pure = lay.pipeline_parallel_size == lay.tensor_parallel_size == 1 and lay.offload_device == "none"
         if pure and c.layout.activation_checkpointing == lightest:
             keep.add(i)
     return [(i, candidates[i]) for i in sorted(keep)]
@@ -150,6 +153,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     lay, mem = c.layout, c.memory
     return {
         "strategy": c.strategy,
+        "available": c.available,
         "family": c.family,
         "data_parallel_size": lay.data_parallel_size,
         "pipeline_parallel_size": lay.pipeline_parallel_size,

@@ -1,15 +1,22 @@
-"""``LayoutStrategy``: the one base that turns a parallel layout into a DeviceMesh for Lightning.
+"""``LayoutStrategy``: the one base that turns a parallel layout into a DeviceMesh and a parallelized module.
 
-Every process-based strategy of the library is a preset of this class: it takes a
-:class:`~lightning_parallel.config.ParallelConfig`, resolves it against the world size (``devices x num_nodes``)
-when Lightning configures the launcher -- in ``Trainer.__init__``, before any process is spawned -- and refuses a
-layout that does not fit with the arithmetic and the fix. The module is checked against the layout (heads % tp,
-layers >= pp) when ``fit`` launches, again before spawning. In each process it builds the named
-``("dp", "pp", "tp")`` mesh right after the default process group, and gives the DataLoader sampler the rank and size
-of the ``dp`` axis only (pipeline and tensor peers see the same batch).
+Built on Lightning's ``ParallelStrategy`` (as Lightning's own ``ModelParallelStrategy`` is), not on ``DDPStrategy``:
+nothing here assumes the model is wrapped in torch DDP, that rank 0 holds the whole model, or that the module only
+needs preparing for ``fit``. What it does, in order:
 
-How the model is wrapped (the gradient sync over ``dp``) is the subclass's :meth:`wrap_model`: torch DDP for plain
-data-parallel layouts (``lp_ddp``), other engines where DDP cannot serve.
+* ``Trainer.__init__`` (before any process exists): the layout is resolved against ``devices x num_nodes``
+  (:class:`~lightning_parallel.strategies.layout.LayoutMixin`) and refused with the arithmetic and the fix; the
+  launchers check the module against the layout before they start the ranks.
+* ``setup_environment`` (in each process): the default process group (gloo on CPU, NCCL on CUDA, a timeout on every
+  collective), then the named ``("dp", "pp", "tp")`` mesh from :class:`~lightning_parallel.parallel.dims.ParallelDims`.
+* ``setup`` (for every ``TrainerFn``: fit, validate, test, predict): the module is moved to its device, activation
+  checkpointing is applied as the layout says, and :meth:`LayoutStrategy.parallelize` -- the subclass's choice --
+  turns it into what this rank runs (a DDP wrapper, a ZeRO-sharded module, a pipeline stage, tensor shards).
+  Optimizers are set up after that, when fitting.
+* The DataLoader sampler takes rank and size from the ``dp`` axis only: pipeline and tensor peers see the same batch.
+
+Checkpoints: by default rank 0 writes the Lightning checkpoint (right when every rank holds the whole model);
+strategies whose ranks hold different parts override ``save_checkpoint``/``lightning_module_state_dict``.
 """
 
 from __future__ import annotations
@@ -19,106 +26,108 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from torch import nn
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
-from lightning_parallel.parallel.dims import ParallelDims, RankCoords
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.parallel.zero.comm import broadcast_module_states
 
-__all__ = ["LayoutStrategy"]
+from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
-# Which strategy runs a layout that sets this key (for refusals).
-_STRATEGY_FOR_KEY = {
-    "pipeline_parallel_size": "lp_pipeline or lp_hybrid (DP+PP+TP+ZeRO-1)",
-    "tensor_parallel_size": "lp_tensor or lp_hybrid",
-    "zero_stage": "lp_sharded",
-    "offload": "lp_zero_offload",
-}
+__all__ = ["LayoutStrategy", "StartMethod"]
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class LayoutStrategy(DDPStrategy):
-    """Base strategy: a parallel layout -> resolved degrees -> named DeviceMesh -> a wrapped model.
+class LayoutStrategy(LayoutMixin, ParallelStrategy):
+    """Base strategy: a parallel layout -> resolved degrees -> named DeviceMesh -> a parallelized module.
 
     Args:
         parallel: the layout (a ``ParallelConfig`` or a mapping with its keys); None = all ranks data parallel.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every Lightning
+            strategy (the Trainer fills them from ``accelerator``/``devices``/``num_nodes``/``plugins``).
+        process_group_backend: ``gloo``/``nccl``; None = the device's default (gloo on CPU, NCCL on CUDA).
         start_method: how Lightning starts the ranks: ``popen`` (re-runs the script, like ``torchrun``), ``spawn``,
             ``fork`` (cheapest inside an already-imported process; CPU only).
         timeout: timeout of every collective, so a failing rank cannot leave the others hanging forever.
-        kwargs: passed to Lightning's ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
-
-    strategy_name = "lp_layout"
 
     def __init__(
         self,
         parallel: ParallelConfig | dict[str, Any] | None = None,
         *,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: StartMethod = "popen",
         timeout: timedelta | None = default_pg_timeout,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(start_method=start_method, timeout=timeout, **kwargs)
-        self._layout = ParallelConfig.from_dict(parallel)
-        self.check_layout(self._layout)
-        self._dims: ParallelDims | None = None
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r} is not one of ['popen', 'spawn', 'fork', 'forkserver'].")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
         self._mesh: DeviceMesh | None = None
+        self.init_layout(parallel)
 
-    # ------------------------------------------------------------------ the layout
+    # ------------------------------------------------------------------ processes and devices
     @property
-    def layout(self) -> ParallelConfig:
-        return self._layout
-
-    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
-        """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
-        self._layout = ParallelConfig.from_dict(parallel)
-        self.check_layout(self._layout)
-        self._dims = None
-
-    def check_layout(self, layout: ParallelConfig) -> None:
-        """Presets override this to refuse layouts they do not run (the base runs what its subclass wraps)."""
-
-    def refuse_keys(self, layout: ParallelConfig, keys: tuple[str, ...], *, shape: str) -> None:
-        """Refuse a layout that sets any of ``keys`` away from its default, naming the strategy that runs it.
-
-        ``shape`` says what this strategy runs, e.g. ``"replicates the whole model on every rank (N, 1, 1, 0)"``.
-        """
-        default = ParallelConfig()
-        for key in keys:
-            value = getattr(layout, key)
-            if value != getattr(default, key):
-                raise LayoutError(
-                    f"{self.strategy_name} {shape}, but parallel.{key}={value!r}. Fix: use strategy "
-                    f"{_STRATEGY_FOR_KEY[key]}, or set {key} back to its default."
-                )
-
-    def check_module(self, module: pl.LightningModule) -> None:
-        """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp)."""
-        shape_fn = getattr(module, "parallel_shape", None)
-        shape = shape_fn() if callable(shape_fn) else {}
-        check_model_compat(self._layout, **{k: shape[k] for k in ("n_layer", "n_head", "vocab_size") if k in shape})
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
 
     @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
     def world_size(self) -> int:
         return self.num_nodes * self.num_processes
 
     @property
-    def dims(self) -> ParallelDims:
-        """The layout resolved against this Trainer's world size (devices x num_nodes)."""
-        if self._dims is None:
-            self._dims = ParallelDims.from_config(
-                self._layout, world_size=self.world_size, devices_per_node=self.num_processes,
-                num_nodes=self.num_nodes,
-            )
-        return self._dims
+    def is_distributed(self) -> bool:
+        """Read by Lightning for ``self.log(..., sync_dist=True)`` and the distributed sampler: always True."""
+        return True
 
     @property
-    def coords(self) -> RankCoords:
-        """This process's ``(dp, pp, tp)`` coordinates."""
-        return self.dims.coords(self.global_rank)
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -127,23 +136,37 @@ class LayoutStrategy(DDPStrategy):
             raise RuntimeError(f"{type(self).__name__}.mesh is built in setup_environment(); it does not exist yet.")
         return self._mesh
 
-    # ------------------------------------------------------------------ Lightning hooks
+    def determine_device_ids(self) -> list[int] | None:
+        """``device_ids`` for torch wrappers and NCCL barriers: None on CPU, this rank's device index on CUDA."""
+        return None if self.root_device.type == "cpu" else [self.root_device.index]
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
     @override
     def _configure_launcher(self) -> None:
-        if self.num_processes < 1:
-            raise LayoutError(f"{type(self).__name__} needs at least one device, got parallel_devices=[].")
-        self._dims = None
-        _ = self.dims  # resolve now: Trainer.__init__, before any process exists
+        self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
-                                                        self.num_nodes)
+            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                       self.num_nodes)
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # initializes the default process group
+        super().setup_environment()  # the accelerator sets up the root device
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (self._process_group_backend
+                                       or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
         self._mesh = self.dims.build_mesh(self.root_device.type)
         # Lightning leaves the process group alive after fit (a script may go on to test). Tear it down before the
         # interpreter finalizes, so the backend's threads are joined in order rather than destroyed at exit.
@@ -155,54 +178,84 @@ class LayoutStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
+    # ------------------------------------------------------------------ the module
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
-        return self.wrap_model(model)
+    def setup(self, trainer: pl.Trainer) -> None:
+        """For every ``TrainerFn``: device, activation checkpointing, :meth:`parallelize`; optimizers when fitting."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.apply_activation_checkpointing(self.model)
+        assert trainer.state.fn is not None
+        self.model = self.parallelize(self.model, trainer_fn=trainer.state.fn)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Wrap the module for training under the layout; subclasses choose the dp-axis gradient sync."""
-        raise NotImplementedError(f"{type(self).__name__} must implement wrap_model().")
+    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
+        """Turn the (device-placed) module into what this rank runs under the layout, for ``trainer_fn``.
+
+        Called in ``setup`` for fit, validate, test and predict alike; returns the module the loops call (a wrapper
+        or the module itself). Subclasses choose the dp-axis gradient sync and any model-parallel split.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement parallelize().")
+
+    def sync_replicas(self, model: nn.Module) -> None:
+        """Make every dp replica's parameters and buffers equal to those of dp rank 0 (a broadcast over ``dp``)."""
+        src = self.dims.group_ranks("dp", self.global_rank)[0]
+        broadcast_module_states(model, group=self.mesh.get_group("dp"), src_rank=src)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
 
     @override
     def teardown(self) -> None:
+        """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
+        module = self.lightning_module
+        if module is not None and self.model is not module:
+            self.model = module
+        if (module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+                and self._layer_sync):
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
         self._mesh = None
 
-    def describe(self) -> str:
-        dims = self._dims.describe() if self._dims is not None else self._layout.describe()
-        return f"{self.strategy_name} ({dims})"
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=self.determine_device_ids())
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+        """Reduce over the world (or ``group``); non-tensors pass through."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
 
 def _destroy_process_group_at_exit() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher, checking the module against the layout before the other ranks start."""
-
-    def __init__(self, strategy: LayoutStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._lp_strategy = strategy
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.lightning_module is not None:
-            self._lp_strategy.check_module(trainer.lightning_module)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, checking the module against the layout before spawning."""
-
-    def __init__(self, strategy: LayoutStrategy, start_method: str) -> None:
-        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
-        self._lp_strategy = strategy
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.lightning_module is not None:
-            self._lp_strategy.check_module(trainer.lightning_module)
-        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -3,14 +3,19 @@
 Layout ``(N, 1, 1, 0)``: every rank holds the whole model and a ``1/N`` slice of the global batch. At start the
 parameters are broadcast from dp rank 0 (DDP's constructor); in backward the gradients are averaged over the ``dp``
 process group by bucketed all-reduces overlapped with the backward pass (``2 * (N-1)/N * Psi`` elements sent per
-rank and step with a ring). Forward runs no collective.
+rank and step with a ring). Forward runs no collective. For validate/test/predict the module is not wrapped (no
+gradients to sync); the replicas are made equal by one broadcast from dp rank 0 over ``dp``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from typing import Any, Literal
 
-from torch import nn
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -45,6 +50,7 @@ class LPDDPStrategy(LayoutStrategy):
     """
 
     strategy_name = "lp_ddp"
+    preset = {"zero_stage": 0, "offload": "none"}
 
     def __init__(
         self,
@@ -64,12 +70,13 @@ class LPDDPStrategy(LayoutStrategy):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0.")
         super().__init__(parallel, **kwargs)
-        self._ddp_kwargs.update(
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-        )
+        self._ddp_kwargs: dict[str, Any] = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters,
+        }
+        self._forward_redirection = _DDPForwardRedirection()  # manual optimization: DDP's reducer off in forward
         self._comm_hook_name = comm_hook
         self._powersgd = (powersgd_rank, powersgd_start_iter)
         self.exchange_counter = ExchangeCounter()
@@ -77,40 +84,63 @@ class LPDDPStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload"),
+        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,), "zero_stage": (0,),
+                                  "offload": ("none",)},
                          shape="replicates the whole model on every rank (layout (N, 1, 1, 0))")
 
     @override
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        # A class-path CLI (jsonargparse) may fill every DistributedDataParallel argument with its default;
-        # the module, devices and the dp group are ours to set.
-        kwargs = {k: v for k, v in self._ddp_kwargs.items() if k not in ("module", "device_ids", "process_group")}
-        return DistributedDataParallel(
-            module=model, device_ids=self.determine_ddp_device_ids(), process_group=self.mesh.get_group("dp"),
-            **kwargs,
+    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
+        """Fit: torch DDP over the dp group (its constructor broadcasts dp rank 0's weights). Otherwise: the module
+        itself, with the replicas synced by one broadcast over ``dp``."""
+        if trainer_fn != TrainerFn.FITTING:
+            self.sync_replicas(model)
+            return model
+        ddp = DistributedDataParallel(
+            module=model, device_ids=self.determine_device_ids(), process_group=self.mesh.get_group("dp"),
+            **self._ddp_kwargs,
         )
+        self._register_comm_hook(ddp)
+        return ddp
 
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # Lightning registers hooks only on CUDA; the compression hooks run on gloo too, so register on any device.
+    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
+        # The compression hooks run on gloo too (Lightning registers its hooks on CUDA only).
         if self._comm_hook_name == "none":
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        assert isinstance(self.model, DistributedDataParallel)
         group = self.mesh.get_group("dp")
         if self._comm_hook_name == "count":
-            self.model.register_comm_hook(CountingHookState(group, self.exchange_counter), counting_allreduce_hook)
+            ddp.register_comm_hook(CountingHookState(group, self.exchange_counter), counting_allreduce_hook)
         elif self._comm_hook_name == "fp16":
-            self.model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif self._comm_hook_name == "bf16":
-            self.model.register_comm_hook(group, default_hooks.bf16_compress_hook)
+            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
         else:
             rank, start = self._powersgd
             state = powerSGD_hook.PowerSGDState(
                 process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start
             )
-            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: DDP's all-reduce is skipped until the step's last micro-batch."""
+        if isinstance(self.model, DistributedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Manual optimization: tell DDP's reducer which outputs the backward starts from."""
+        from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+        module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel) and module is not None and \
+                not module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,7 +1,8 @@
 """``lp_sharded`` (alias ``ddp_sharded``): ZeRO stages 1, 2 and 3 over the ``dp`` axis of a layout.
 
-Layout ``(N, 1, 1, z)`` with ``z`` in 1..3 (``parallel.zero_stage``, the source of truth; left at 0, the strategy
-runs its ``zero_stage`` argument or :data:`DEFAULT_ZERO_STAGE` = 2). Over the ``dp`` process
+Layout ``(N, 1, 1, z)`` with ``z`` in 1..3 (``parallel.zero_stage``, the source of truth; left unset, the strategy
+runs its ``zero_stage`` argument or :data:`DEFAULT_ZERO_STAGE` = 2; an explicit 0 is refused: that is ``lp_ddp``).
+Over the ``dp`` process
 group of ``N`` ranks (``Psi`` parameters; ``P``, ``G``, ``K`` bytes per parameter of parameters, gradients and
 optimizer state):
 
@@ -51,7 +52,6 @@ from lightning_parallel.parallel.zero import (
     ModelStateBytes,
     ZeroOptimizer,
     apply_zero3,
-    broadcast_module_states,
     exact_oss,
     fairscale_sharded_ddp,
     measure_model_state,
@@ -65,23 +65,24 @@ from lightning_parallel.parallel.zero import (
     zero3_local_state,
 )
 
-from .base import LayoutStrategy, _CheckedMultiProcessingLauncher
+from .base import LayoutStrategy
+from .layout import CheckedMultiProcessingLauncher
 
 __all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
 
 ShardedBackend = Literal["native", "fairscale"]
 ShardedCheckpoint = Literal["full", "sharded"]
 DEFAULT_ZERO_STAGE = 2
-"""The stage ``lp_sharded`` runs when the layout leaves ``zero_stage`` at 0: 2, what Lightning 1.x's fairscale
+"""The stage ``lp_sharded`` runs when the layout leaves ``zero_stage`` unset: 2, what Lightning 1.x's fairscale
 ``ddp_sharded`` ran (optimizer states and gradients sharded, the same traffic as DDP)."""
 
 class LPShardedStrategy(LayoutStrategy):
     """ZeRO 1/2/3 over the ``dp`` axis of the layout mesh.
 
     Args:
-        parallel: the layout; pp = tp = 1, offload none; ``zero_stage`` 1-3 (0 = not set: ``zero_stage`` below).
-        zero_stage: the stage to run when the layout leaves ``zero_stage`` at 0 (written into the layout; None =
-            :data:`DEFAULT_ZERO_STAGE`); if the layout names another non-zero stage, that is an error.
+        parallel: the layout; pp = tp = 1, offload none; ``zero_stage`` 1-3 (unset: ``zero_stage`` below).
+        zero_stage: the stage to run when the layout leaves ``zero_stage`` unset (None =
+            :data:`DEFAULT_ZERO_STAGE`); if the layout names another stage, that is an error.
         backend: ``native`` (torch only: flat balanced shards for 1-2, FSDP2 for 3) or ``fairscale`` (``OSS`` +
             DDP for 1, ``OSS`` + ``ShardedDataParallel`` for 2; whole parameters dealt to ranks; no stage 3).
         checkpoint: ``full`` (one consolidated file, loads on one device) or ``sharded`` (a folder, one file per
@@ -110,9 +111,10 @@ class LPShardedStrategy(LayoutStrategy):
         if zero_stage is not None and zero_stage not in (1, 2, 3):
             raise LayoutError(f"zero_stage={zero_stage!r} must be 1, 2 or 3 (0 is plain DDP: use lp_ddp).")
         self._zero_default = zero_stage
+        self.preset = {"zero_stage": zero_stage or DEFAULT_ZERO_STAGE, "offload": "none"}
         self._backend: ShardedBackend = backend
         self._checkpoint_kind: ShardedCheckpoint = checkpoint
-        super().__init__(self._resolve_stage(parallel), **kwargs)
+        super().__init__(parallel, **kwargs)
         if backend == "fairscale":
             require_fairscale()
         self.comm_counter = CommCounter()
@@ -122,28 +124,22 @@ class LPShardedStrategy(LayoutStrategy):
         self._patched: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ the layout
-    def _resolve_stage(self, parallel: ParallelConfig | dict[str, Any] | None) -> ParallelConfig:
-        # A stage given by the layout or the zero_stage argument is written into the layout; none at all leaves
-        # the layout's 0, read as DEFAULT_ZERO_STAGE, so that the CLI can still hand over a `parallel` section.
-        layout = ParallelConfig.from_dict(parallel)
+    @override
+    def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
+        """The layout's ``zero_stage`` is the one that counts; a preset name that says another is an error."""
+        given = ParallelConfig.from_dict(parallel)
         wanted = self._zero_default
-        if layout.zero_stage == 0:
-            return layout if wanted is None else layout.replace(zero_stage=wanted)
-        if wanted is not None and wanted != layout.zero_stage:
+        if wanted is not None and given.zero_stage is not None and given.zero_stage != wanted:
             raise LayoutError(
-                f"the layout says parallel.zero_stage={layout.zero_stage} but the strategy was built with "
+                f"the layout says parallel.zero_stage={given.zero_stage} but the strategy was built with "
                 f"zero_stage={wanted}. Fix: keep one (the layout's zero_stage is the one that counts)."
             )
-        return layout
-
-    @override
-    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
-        super().set_layout(self._resolve_stage(parallel))
+        super().init_layout(given)
 
     @property
     def zero_stage(self) -> int:
-        """The stage that runs: the layout's, or :data:`DEFAULT_ZERO_STAGE` when the layout leaves it at 0."""
-        return int(self.layout.zero_stage) or DEFAULT_ZERO_STAGE
+        """The stage that runs: the layout's, or the preset's when the layout leaves it unset."""
+        return self.layout.zero
 
     @property
     def backend(self) -> ShardedBackend:
@@ -151,13 +147,18 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before spawning, what lp_sharded does not run: pp or tp > 1, offload, fairscale stage 3.
-
-        ``zero_stage=0`` in the layout means "not set": the strategy runs :data:`DEFAULT_ZERO_STAGE` (plain data
-        parallelism without ZeRO is ``lp_ddp``)."""
-        self.refuse_keys(layout, ("pipeline_parallel_size", "tensor_parallel_size", "offload"),
+        """Refuse, before spawning, what lp_sharded does not run: pp or tp > 1, offload, an explicit
+        ``zero_stage=0`` (plain data parallelism is ``lp_ddp``), fairscale stage 3."""
+        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,),
+                                  "offload": ("none",)},
                          shape="shards the model over the dp axis only (layout (N, 1, 1, 1|2|3))")
-        if self._backend == "fairscale" and (layout.zero_stage or self._zero_default) == 3:
+        if layout.zero_stage == 0:
+            raise LayoutError(
+                f"{self.strategy_name} shards the model over the dp axis (ZeRO stage 1, 2 or 3), but parallel."
+                "zero_stage=0 (no sharding). Fix: use strategy lp_ddp for plain data parallelism, or set zero_stage "
+                "to 1, 2 or 3 (or leave it unset: stage 2)."
+            )
+        if self._backend == "fairscale" and layout.zero_stage == 3:
             raise LayoutError(
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
                 "(FullyShardedDataParallel) is CUDA-only. Fix: backend='native' for zero_stage=3 (torch FSDP2)."
@@ -166,14 +167,12 @@ class LPShardedStrategy(LayoutStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if isinstance(self._launcher, _CheckedMultiProcessingLauncher):
-            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+        if isinstance(self._launcher, CheckedMultiProcessingLauncher):
+            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._launcher._start_method)
 
     @override
     def describe(self) -> str:
-        if self._dims is None:
-            return f"{self.strategy_name} ({self.layout.replace(zero_stage=self.zero_stage).describe()})"
-        return f"{super().describe()} zero={self.zero_stage} backend={self._backend}"
+        return f"{super().describe()} backend={self._backend}"
 
     # ------------------------------------------------------------------ wrapping
     @property
@@ -181,23 +180,19 @@ class LPShardedStrategy(LayoutStrategy):
         return self.mesh.get_group("dp")
 
     @override
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Stage 3: ``fully_shard`` over the dp sub-mesh (parameters become DTensor shards). Stages 1-2: broadcast the
-        parameters from dp rank 0 (setup, once) and leave the module unwrapped -- the sync is the optimizer's.
-        fairscale: torch DDP (stage 1); stage 2's ShardedDataParallel is built with the optimizer."""
+    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
+        """Stage 3 (every ``TrainerFn``): ``fully_shard`` over the dp sub-mesh (parameters become DTensor shards;
+        a module already sharded by an earlier ``fit`` is kept). Stages 1-2: broadcast the parameters from dp rank 0
+        and leave the module unwrapped -- the sync is the optimizer's. fairscale stage 1 (fit): torch DDP; stage 2's
+        ShardedDataParallel is built with the optimizer."""
         if self.zero_stage == 3:
-            return apply_zero3(model, mesh=self.mesh["dp"])
-        if self._backend == "fairscale" and self.zero_stage == 1:
-            return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(),
-                                           process_group=self._dp_group, **self._ddp_kwargs)
+            return model if _is_fsdp(model) else apply_zero3(model, mesh=self.mesh["dp"])
+        if self._backend == "fairscale" and self.zero_stage == 1 and trainer_fn == TrainerFn.FITTING:
+            return DistributedDataParallel(module=model, device_ids=self.determine_device_ids(),
+                                           process_group=self._dp_group)
         # native 1-2 and fairscale 2 (ShardedDataParallel needs the optimizer: wrapped in setup_optimizers)
-        src = self.dims.group_ranks("dp", self.global_rank)[0]
-        broadcast_module_states(model, group=self._dp_group, src_rank=src)
+        self.sync_replicas(model)
         return model
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        """DDP comm hooks do not apply: the gradient sync is the ZeRO engine's."""
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -429,7 +424,7 @@ class ZeroStats(Callback):
             pl_module.log(key, float(value), rank_zero_only=True, on_step=True, on_epoch=False)
 
 
-class _ShardedMultiProcessingLauncher(_CheckedMultiProcessingLauncher):
+class _ShardedMultiProcessingLauncher(CheckedMultiProcessingLauncher):
     """Spawn/fork launcher that hands the main process full weights (not rank 0's DTensor shards) at stage 3."""
 
     @override

@@ -1,10 +1,12 @@
 """``lp_zero_offload``: DeepSpeed ZeRO-2/3 with CPU or NVMe offload, on CUDA and on CPU (gloo).
 
-A different engine in kind (``DESIGN.md``): the DeepSpeed engine owns the data-parallel collectives, so this subclasses
-Lightning's ``DeepSpeedStrategy`` (engine wrapping, checkpoint folders, launchers) rather than ``LayoutStrategy``,
-but takes the same ``parallel=`` layout (``layout`` / ``set_layout()``, so the CLI hands it the recipe's ``parallel``
-section). The layout is the source of truth for ``zero_stage`` and ``offload``; presets fill them when the layout
-leaves them at their defaults:
+A different engine in kind: the DeepSpeed engine owns the data-parallel collectives, so this subclasses Lightning's
+``DeepSpeedStrategy`` (engine wrapping, checkpoint folders, launchers) rather than ``LayoutStrategy``, but shares its
+layout machinery (:class:`~lightning_parallel.strategies.layout.LayoutMixin`): the same ``parallel=`` layout, resolved
+against ``devices x num_nodes`` before any process starts (``data_parallel_size`` must be the world size: the engine is
+data parallel only), and the run summary from the resolved dims. The layout is the source of truth for
+``zero_stage`` and ``offload``; presets fill them only when the layout leaves them unset, and an explicit value runs as
+written (``offload: none`` is DeepSpeed ZeRO without offload, with the module's own optimizer):
 
 * ``lp_zero_offload``: stage and offload from the layout; by default stage 2 with the optimizer offloaded to CPU --
   per rank the device keeps the parameters (``p Psi``) and gradient buckets; the host keeps 1/N_d of the fp32 master
@@ -65,17 +67,19 @@ from lightning_parallel.parallel.offload import (
     save_local_state,
 )
 
+from .layout import LayoutMixin
+
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
 
 _DEFAULT_STAGE, _DEFAULT_OFFLOAD = 2, "cpu"
 
 
-class LPZeroOffloadStrategy(DeepSpeedStrategy):
+class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO with offload, configured by a layout plus typed DeepSpeed keys.
 
     Args:
         parallel: the layout (``ParallelConfig`` or mapping): ``zero_stage`` 1-3, ``offload`` none|cpu|nvme,
-            ``nvme_path``; pp = tp = 1. Stage/offload left at 0/none take ``zero_stage``/``offload`` below.
+            ``nvme_path``; pp = tp = 1. Stage/offload left unset take ``zero_stage``/``offload`` below.
         zero_stage, offload: the preset's stage and offload target (a layout that names others is an error).
         zero_optimization: typed ``zero_optimization`` keys in DeepSpeed's names (``overlap_comm``,
             ``reduce_bucket_size``, ``offload_optimizer.pin_memory``, ``sub_group_size``, ...); unknown keys are
@@ -111,6 +115,8 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
         if offload is not None and offload not in ("none", "cpu", "nvme"):
             raise LayoutError(f"offload={offload!r} is not one of ['none', 'cpu', 'nvme'].")
         self._preset = (zero_stage, offload)
+        self.preset = {"zero_stage": zero_stage if zero_stage is not None else _DEFAULT_STAGE,
+                       "offload": offload if offload is not None else _DEFAULT_OFFLOAD}
         typed: dict[str, Any] = {}
         if zero_optimization:
             typed["zero_optimization"] = dict(zero_optimization)
@@ -118,8 +124,7 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
             typed["aio"] = dict(aio)
         self._typed = OffloadEngineConfig.from_dict(typed)
         self._base = load_deepspeed_config(config)
-        self._explicit_layout = ParallelConfig.from_dict(parallel)
-        self._layout = self._resolve_layout(parallel)
+        self.init_layout(parallel)
         super().__init__(config=self._effective_config(), timeout=timeout, logging_level=logging_level, **kwargs)
         self._start_method = start_method
         self._final_state: dict[str, torch.Tensor] | None = None
@@ -127,69 +132,63 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
         """Seconds spent building each DeepSpeed op in this process (empty when all were cached)."""
 
     # ------------------------------------------------------------------ the layout
-    @property
-    def layout(self) -> ParallelConfig:
-        return self._layout
-
-    @property
-    def explicit_layout(self) -> ParallelConfig:
-        """The layout as given (``parallel=``), before the preset filled in stage and offload."""
-        return self._explicit_layout
-
-    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
-        """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
-        self._explicit_layout = ParallelConfig.from_dict(parallel)
-        self._layout = self._resolve_layout(parallel)
-        self.config = self._effective_config()
-        self._config_initialized = False
-
-    def _resolve_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> ParallelConfig:
-        layout = ParallelConfig.from_dict(parallel)
-        stage, offload = self._preset
-        changes: dict[str, Any] = {}
-        for key, wanted, default in (("zero_stage", stage, 0), ("offload", offload, "none")):
-            have = getattr(layout, key)
-            if have == default:
-                changes[key] = wanted if wanted is not None else {"zero_stage": _DEFAULT_STAGE,
-                                                                  "offload": _DEFAULT_OFFLOAD}[key]
-            elif wanted is not None and wanted != have:
+    @override
+    def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
+        """The layout's stage and offload count; a preset name that says others is an error."""
+        given = ParallelConfig.from_dict(parallel)
+        for key, wanted in zip(("zero_stage", "offload"), self._preset, strict=True):
+            have = getattr(given, key)
+            if have is not None and wanted is not None and have != wanted:
                 raise LayoutError(
                     f"the layout says parallel.{key}={have!r} but the strategy preset says {key}={wanted!r}. "
                     "Fix: keep one: use strategy lp_zero_offload (it takes stage and offload from the layout), or "
                     "the preset that matches the layout (lp_zero3_offload, lp_zero3_offload_nvme)."
                 )
-        if changes.get("offload") == "nvme" and not layout.nvme_path:
+        super().init_layout(given)
+
+    @override
+    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
+        """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
+        self.init_layout(parallel)
+        self.config = self._effective_config()
+        self._config_initialized = False
+
+    @override
+    def check_layout(self, layout: ParallelConfig) -> None:
+        """Refuse, before anything starts: pp/tp > 1, stage 0, NVMe below stage 3, NVMe without libaio."""
+        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,)},
+                         shape="is data parallel only (the DeepSpeed engine; layout (N, 1, 1, 1|2|3))")
+        if layout.zero == 0:
+            raise LayoutError(
+                f"{self.strategy_name} runs DeepSpeed ZeRO, but parallel.zero_stage=0 (no ZeRO). Fix: set zero_stage "
+                "to 1, 2 or 3 (or leave it unset: stage 2), or use strategy lp_ddp for plain data parallelism."
+            )
+        if layout.offload_device == "nvme" and not layout.nvme_path:
             raise LayoutError(
                 "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."
             )
-        layout = layout.replace(**changes) if changes else layout
-        self._check_layout(layout)
-        return layout
-
-    def _check_layout(self, layout: ParallelConfig) -> None:
-        if layout.pipeline_parallel_size != 1 or layout.tensor_parallel_size != 1:
-            raise LayoutError(
-                "lp_zero_offload is data parallel only (the DeepSpeed engine), but parallel.pipeline_parallel_size="
-                f"{layout.pipeline_parallel_size} and tensor_parallel_size={layout.tensor_parallel_size}. Fix: set "
-                "both to 1, or use lp_hybrid (ZeRO-1 + PP + TP)."
-            )
-        if layout.offload == "nvme" and layout.zero_stage != 3:
+        if layout.offload_device == "nvme" and layout.zero != 3:
             raise LayoutError(
                 f"parallel.offload='nvme' needs zero_stage=3 (ZeRO-Infinity); DeepSpeed offloads to NVMe only at "
-                f"stage 3, got zero_stage={layout.zero_stage}. Fix: zero_stage=3, or offload='cpu'."
+                f"stage 3, got zero_stage={layout.zero}. Fix: zero_stage=3, or offload='cpu'."
             )
-        if layout.offload == "nvme" and not libaio_available():
+        if layout.offload_device != "none" and layout.zero < 2:
+            raise LayoutError(
+                f"parallel.offload={layout.offload_device!r} needs ZeRO stage 2 or 3, but zero_stage={layout.zero}. "
+                "Fix: zero_stage=2 (optimizer offload) or zero_stage=3 (optimizer and parameter offload)."
+            )
+        if layout.offload_device == "nvme" and not libaio_available():
             raise OpsUnavailableError(LIBAIO_HELP)
 
     # ------------------------------------------------------------------ the DeepSpeed config
     def _effective_config(self) -> dict[str, Any]:
         """Typed defaults < base DeepSpeed config < explicit typed keys < the layout's stage/offload/nvme_path."""
         layout = self._layout
-        param_device = layout.offload if layout.zero_stage == 3 else "none"
+        param_device = layout.offload_device if layout.zero == 3 else "none"
         explicit_param = self._typed.explicit_dict().get("zero_optimization", {}).get("offload_param", {})
-        if "device" in explicit_param and layout.zero_stage == 3:
+        if "device" in explicit_param and layout.zero == 3:
             param_device = explicit_param["device"]  # stage 3 may keep parameters on the device: 'none'
-        from_layout: dict[str, Any] = {"stage": layout.zero_stage, "offload_optimizer": {"device": layout.offload},
+        from_layout: dict[str, Any] = {"stage": layout.zero, "offload_optimizer": {"device": layout.offload_device},
                        "offload_param": {"device": param_device}}
         self._check_agrees(from_layout, param_device)
         if layout.nvme_path:
@@ -201,7 +200,7 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
         for key in ("offload_optimizer", "offload_param"):
             if zero[key]["device"] == "none":
                 del zero[key]
-        if layout.zero_stage < 3:
+        if layout.zero < 3:
             zero.pop("offload_param", None)
         return cfg
 
@@ -224,8 +223,8 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
             if given is not None and given not in (param_device, "none"):
                 raise OffloadConfigError(
                     f"{source} sets zero_optimization.offload_param.device={par!r}, but the layout says "
-                    f"offload={self._layout.offload!r}. Fix: set parallel.offload (or offload_param.device: none "
-                    "to keep stage-3 parameters on the device)."
+                    f"offload={self._layout.offload_device!r}. Fix: set parallel.offload (or offload_param.device: "
+                    "none to keep stage-3 parameters on the device)."
                 )
 
     @override
@@ -263,6 +262,7 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _OffloadSubprocessLauncher(self, self.cluster_environment, self.num_processes,
@@ -296,6 +296,14 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Activation checkpointing as the layout says (before the engine wraps the module), then Lightning's
+        DeepSpeed set-up: the engine for fit, the inference engine for validate/test/predict."""
+        if self.model is not None:
+            self.apply_activation_checkpointing(self.model)
+        super().setup(trainer)
+
+    @override
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None,
                                    lr_scheduler: Any = None) -> tuple[Any, Any]:
         assert self.config is not None
@@ -306,7 +314,7 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ checkpoints
     @property
     def offloads_to_nvme(self) -> bool:
-        return self._layout.offload == "nvme"
+        return self._layout.offload_device == "nvme"
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -370,11 +378,6 @@ class LPZeroOffloadStrategy(DeepSpeedStrategy):
             self._final_state = self.consolidated_state_dict()
         super().teardown()
 
-    def describe(self) -> str:
-        layout = self._layout
-        if layout.data_parallel_size == "auto" and self.parallel_devices:
-            layout = layout.replace(data_parallel_size=self.num_nodes * len(self.parallel_devices))
-        return f"{self.strategy_name} ({layout.describe()})"
 
 
 def _select_deepspeed_accelerator(kind: str) -> None:

@@ -73,7 +73,8 @@ def test_any_module_data_and_strategy_class_by_path(tmp_path: Path, monkeypatch:
 def test_resolve_strategy() -> None:
     layout = ParallelConfig(data_parallel_size=2)
     made = resolve_strategy("lp_ddp_fork", layout)
-    assert isinstance(made, LPDDPStrategy) and made.layout == layout and made._start_method == "fork"
+    assert isinstance(made, LPDDPStrategy) and made.explicit_layout == layout and made._start_method == "fork"
+    assert made.layout == layout.replace(zero_stage=0, offload="none")  # the preset fills what was left unset
     assert resolve_strategy("ddp", ParallelConfig()) == "ddp"
     with pytest.raises(LayoutError, match="does not take a layout"):
         resolve_strategy("ddp", layout)

@@ -127,8 +127,12 @@ def test_layout_rules() -> None:
     assert resolve_strategy(LPShardedStrategy(), ParallelConfig(zero_stage=3)).zero_stage == 3
     with pytest.raises(LayoutError, match="keep one"):
         LPShardedStrategy({"zero_stage": 3}, zero_stage=1)
-    with pytest.raises(LayoutError, match="lp_hybrid"):
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size=2\. Fix: set pipeline_parallel_size to 1"):
         LPShardedStrategy({"zero_stage": 1, "pipeline_parallel_size": 2})
+    # "not set" and an explicit 0 differ: unset runs the preset (2), an explicit 0 is refused with the fix
+    assert LPShardedStrategy({"zero_stage": None}).zero_stage == 2
+    with pytest.raises(LayoutError, match=r"zero_stage=0 \(no sharding\). Fix: use strategy lp_ddp"):
+        LPShardedStrategy({"zero_stage": 0})
     with pytest.raises(LayoutError, match="CUDA-only"):
         LPShardedStrategy({"zero_stage": 3}, backend="fairscale")
     with pytest.raises(ValueError, match="consolidated checkpoints only"):
@@ -212,4 +216,4 @@ def test_recipe_runs_from_the_cli(tmp_path: Path) -> None:
            "--trainer.enable_progress_bar", "false"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "zero=3 backend=native" in out.stdout and "4 steps" in out.stdout, out.stdout[-2000:]
+    assert "zero=3) backend=native" in out.stdout and "4 steps" in out.stdout, out.stdout[-2000:]

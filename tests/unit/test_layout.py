@@ -24,7 +24,7 @@ BAD_LAYOUTS: list[tuple[dict[str, Any], int, int, int, tuple[str, ...]]] = [
     ({"offload": "gpu"}, 2, 2, 1, ("offload", "'cpu'")),
     ({"offload": "cpu", "zero_stage": 1}, 2, 2, 1, ("offload='cpu'", "zero_stage=1", "zero_stage=2")),
     ({"offload": "nvme", "zero_stage": 3}, 2, 2, 1, ("nvme_path",)),
-    ({"nvme_path": "/tmp/x"}, 2, 2, 1, ("nvme_path", "offload='nvme'")),
+    ({"nvme_path": "/tmp/x", "offload": "cpu", "zero_stage": 2}, 2, 2, 1, ("nvme_path", "offload='nvme'")),
     ({"pipeline_schedule": "1f2b"}, 2, 2, 1, ("pipeline_schedule", "'1f1b'")),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}, 2, 2, 1,
      ("virtual_pipeline_stages", ">= 2")),
@@ -85,8 +85,10 @@ def test_trainer_refuses_a_bad_layout_in_its_constructor() -> None:
 
 
 def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
-    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size=2.*lp_tensor"):
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size=2.*no strategy of this version runs tensor"):
         LPDDPStrategy(parallel={"tensor_parallel_size": 2})
+    with pytest.raises(LayoutError, match=r"nvme_path.*offload='nvme'"):
+        LPDDPStrategy(parallel={"nvme_path": "/tmp/x"})  # "not set" is lp_ddp's "none": nvme_path has no use
     with pytest.raises(LayoutError, match=r"parallel.zero_stage=1.*lp_sharded"):
         LPDDPStrategy(parallel={"zero_stage": 1})
     with pytest.raises(ValueError, match="comm_hook"):

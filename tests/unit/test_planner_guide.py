@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.layouts import available_strategies
 from lightning_parallel.planner import (
     MODEL_PRESETS,
     ModelSpec,
@@ -35,9 +36,12 @@ def _preset(name: str) -> ModelSpec:
     return ModelSpec.from_shape(MODEL_PRESETS[name], name=name)
 
 
-def _rec(plan: Plan) -> tuple[str, int, int, int, int, str]:
-    c = plan.recommended
+def _rec(plan: Plan, *, guide: bool = False) -> tuple[str, int, int, int, int, str]:
+    """The recommendation (or, ``guide=True``, the guide's own first choice, whether its strategy exists yet)."""
+    c = plan.guide_choice if guide else plan.recommended
     assert c is not None, plan.reason
+    if not guide:
+        assert c.available and (c.strategy == "single_device" or c.strategy in available_strategies()), c.strategy
     lay = c.layout
     return (c.strategy, int(lay.data_parallel_size), lay.pipeline_parallel_size, lay.tensor_parallel_size,
             lay.zero_stage, lay.offload)
@@ -89,15 +93,18 @@ def test_one_node_does_not_fit_nvlink_prefers_zero() -> None:
 def test_one_node_does_not_fit_pcie_prefers_pipeline() -> None:
     plan = make_plan(_preset("gpt3-6.7b"), ADAMW_BF16, load_profile("dgx-a100-80gb", intra_node="pcie"))
     assert plan.branch == "one-node/does-not-fit/pcie"
-    strategy, dp, pp, tp, zero, _ = _rec(plan)
+    strategy, dp, pp, tp, zero, _ = _rec(plan, guide=True)
     assert (strategy, tp, zero) == ("lp_pipeline", 1, 0) and pp > 1 and dp * pp == 8
+    # lp_pipeline is not in this version: the recommendation is the next family of the guide, and it says why
+    assert _rec(plan)[0] in ("lp_sharded", "lp_zero_offload")
+    assert "lp_pipeline" in plan.reason and "not available in this version" in plan.reason
 
 
 def test_one_node_largest_layer_does_not_fit_uses_tiled_zero() -> None:
     model = ModelSpec.from_params(30_000_000_000, largest_layer_params=22_000_000_000)
     plan = _plan(model, gpus_per_node=8, gpu_memory="80GiB")
     assert plan.branch == "one-node/largest-layer-does-not-fit"
-    assert _rec(plan) == ("lp_zero_offload", 8, 1, 1, 3, "none")
+    assert _rec(plan) == ("lp_sharded", 8, 1, 1, 3, "none")  # plain ZeRO-3 is lp_sharded's, not the offload engine's
     assert plan.recommended is not None and plan.recommended.tiled_layers
 
 
@@ -125,8 +132,9 @@ def test_several_nodes_fast_uses_zero_as_the_zero_paper() -> None:
 def test_several_nodes_slow_uses_dp_pp_tp_zero1() -> None:
     plan = make_plan(_preset("gpt3-175b"), ADAMW_BF16, load_profile("dgx-a100-80gb", nodes=16, inter_node="slow"))
     assert plan.branch == "several-nodes/does-not-fit/slow"
-    strategy, dp, pp, tp, zero, _ = _rec(plan)
+    strategy, dp, pp, tp, zero, _ = _rec(plan, guide=True)
     assert (strategy, zero) == ("lp_hybrid", 1) and dp > 1 and pp > 1 and 1 < tp <= 8
+    assert _rec(plan)[0] in available_strategies() and "lp_hybrid" in plan.reason
     assert 96 % pp == 0 and dp * pp * tp == 128
 
 
@@ -135,8 +143,9 @@ def test_several_nodes_largest_layer_does_not_fit(link: str, family: str) -> Non
     model = ModelSpec.from_params(30_000_000_000, largest_layer_params=22_000_000_000)
     plan = _plan(model, nodes=2, gpus_per_node=8, gpu_memory="80GiB", inter_node=link)
     assert plan.branch == f"several-nodes/largest-layer-does-not-fit/{link}"
-    assert plan.recommended is not None and plan.recommended.family == family
-    assert plan.recommended.tiled_layers == (family == "zero")
+    assert plan.guide_choice is not None and plan.guide_choice.family == family
+    assert plan.guide_choice.tiled_layers == (family == "zero")
+    assert plan.recommended is not None and plan.recommended.available
 
 
 def test_nothing_fits_says_so_and_names_the_nearest() -> None:

@@ -28,7 +28,8 @@ __all__ = [
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
-    """The units sharded one by one: the members of every ``nn.ModuleList`` (transformer blocks), then every other
+    """The units sharded one by one: the members of every ``nn.ModuleList``/``nn.ModuleDict`` (transformer blocks,
+    kept in a dict keyed by layer index so that names survive a pipeline split), then every other
     direct child of the root that holds parameters (embedding, head). Left with no parameters of its own, the root
     does not keep anything gathered from forward to backward (FSDP2 never reshards the root after forward), so a
     step moves exactly ``3 Psi``."""
@@ -36,9 +37,11 @@ def _units(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
             units.extend(module)
+        elif isinstance(module, nn.ModuleDict):
+            units.extend(module.values())
     covered = {id(p) for u in units for p in u.parameters()}
     for child in model.children():
-        if isinstance(child, nn.ModuleList):
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
             continue
         if any(id(p) not in covered for p in child.parameters()):
             units.append(child)

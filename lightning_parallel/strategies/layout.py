@@ -1,0 +1,174 @@
+"""``LayoutMixin``: the layout machinery every strategy of the library shares, whatever Lightning base it sits on.
+
+A strategy that takes a layout holds a :class:`~lightning_parallel.config.ParallelConfig` (as given and with its
+preset filled in), resolves it against the world size (``devices x num_nodes``) into
+:class:`~lightning_parallel.parallel.dims.ParallelDims` when Lightning configures the launcher -- in
+``Trainer.__init__``, before any process exists -- and refuses what it does not run with the key, the value and the
+fix, naming only strategies that exist (:mod:`lightning_parallel.layouts`). The module is checked against the layout
+(heads % tp, layers >= pp, vocab % tp) by the checked launchers below, again before any process starts.
+
+:class:`~lightning_parallel.strategies.base.LayoutStrategy` (on Lightning's ``ParallelStrategy``) and
+``lp_zero_offload`` (on Lightning's ``DeepSpeedStrategy``) both use it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch import nn
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
+from lightning_parallel.layouts import strategy_for_key
+from lightning_parallel.parallel.dims import ParallelDims, RankCoords
+
+__all__ = ["LayoutMixin"]
+
+
+class LayoutMixin:
+    """The layout, its preset, its resolution against the world size, and the refusals before spawn.
+
+    Subclasses set :attr:`strategy_name`, :attr:`preset` (what the strategy fills into keys the layout leaves unset)
+    and override :meth:`check_layout`. The host Lightning strategy supplies ``num_nodes`` and ``num_processes``.
+    """
+
+    strategy_name = "lp_layout"
+    preset: dict[str, Any] = {}
+    """Values for the keys a layout leaves unset (``zero_stage``, ``offload``): what "not set" means here."""
+
+    if TYPE_CHECKING:  # supplied by the host Lightning strategy
+        num_nodes: int
+
+        @property
+        def num_processes(self) -> int: ...
+
+        @property
+        def global_rank(self) -> int: ...
+
+    def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
+        """Take the layout (constructor and :meth:`set_layout`): keep it as given, fill the preset, check it."""
+        given = ParallelConfig.from_dict(parallel)
+        layout = given.with_preset(**self.preset)
+        self.check_layout(layout)
+        self._explicit_layout = given
+        self._layout = layout
+        self._dims: ParallelDims | None = None
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """The layout that runs: as given, with the keys it left unset filled by the strategy's preset."""
+        return self._layout
+
+    @property
+    def explicit_layout(self) -> ParallelConfig:
+        """The layout as given (``parallel=`` or the CLI's section), before the preset filled unset keys."""
+        return self._explicit_layout
+
+    def set_layout(self, parallel: ParallelConfig | dict[str, Any]) -> None:
+        """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
+        self.init_layout(parallel)
+
+    def check_layout(self, layout: ParallelConfig) -> None:
+        """Refuse, before anything starts, a layout this strategy does not run (subclasses)."""
+
+    def refuse_keys(self, layout: ParallelConfig, allowed: dict[str, tuple[Any, ...]], *, shape: str) -> None:
+        """Refuse a layout whose ``key`` is set to a value outside ``allowed[key]``, naming what runs it instead.
+
+        ``shape`` says what this strategy runs, e.g. ``"replicates the whole model on every rank (N, 1, 1, 0)"``.
+        """
+        for key, values in allowed.items():
+            value = getattr(layout, key)
+            if value is not None and value not in values:
+                raise LayoutError(
+                    f"{self.strategy_name} {shape}, but parallel.{key}={value!r}. Fix: set {key} to "
+                    f"{' or '.join(repr(v) for v in values)} {strategy_for_key(key)}."
+                )
+
+    def check_module(self, module: pl.LightningModule) -> None:
+        """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp)."""
+        shape_fn = getattr(module, "parallel_shape", None)
+        shape = shape_fn() if callable(shape_fn) else {}
+        check_model_compat(self.layout, **{k: shape[k] for k in ("n_layer", "n_head", "vocab_size") if k in shape})
+
+    def apply_activation_checkpointing(self, module: nn.Module) -> list[str]:
+        """Recompute activations in backward as ``parallel.activation_checkpointing`` says (none/selective/full),
+        before the module is wrapped; parameter names do not change. Returns the recomputed submodules' names."""
+        mode = self.layout.activation_checkpointing
+        if mode == "none":
+            return []
+        from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
+
+        return apply_activation_checkpointing(module, mode)
+
+    @property
+    def layout_world_size(self) -> int:
+        """``num_nodes x devices``: the world the layout is resolved against (known before any process starts)."""
+        return int(self.num_nodes) * int(self.num_processes)
+
+    def resolve_dims(self) -> ParallelDims:
+        """Resolve the layout against :attr:`layout_world_size`; :class:`LayoutError` with the arithmetic."""
+        if self.num_processes < 1:
+            raise LayoutError(f"{type(self).__name__} needs at least one device, got parallel_devices=[].")
+        self._dims = ParallelDims.from_config(
+            self.layout, world_size=self.layout_world_size, devices_per_node=self.num_processes,
+            num_nodes=self.num_nodes,
+        )
+        return self._dims
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout resolved against this Trainer's world size (devices x num_nodes)."""
+        return self._dims if self._dims is not None else self.resolve_dims()
+
+    @property
+    def coords(self) -> RankCoords:
+        """This process's ``(dp, pp, tp)`` coordinates."""
+        return self.dims.coords(self.global_rank)
+
+    def describe(self) -> str:
+        """``lp_ddp (dp=2 x pp=1 x tp=1 = 2 ranks, zero=0)``: the resolved layout once known, else the layout."""
+        if self._dims is None:
+            return f"{self.strategy_name} ({self.layout.describe()})"
+        extra = f", zero={self.layout.zero}" if self.layout.zero else ""
+        if self.layout.offload_device != "none":
+            extra += f", offload={self.layout.offload_device}"
+        if self.layout.activation_checkpointing != "none":
+            extra += f", recompute={self.layout.activation_checkpointing}"
+        return f"{self.strategy_name} ({self._dims.describe()}{extra})"
+
+
+class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (``popen``, also under torchrun/SLURM): the module is checked against the layout
+    and :meth:`before_launch` runs before the other ranks start."""
+
+    def __init__(self, strategy: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self._lp_strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        _before_launch(self._lp_strategy, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher: the module is checked against the layout before spawning."""
+
+    def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"]) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._lp_strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        _before_launch(self._lp_strategy, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def _before_launch(strategy: Any, trainer: pl.Trainer | None) -> None:
+    if trainer is not None and trainer.lightning_module is not None:
+        strategy.check_module(trainer.lightning_module)
+    prepare = getattr(strategy, "before_launch", None)
+    if callable(prepare):
+        prepare()
