@@ -4,7 +4,7 @@ Importing the package registers its strategies with Lightning (``Trainer(strateg
 """
 
 from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
-from lightning_parallel.module import ParallelModuleMixin
+from lightning_parallel.module_hooks import ParallelModuleMixin
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.strategies import LayoutStrategy, LPDDPStrategy, register_strategies
 
