@@ -5,6 +5,17 @@ Structure (what the parallel strategies rely on):
 * ``pipeline_layers()`` returns the model as an ordered sequence ``[embedding, block_0, ..., block_{L-1}, head]``;
   each element maps one tensor to one tensor (token ids -> hidden -> ... -> logits), so a pipeline can cut the
   sequence anywhere; ``pipeline_loss(logits, targets)`` is the loss on the last stage's output.
+* Parameter names are stable under that cut: the blocks live in an ``nn.ModuleDict`` keyed ``"0"`` ..
+  ``"L-1"`` (``blocks.3.attn.q_proj.weight`` on every stage that holds block 3, as in the whole model), and a
+  stage is the whole model with the other layers removed (``model.embed = None``, ``del model.blocks["0"]``,
+  ``model.head = None``); ``forward``, ``pipeline_layers`` and ``tensor_parallel_plan`` skip what is absent and
+  ``parallel_shape`` reports the whole model. Checkpoints (torch DCP loads by name) move between layouts.
+* Weight init is :meth:`GPT.init_weights`, so a stage can be built on the meta device and materialized:
+  ``with torch.device("meta"): m = GPT(...)``, prune, ``m.to_empty(device=d)``, ``torch.manual_seed(s)``,
+  ``m.init_weights()`` -- the present weights then equal those of ``GPT(...)`` built whole on ``d`` after
+  ``torch.manual_seed(s)``.
+* ``selective_checkpointing_modules()`` names each block's ``attn.core`` (the parameter-free attention core) and
+  ``full_checkpointing_modules()`` each block, for :mod:`lightning_parallel.parallel.activation_checkpointing`.
 * ``tensor_parallel_plan()`` names how each linear splits for Megatron-style tensor parallelism: q/k/v and the MLP's
   first linear column-parallel (output features sharded over ``tp``), the attention output and the MLP's second
   linear row-parallel (input features sharded, one all-reduce in forward), the embedding and head vocab-parallel.
@@ -15,6 +26,7 @@ Optimizer: AdamW (weight decay on matrices only) with linear warmup then cosine 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,9 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.module import ParallelModuleMixin
+from lightning_parallel.module_hooks import ParallelModuleMixin
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "Embedding", "Head"]
+__all__ = ["GPT", "MLP", "AttentionCore", "Block", "CausalSelfAttention", "Embedding", "Head"]
+
+
+class AttentionCore(nn.Module):
+    """The attention core ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v`` on ``(b, heads, t, d)`` tensors.
+
+    Parameter-free, so recomputing it in backward (``activation_checkpointing: selective``) needs only q, k and v:
+    it drops the activations that grow with the square of the sequence length (the attention probabilities, their
+    dropout mask and output), at the cost of one more attention forward. Dropout is applied only in training.
+    """
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -32,6 +60,7 @@ class CausalSelfAttention(nn.Module):
 
     Under TP the heads are split over ``tp``: q/k/v are column-parallel (each rank computes ``n_head / tp`` heads),
     ``out_proj`` is row-parallel (partial sums all-reduced over ``tp`` in forward; identity in backward).
+    The parameter-free attention core is its own submodule, ``core`` (:class:`AttentionCore`).
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
@@ -45,9 +74,14 @@ class CausalSelfAttention(nn.Module):
         # and Adam would turn the rounding noise left in it into lr-sized updates (runs would not be reproducible).
         self.k_proj = nn.Linear(n_embd, n_embd, bias=False)
         self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.core = AttentionCore(dropout)
         self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
+
+    @property
+    def dropout(self) -> float:
+        """The attention-probability dropout (held by :attr:`core`)."""
+        return self.core.dropout
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -55,8 +89,7 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, t, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.out_proj(y))
 
 
@@ -121,6 +154,10 @@ class Head(nn.Module):
 class GPT(ParallelModuleMixin, pl.LightningModule):
     """A GPT language model (pre-LN decoder) trained with next-token cross-entropy.
 
+    Submodules: ``embed`` (:class:`Embedding`), ``blocks`` (an ``nn.ModuleDict`` of :class:`Block` keyed ``"0"``
+    .. ``"L-1"``) and ``head`` (:class:`Head`). On a pipeline stage ``embed`` and ``head`` may be ``None`` or
+    deleted and ``blocks`` may hold a subset of the keys; every method below works on what is present.
+
     Args:
         n_layer: transformer blocks. n_head: attention heads. n_embd: hidden size (divisible by n_head).
         block_size: maximum sequence length. vocab_size: tokens (256 for byte-level text).
@@ -129,6 +166,10 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
             and last pipeline stage).
         lr, weight_decay, betas: AdamW. warmup_steps: linear warmup. min_lr_ratio: cosine floor as a fraction of lr.
     """
+
+    embed: Embedding | None
+    blocks: nn.ModuleDict
+    head: Head | None
 
     def __init__(
         self,
@@ -152,15 +193,87 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
                             ("block_size", block_size), ("vocab_size", vocab_size)):
             if value < 1:
                 raise ValueError(f"GPT {name}={value} must be >= 1.")
-        self.embed = Embedding(vocab_size, block_size, n_embd, dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
-        self.head = Head(n_embd, vocab_size, bias)
+        embed = self.embed = self._new_layer("embed")
+        self.blocks = nn.ModuleDict({str(i): self._new_layer("block") for i in range(n_layer)})
+        head = self.head = self._new_layer("head")
         if tie_embeddings:
-            self.head.lm_head.weight = self.embed.tok.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("out_proj.weight", "fc_out.weight")):  # GPT-2 scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+            head.lm_head.weight = embed.tok.weight
+        self.init_weights(default_init=False)  # the constructors above made the default-init draws already
+
+    # ------------------------------------------------------------------ layers and init
+    def _new_layer(self, kind: str) -> Any:
+        hp: Any = self.hparams
+        if kind == "embed":
+            return Embedding(hp.vocab_size, hp.block_size, hp.n_embd, hp.dropout)
+        if kind == "head":
+            return Head(hp.n_embd, hp.vocab_size, hp.bias)
+        return Block(hp.n_embd, hp.n_head, hp.dropout, hp.bias)
+
+    def _present_blocks(self) -> list[tuple[str, nn.Module]]:
+        """``(key, block)`` of the blocks on this instance, in layer order."""
+        blocks = getattr(self, "blocks", None)
+        if blocks is None:
+            return []
+        return sorted(blocks.items(), key=lambda item: int(item[0]))
+
+    def _layer_slots(self) -> Iterator[tuple[str, nn.Module | None]]:
+        """Every layer of the whole model in order -- ``embed``, ``block`` x n_layer, ``head`` -- with the module
+        when this instance holds it, else ``None``."""
+        hp: Any = self.hparams
+        blocks = getattr(self, "blocks", None)
+        yield "embed", getattr(self, "embed", None)
+        for i in range(hp.n_layer):
+            yield "block", blocks[str(i)] if blocks is not None and str(i) in blocks else None
+        yield "head", getattr(self, "head", None)
+
+    def init_weights(self, *, default_init: bool = True) -> None:
+        """(Re-)initialize the parameters present, in place, from the default random generator of their device.
+
+        Draws, in this order, each step walking the whole model's layers (``embed``, blocks ``"0"`` ..
+        ``"L-1"``, ``head``): (1) if ``default_init``, each ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm``'s
+        own ``reset_parameters()`` (the draws their constructors make); (2) GPT-2's init: normal(0, 0.02) for
+        linear and embedding weights, zero linear biases; (3) normal(0, 0.02 / sqrt(2 n_layer)) for the residual
+        projections ``attn.out_proj`` and ``mlp.fc_out``. For a layer absent from this instance (a pipeline stage)
+        the same numbers are drawn into a scratch copy of it and dropped, so the generator advances exactly as for
+        the whole model.
+
+        Hence, after ``torch.manual_seed(s)``, a model built on the meta device, pruned to any stage and
+        materialized with ``to_empty(device=d)`` holds, after ``init_weights()``, exactly the weights that
+        ``GPT(...)`` built whole on ``d`` right after ``torch.manual_seed(s)`` holds: the constructor runs step (1)
+        through the submodules' constructors and then calls ``init_weights(default_init=False)``. Call it before
+        the model is sharded or tensor-parallelized. With ``tie_embeddings`` it ties ``head.lm_head.weight`` to
+        ``embed.tok.weight`` again when both are present (``to_empty`` unties them).
+        """
+        hp: Any = self.hparams
+        present = next(self.parameters(), None)
+        if present is None:
+            return
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        if hp.tie_embeddings and embed is not None and head is not None and head.lm_head.weight is not embed.tok.weight:
+            head.lm_head.weight = embed.tok.weight
+        residual_std = 0.02 / math.sqrt(2 * hp.n_layer)
+
+        def constructor_init(layer: nn.Module) -> None:
+            for sub in layer.modules():
+                if isinstance(sub, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+                    sub.reset_parameters()
+
+        def residual_init(layer: nn.Module) -> None:
+            for name, p in layer.named_parameters():
+                if name.endswith(("out_proj.weight", "fc_out.weight")):  # GPT-2 scaled init of residual projections
+                    nn.init.normal_(p, mean=0.0, std=residual_std)
+
+        steps: list[Callable[[nn.Module], Any]] = [lambda layer: layer.apply(self._init_weights), residual_init]
+        if default_init:
+            steps.insert(0, constructor_init)
+        with torch.no_grad():
+            for step in steps:
+                for kind, layer in self._layer_slots():
+                    if layer is None:
+                        with torch.device("meta"):
+                            layer = self._new_layer(kind)
+                        layer = layer.to_empty(device=present.device).to(present.dtype)
+                    step(layer)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -173,14 +286,22 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ parallel structure
     def pipeline_layers(self) -> list[nn.Module]:
-        return [self.embed, *self.blocks, self.head]
+        """``[embed, blocks["0"], ..., blocks["L-1"], head]``, leaving out the layers absent on this instance."""
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        layers: list[nn.Module] = [] if embed is None else [embed]
+        layers.extend(block for _, block in self._present_blocks())
+        return layers if head is None else [*layers, head]
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        plan = {"embed.tok": "vocab", "head.lm_head": "vocab"}
-        for i in range(len(self.blocks)):
+        plan = {}
+        if getattr(self, "embed", None) is not None:
+            plan["embed.tok"] = "vocab"
+        if getattr(self, "head", None) is not None:
+            plan["head.lm_head"] = "vocab"
+        for i, _ in self._present_blocks():
             for lin in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"):
                 plan[f"blocks.{i}.{lin}"] = "column"
             for lin in ("attn.out_proj", "mlp.fc_out"):
@@ -189,7 +310,17 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
 
     def parallel_shape(self) -> dict[str, int]:
         hp: Any = self.hparams
-        return {"n_layer": len(self.blocks), "n_head": hp.n_head, "vocab_size": hp.vocab_size}
+        return {"n_layer": hp.n_layer, "n_head": hp.n_head, "vocab_size": hp.vocab_size}
+
+    def selective_checkpointing_modules(self) -> list[str]:
+        """Each present block's attention core, ``blocks.<i>.attn.core`` (see :class:`AttentionCore`)."""
+        return [f"blocks.{i}.attn.core" for i, _ in self._present_blocks()]
+
+    def full_checkpointing_modules(self) -> list[str]:
+        """Each present block, ``blocks.<i>``: a block then keeps only its input for backward. The embedding and
+        the head are not recomputed: the embedding keeps only its dropout mask, and recomputing the head would
+        repeat its vocabulary-sized matmul to save one hidden-sized tensor."""
+        return [f"blocks.{i}" for i, _ in self._present_blocks()]
 
     # ------------------------------------------------------------------ Lightning
     def forward(self, idx: Tensor) -> Tensor:
