@@ -84,4 +84,11 @@ if [ -z "${LP_SKIP_DEEPSPEED:-}" ]; then
     fi
   fi
 fi
+# DeepSpeed compiles its C++ ops the first time a process uses them (minutes on a small machine: CPU collective op,
+# CPU Adam, and pin_memory + async_io for NVMe). That belongs here, announced, not inside a test or a first training
+# run: build them now (each build prints what it builds and how long it took; cached ones load in a second).
+if [ -z "${LP_SKIP_DEEPSPEED:-}" ] && "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
+  "$PY" -m lightning_parallel.parallel.offload.ops ||
+    echo "[setup] WARNING: DeepSpeed's ops did not build; lp_zero_offload will try again (and say why) on first use"
+fi
 "$PY" -c 'import torch, lightning; print(f"[setup] torch {torch.__version__}, lightning {lightning.__version__}, cuda available: {torch.cuda.is_available()}")'

@@ -36,7 +36,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -44,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.callbacks.zero_stats import ZeroStats  # its home is callbacks/; kept importable here
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.zero import (
     META_FILE,
@@ -404,24 +404,6 @@ class LPShardedStrategy(LayoutStrategy):
                     zero3_load_full_optimizer_state(module, optimizer, state)
             else:
                 optimizer.load_state_dict(state)
-
-
-class ZeroStats(Callback):
-    """Log this rank's model-state bytes after each optimizer step and the bytes its collectives sent in that step
-    (``zero/params_bytes``, ``zero/grads_bytes``, ``zero/optim_bytes``, ``zero/model_state_bytes``,
-    ``zero/comm_bytes``), from :class:`LPShardedStrategy`'s built-in measurement; rank 0's values."""
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        strategy = trainer.strategy
-        mem = getattr(strategy, "last_model_state", None)
-        if not isinstance(strategy, LPShardedStrategy) or mem is None:
-            return
-        values = {"zero/params_bytes": mem.params, "zero/grads_bytes": mem.grads, "zero/optim_bytes": mem.optim,
-                  "zero/model_state_bytes": mem.total, "zero/comm_bytes": strategy.last_step_comm.get("total", 0.0)}
-        for key, value in values.items():
-            pl_module.log(key, float(value), rank_zero_only=True, on_step=True, on_epoch=False)
 
 
 class _ShardedMultiProcessingLauncher(CheckedMultiProcessingLauncher):

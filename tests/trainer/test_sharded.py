@@ -14,12 +14,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
+from lightning_parallel.callbacks import ZeroStats
 from lightning_parallel.cli import resolve_strategy
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.models import GPT
 from lightning_parallel.parallel.zero import consolidate_checkpoint, zero_comm_theory, zero_memory_formula
 from lightning_parallel.strategies import LPShardedStrategy
-from lightning_parallel.strategies.sharded import ZeroStats
 
 T, B, STEPS = 16, 2, 4
 REPO = Path(__file__).resolve().parents[2]
