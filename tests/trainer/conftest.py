@@ -1,6 +1,7 @@
 """Trainer-tier set-up: DeepSpeed's C++ ops compile once per machine (minutes on 2 cores, mostly async_io for NVMe
-offload). When the ZeRO-offload tests are collected and an op is missing, the build starts in the background as soon
-as collection ends, so it overlaps the tests that run before them; their module fixture then waits for it (torch's
+offload). ``scripts/test.sh`` builds them in its set-up, before pytest starts (announced). Run without that set-up,
+when the ZeRO-offload tests are collected and an op is missing, the build starts in the background as soon as
+collection ends, so it overlaps the tests that run before them; their module fixture then waits for it (torch's
 build lock) and says so."""
 
 from __future__ import annotations
