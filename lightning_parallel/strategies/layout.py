@@ -87,10 +87,15 @@ class LayoutMixin:
                 )
 
     def check_module(self, module: pl.LightningModule) -> None:
-        """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp)."""
+        """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that
+        lacks the hook its activation checkpointing needs (the error names the hook)."""
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in ("n_layer", "n_head", "vocab_size") if k in shape})
+        if self.layout.activation_checkpointing != "none":
+            from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
+
+            activation_checkpointing_targets(module, self.layout.activation_checkpointing)
 
     def apply_activation_checkpointing(self, module: nn.Module) -> list[str]:
         """Recompute activations in backward as ``parallel.activation_checkpointing`` says (none/selective/full),

@@ -396,7 +396,8 @@ def _select_deepspeed_accelerator(kind: str) -> None:
 
 
 class _OffloadSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher, building DeepSpeed's ops (with a message) before the ranks start."""
+    """Lightning's script launcher: the module checked against the layout and DeepSpeed's ops built (with a message)
+    before the ranks start."""
 
     def __init__(self, strategy: LPZeroOffloadStrategy, *args: Any) -> None:
         super().__init__(*args)
@@ -404,6 +405,8 @@ class _OffloadSubprocessLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.lightning_module is not None:
+            self._lp_strategy.check_module(trainer.lightning_module)
         self._lp_strategy.prepare_ops()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -417,6 +420,8 @@ class _OffloadMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.lightning_module is not None:
+            self._lp_strategy.check_module(trainer.lightning_module)
         self._lp_strategy.prepare_ops()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
