@@ -93,3 +93,31 @@ def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
         LPDDPStrategy(parallel={"zero_stage": 1})
     with pytest.raises(ValueError, match="comm_hook"):
         LPDDPStrategy(comm_hook="int8")  # type: ignore[arg-type]
+
+
+def test_one_table_from_layout_to_strategy() -> None:
+    """The layout table: plain ZeRO-3 is lp_sharded's (not the offload engine's); offload is lp_zero_offload's;
+    pp/tp layouts name planned strategies, which the table marks unavailable (never recommended, never a fix)."""
+    from lightning_parallel.layouts import available_strategies, strategy_for, strategy_for_key
+
+    def name(**keys: Any) -> str:
+        return strategy_for(ParallelConfig.from_dict(keys))
+
+    assert name() == "lp_ddp" and name(zero_stage=0, offload="none") == "lp_ddp"
+    assert [name(zero_stage=z) for z in (1, 2, 3)] == ["lp_sharded"] * 3
+    assert name(zero_stage=2, offload="cpu") == name(zero_stage=3, offload="nvme", nvme_path="/x") == "lp_zero_offload"
+    assert name(pipeline_parallel_size=2) == "lp_pipeline" and name(tensor_parallel_size=2) == "lp_tensor"
+    assert name(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1) == "lp_hybrid"
+    assert available_strategies() == ["lp_ddp", "lp_sharded", "lp_zero_offload"]
+    assert "lp_" not in strategy_for_key("pipeline_parallel_size")  # no planned name offered as a fix
+    assert strategy_for_key("offload") == "or use strategy lp_zero_offload"
+
+
+def test_unset_and_explicit_differ() -> None:
+    """None is "not set" (the strategy's preset decides); an explicit value is kept as written."""
+    unset = ParallelConfig()
+    assert unset.zero_stage is None and unset.offload is None and unset.zero == 0 and unset.offload_device == "none"
+    assert unset.with_preset(zero_stage=2, offload="cpu").to_dict() == {**unset.to_dict(), "zero_stage": 2,
+                                                                       "offload": "cpu"}
+    explicit = ParallelConfig(zero_stage=0, offload="none")
+    assert explicit.with_preset(zero_stage=2, offload="cpu") == explicit
