@@ -1,0 +1,128 @@
+"""``consolidate(src, dst)`` and the ``lightning-parallel consolidate IN OUT`` command: any supported checkpoint to
+one weights-only Lightning file that ``MyModule.load_from_checkpoint(OUT)`` loads on one device."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .formats import CheckpointFormatError, CheckpointInfo
+from .read import DROPPED_KEYS, read_checkpoint
+
+__all__ = ["ConsolidateResult", "consolidate", "main"]
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    """What :func:`consolidate` wrote.
+
+    Attributes:
+        source: the detected source checkpoint.
+        output: the file written.
+        tensors: tensors in the written ``state_dict``.
+        parameters: their elements (parameters and buffers; tied weights counted once per name).
+        bytes: their bytes (the file adds Lightning's other keys and framing).
+        dropped: the top-level keys of the source left out (``optimizer_states`` and ``lr_schedulers`` where it had
+            them; an lp_sharded folder keeps its optimizer shards in the rank files, DeepSpeed in its own files).
+    """
+
+    source: CheckpointInfo
+    output: Path
+    tensors: int
+    parameters: int
+    bytes: int
+    dropped: tuple[str, ...]
+
+    def summary(self) -> str:
+        """One line: what was read, what was written."""
+        return (f"consolidated {self.source.path} [{self.source.describe()}] -> {self.output}: {self.tensors} tensors, "
+                f"{self.parameters:,} parameters, {self.bytes:,} bytes; optimizer and LR-scheduler states dropped "
+                "(weights-only checkpoint)")
+
+
+def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> ConsolidateResult:
+    """Write the one-file, single-device Lightning checkpoint of ``src`` (any supported format) to ``dst``.
+
+    The file holds ``state_dict`` with the LightningModule's own names (full tensors, as trained; DeepSpeed: fp32
+    masters) and the source's other top-level Lightning keys (``hyper_parameters``, ``epoch``, ``global_step``,
+    ``loops``, ``callbacks``, ...), so ``MyModule.load_from_checkpoint(dst)`` works on one device. **Optimizer and
+    LR-scheduler states are dropped** (``optimizer_states``, ``lr_schedulers``): the result is a weights-only
+    checkpoint, like Lightning's ``save_weights_only`` (``Trainer.fit(ckpt_path=dst)`` refuses to resume from it).
+    Everything in it loads with ``torch.load(weights_only=True)``.
+
+    ``dst`` is written atomically (a temporary file in its folder, then renamed); missing parent folders are
+    created; ``dst`` may not be ``src`` itself or an existing folder. ``trusted``: see :func:`full_state_dict`.
+    Raises :class:`CheckpointFormatError` for an unreadable source, ``OSError`` for an unwritable destination.
+    """
+    source, out = Path(src), Path(dst)
+    if out.exists() and out.is_dir():
+        raise IsADirectoryError(f"{out}: the output is an existing folder; expected a file path for the checkpoint.")
+    if source.exists() and out.exists() and out.resolve() == source.resolve():
+        raise CheckpointFormatError(f"{out}: the output is the input checkpoint itself; write it to another file.")
+    state, rest, info = read_checkpoint(source, trusted=trusted)
+    checkpoint = {k: v for k, v in rest.items() if k not in DROPPED_KEYS}
+    checkpoint["state_dict"] = {k: _own_storage(v) for k, v in state.items()}
+    tensors = [v for v in checkpoint["state_dict"].values() if isinstance(v, Tensor)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return ConsolidateResult(
+        source=info, output=out, tensors=len(tensors), parameters=sum(t.numel() for t in tensors),
+        bytes=sum(t.numel() * t.element_size() for t in tensors),
+        dropped=tuple(k for k in DROPPED_KEYS if k in rest),
+    )
+
+
+def _own_storage(value: object) -> object:
+    """A tensor that owns exactly its bytes (a view into a larger buffer would save the whole buffer)."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu()
+        if value.untyped_storage().nbytes() != value.numel() * value.element_size() or not value.is_contiguous():
+            value = value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+_DESCRIPTION = (
+    "Convert a checkpoint written under any lightning-parallel strategy (a Lightning file from lp_ddp, lp_dp or "
+    "lp_sharded checkpoint='full'; an lp_sharded checkpoint='sharded' folder; an lp_zero_offload DeepSpeed folder, "
+    "CPU or NVMe offload) into one Lightning checkpoint file that MyModule.load_from_checkpoint(OUT) loads on one "
+    "device. The format is detected from the files. Optimizer and LR-scheduler states are dropped (a weights-only "
+    "checkpoint); weights, hyper_parameters and Lightning's other keys are kept."
+)
+_EPILOG = ("Exit status: 0 written, 1 the input could not be read or the output not written (the reason is printed), "
+           "2 bad arguments.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lightning-parallel consolidate IN OUT [--trust]``: one summary line; an error is one line and exit 1."""
+    parser = argparse.ArgumentParser(prog="lightning-parallel consolidate", description=_DESCRIPTION, epilog=_EPILOG)
+    parser.add_argument("input", metavar="IN", help="checkpoint file or folder written by trainer.save_checkpoint")
+    parser.add_argument("output", metavar="OUT", help="the one-file checkpoint to write (e.g. model.ckpt)")
+    parser.add_argument("--trust", action="store_true",
+                        help="load a one-file checkpoint with torch.load(weights_only=False), which runs code stored "
+                             "in the file: only for files you trust (needed when it holds pickled objects)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # DeepSpeed's own choice without a GPU, minus the warning it prints on stdout
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        result = consolidate(args.input, args.output, trusted=args.trust)
+    except CheckpointFormatError as err:
+        print(f"lightning-parallel consolidate: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"lightning-parallel consolidate: error: cannot write {args.output}: "
+              f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
