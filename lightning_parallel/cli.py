@@ -5,7 +5,8 @@ LightningModule / LightningDataModule by class path (``subclass_mode``), any reg
 class with its arguments, and a top-level ``parallel`` section (:class:`~lightning_parallel.config.ParallelConfig`)
 that is handed to the library's strategies. Layouts are validated against ``trainer.devices x trainer.num_nodes``
 when the Trainer is built, before any process is spawned; a bad one ends the command with the arithmetic and the
-fix (exit code 2). ``lightning-parallel plan ...`` is the layout planner (``--help`` for its options).
+fix (exit code 2). ``lightning-parallel plan ...`` is the layout planner (``--help`` for its options);
+``lightning-parallel consolidate IN OUT`` writes any strategy's checkpoint as one single-device Lightning file.
 """
 
 from __future__ import annotations
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_parallel.planner.cli import main as plan_main
 
         return plan_main(args[1:])
+    if args and args[0] == "consolidate":
+        from lightning_parallel.checkpoint import main as consolidate_main
+
+        return consolidate_main(args[1:])
     if args and args[0] == "check":
         try:
             with warnings.catch_warnings():
