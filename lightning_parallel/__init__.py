@@ -1,4 +1,5 @@
-"""lightning-parallel: DP, DDP, ZeRO, offload, pipeline, tensor and hybrid parallelism for PyTorch Lightning.
+"""lightning-parallel: DP, DDP, ZeRO (sharded DDP) and ZeRO-offload for PyTorch Lightning; pipeline, tensor and hybrid
+parallelism are planned.
 
 Importing the package registers its strategies with Lightning (``Trainer(strategy="lp_ddp")``).
 """
