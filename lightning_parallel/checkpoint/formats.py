@@ -114,8 +114,8 @@ def detect_format(path: str | Path, *, trusted: bool = False) -> CheckpointInfo:
     """Tell the format of the checkpoint at ``path`` from its files (see :data:`CheckpointFormat`).
 
     Raises :class:`CheckpointFormatError` for a missing path, an unknown or foreign file or folder, or one that is
-    incomplete (a rank file missing) or unreadable. ``trusted`` loads a one-file checkpoint with
-    ``weights_only=False`` (only for files you trust).
+    incomplete (a rank file missing) or unreadable. ``trusted`` loads a one-file checkpoint or an lp_sharded folder's
+    files with ``weights_only=False`` (only for files you trust).
     """
     p = Path(path)
     if not p.exists():
@@ -124,7 +124,7 @@ def detect_format(path: str | Path, *, trusted: bool = False) -> CheckpointInfo:
         return _detect_file(p, trusted=trusted)
     if p.is_dir():
         if (p / SHARDED_META_FILE).is_file():
-            return _detect_sharded(p)
+            return _detect_sharded(p, trusted=trusted)
         if (p / DEEPSPEED_LATEST_FILE).is_file() or any(p.glob("*/*_model_states.pt")):
             return _detect_deepspeed(p)
         listing = sorted(x.name for x in p.iterdir())[:8]
@@ -149,9 +149,10 @@ def _detect_file(file: Path, *, trusted: bool) -> CheckpointInfo:
     return CheckpointInfo(format="lightning", path=file, files=(file,), checkpoint=content)
 
 
-def _detect_sharded(folder: Path) -> CheckpointInfo:
+def _detect_sharded(folder: Path, *, trusted: bool) -> CheckpointInfo:
     meta_file = folder / SHARDED_META_FILE
-    meta = load_torch_file(meta_file, what=f"the {SHARDED_META_FILE} of an lp_sharded checkpoint folder")
+    meta = load_torch_file(meta_file, trusted=trusted,
+                           what=f"the {SHARDED_META_FILE} of an lp_sharded checkpoint folder")
     info = meta.get(SHARDED_KEY) if isinstance(meta, dict) else None
     if not isinstance(info, dict) or not {"zero_stage", "world_size"} <= set(info):
         raise CheckpointFormatError(

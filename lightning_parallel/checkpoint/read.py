@@ -73,8 +73,9 @@ def full_state_dict(path: str | Path, *, trusted: bool = False) -> dict[str, Ten
 
     Keys are the LightningModule's own parameter and buffer names (no wrapper prefixes); values are CPU tensors in
     the dtype they were trained in (DeepSpeed folders: the fp32 master weights). No process group is needed.
-    ``trusted`` loads a one-file checkpoint with ``weights_only=False`` (runs code stored in the file: only for files
-    you trust). Raises :class:`~lightning_parallel.checkpoint.CheckpointFormatError` for anything it cannot read.
+    ``trusted`` loads a one-file checkpoint or an lp_sharded folder with ``weights_only=False`` (runs code stored in
+    the files: only for files you trust). Raises :class:`~lightning_parallel.checkpoint.CheckpointFormatError` for
+    anything it cannot read.
     """
     return read_checkpoint(path, trusted=trusted)[0]
 
@@ -100,7 +101,7 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> tuple[dict[st
         if info.format == "lightning":
             state, rest = _read_lightning(info)
         elif info.format == "lp_sharded":
-            state, rest = _read_sharded(info)
+            state, rest = _read_sharded(info, trusted=trusted)
         else:
             state, rest = _read_deepspeed(info)
     except OSError as err:
@@ -122,7 +123,7 @@ def _read_lightning(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, 
 
 
 # ---------------------------------------------------------------------------------------------- lp_sharded folder
-def _read_sharded(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _read_sharded(info: CheckpointInfo, *, trusted: bool) -> tuple[dict[str, Tensor], dict[str, Any]]:
     meta = info.checkpoint
     assert meta is not None and info.world_size is not None
     rest = {k: v for k, v in meta.items() if k not in ("state_dict", SHARDED_KEY)}
@@ -131,7 +132,8 @@ def _read_sharded(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, An
             raise CheckpointFormatError(f"{info.files[0]}: a ZeRO-{info.zero_stage} sharded checkpoint without "
                                         "'state_dict'; expected the full weights in meta.pt at stages 1-2.")
         return strip_wrapper_prefixes(meta["state_dict"]), rest
-    parts = [load_torch_file(f, what="a rank file of an lp_sharded checkpoint") for f in info.files[1:]]
+    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint")
+             for f in info.files[1:]]
     for f, part in zip(info.files[1:], parts, strict=True):
         if not isinstance(part, dict) or not isinstance(part.get("state_dict"), dict):
             raise CheckpointFormatError(f"{f}: no 'state_dict'; expected this rank's ZeRO-3 shards (lp_sharded "
@@ -239,7 +241,7 @@ def _zero_to_fp32(folder: Path, tag: str) -> dict[str, Tensor]:
         raise CheckpointFormatError(f"{folder}: DeepSpeed could not rebuild the fp32 weights ({err}); expected a "
                                     "complete ZeRO checkpoint folder.") from err
     # zero_to_fp32 returns views into one flat vector per group: give each tensor its own storage
-    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _nvme_params(nvme_dir: Path, param_names: list[str]) -> dict[str, Tensor]:
