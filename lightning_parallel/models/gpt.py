@@ -9,7 +9,8 @@ Structure (what the parallel strategies rely on):
   ``"L-1"`` (``blocks.3.attn.q_proj.weight`` on every stage that holds block 3, as in the whole model), and a
   stage is the whole model with the other layers removed (``model.embed = None``, ``del model.blocks["0"]``,
   ``model.head = None``); ``forward``, ``pipeline_layers`` and ``tensor_parallel_plan`` skip what is absent and
-  ``parallel_shape`` reports the whole model. Checkpoints (torch DCP loads by name) move between layouts.
+  ``parallel_shape`` reports the whole model. So a checkpoint keyed by parameter name (as torch DCP's are) fits any
+  split of the layers.
 * Weight init is :meth:`GPT.init_weights`, so a stage can be built on the meta device and materialized:
   ``with torch.device("meta"): m = GPT(...)``, prune, ``m.to_empty(device=d)``, ``torch.manual_seed(s)``,
   ``m.init_weights()`` -- the present weights then equal those of ``GPT(...)`` built whole on ``d`` after
