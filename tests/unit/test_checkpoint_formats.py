@@ -191,6 +191,25 @@ def test_refusals_name_the_file_and_what_was_expected(tmp_path: Path, gpt: GPT) 
     assert full_state_dict(tmp_path / "pickled.ckpt", trusted=True).keys() == gpt.state_dict().keys()
 
 
+def test_deepspeed_folder_refusals(tmp_path: Path) -> None:
+    """Hand-made DeepSpeed folders: incomplete ones, and an NVMe-offloaded one without lp_zero_offload's NVMe state
+    (DeepSpeed's own files hold no NVMe-offloaded weights) are refused before anything is rebuilt."""
+    folder, tag = tmp_path / "ds.ckpt", tmp_path / "ds.ckpt" / "checkpoint"
+    tag.mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint\n")
+    zero = {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": [], "dp_world_size": 2,
+                "ds_config": {"zero_optimization": zero}}, tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointFormatError, match=r"1 \*_model_states.pt and 0 \*_optim_states.pt"):
+        detect_format(folder)
+    torch.save({}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointFormatError, match="2 data-parallel ranks, but 1"):
+        detect_format(folder)
+    torch.save({}, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointFormatError, match=r"NVMe offload.*0 lp_offload_rank"):
+        full_state_dict(folder)
+
+
 # ------------------------------------------------------------------------------------------------ the command
 
 
