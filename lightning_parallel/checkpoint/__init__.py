@@ -42,11 +42,13 @@ optimizer-state files are read by DeepSpeed's ``zero_to_fp32`` with ``weights_on
 objects (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) that ``weights_only=True`` refuses. Only read
 DeepSpeed folders you trust.
 
-``deepspeed_nvme`` -- the same folder written with NVMe offload (ZeRO-3, ``ds_config`` says ``nvme``). DeepSpeed's
-own files hold no NVMe-offloaded weights (reading them would give the initial or empty values), so the parameters come
-from ``lp_offload_state/lp_offload_rank<r>.pt``, which ``lp_zero_offload`` writes per rank beside the checkpoint
-(its fp32 partitions, read with ``weights_only=True``, concatenated in rank order, padding dropped) and the buffers
-from the model states. Such a folder without those files is refused, and so are frozen parameters (not saved there).
+``deepspeed_nvme`` -- the same folder written with NVMe offload (ZeRO-3, ``ds_config`` says ``nvme``). The parameters
+come from ``lp_offload_state/lp_offload_rank<r>.pt``, the per-rank state ``lp_zero_offload`` writes beside the
+checkpoint and checks value by value when it resumes (its fp32 partitions, read with ``weights_only=True``,
+concatenated in rank order, padding dropped); the buffers from the model states. DeepSpeed itself neither restores
+NVMe-offloaded state nor guarantees its files hold it (:mod:`lightning_parallel.parallel.offload.state`), so a folder
+without those files is refused rather than read from DeepSpeed's partitions, and so are frozen parameters (not saved
+there).
 
 Names: wrapper path components (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod``) are removed
 anywhere in a key; for DeepSpeed folders also a leading ``_forward_module.`` / ``module.`` shared by every key. Values

@@ -220,8 +220,8 @@ def _detect_deepspeed(folder: Path) -> CheckpointInfo:
     if nvme and len(nvme_files) != world:
         raise CheckpointFormatError(
             f"{folder}: written with NVMe offload, but {nvme_dir} holds {len(nvme_files)} lp_offload_rank*.pt files "
-            f"for {world} ranks. DeepSpeed's own files hold no NVMe-offloaded weights (they would read back as the "
-            "initial or empty ones); expected one NVMe state file per rank, written by lp_zero_offload."
+            f"for {world} ranks. DeepSpeed does not save or restore NVMe-offloaded state reliably, so its own "
+            "partitions are not read for it; expected one NVMe state file per rank, as lp_zero_offload writes them."
         )
     fmt: CheckpointFormat = "deepspeed_nvme" if nvme else "deepspeed"
     return CheckpointInfo(format=fmt, path=folder, files=(*model_files, *optim_files, *nvme_files), zero_stage=stage,

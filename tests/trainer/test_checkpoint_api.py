@@ -57,8 +57,9 @@ def test_torch_strategies(case: Case, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", ZERO_OFFLOAD, ids=_ids(ZERO_OFFLOAD))
 def test_zero_offload(case: Case, tmp_path: Path) -> None:
     """lp_zero_offload: ZeRO-2 and ZeRO-3 with CPU offload (DeepSpeed's fp32 partitions), ZeRO-3 with NVMe offload
-    (the per-rank NVMe state lp_zero_offload writes: the trained weights, not DeepSpeed's stale partitions; the same
-    folder without those files is refused). ZeRO-2 also goes through the ``lightning-parallel consolidate`` command."""
+    (from the per-rank NVMe state lp_zero_offload writes; the trained weights, not the initial ones; the same folder
+    without those files is refused, not read from DeepSpeed's partitions). ZeRO-2 also goes through the
+    ``lightning-parallel consolidate`` command."""
     _skip_if_unavailable(case)
     ensure_deepspeed_ops(nvme=case.needs == "nvme")
     _check(run_case(case, tmp_path))

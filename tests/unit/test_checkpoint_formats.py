@@ -193,7 +193,7 @@ def test_refusals_name_the_file_and_what_was_expected(tmp_path: Path, gpt: GPT) 
 
 def test_deepspeed_folder_refusals(tmp_path: Path) -> None:
     """Hand-made DeepSpeed folders: incomplete ones, and an NVMe-offloaded one without lp_zero_offload's NVMe state
-    (DeepSpeed's own files hold no NVMe-offloaded weights) are refused before anything is rebuilt."""
+    (DeepSpeed's partitions are not relied on for NVMe-offloaded weights) are refused before anything is rebuilt."""
     folder, tag = tmp_path / "ds.ckpt", tmp_path / "ds.ckpt" / "checkpoint"
     tag.mkdir(parents=True)
     (folder / "latest").write_text("checkpoint\n")
