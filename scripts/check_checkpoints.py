@@ -6,7 +6,9 @@ process, no process group) and ``consolidate`` + ``GPT.load_from_checkpoint`` on
 ``tests/checkpoint_matrix.py``, shared with ``tests/trainer/test_checkpoint_api.py``). Columns: the detected format,
 the tensors read, the max abs difference to the live weights (the trained module) of ``full_state_dict`` and of the
 consolidated checkpoint loaded on one device, and the validation loss of the distributed run next to the consolidated
-model's on one device. Cases whose optional dependency is missing (fairscale, DeepSpeed, libaio) are listed as skipped.
+model's on one device, and how far training moved the weights from their initial values (a checkpoint read back as the
+initial weights would differ from the live ones by that much). Cases whose optional dependency is missing (fairscale,
+DeepSpeed, libaio) are listed as skipped. Exit status 1 if any case fails its checks.
 
     python scripts/check_checkpoints.py                    # the whole matrix (~1-3 min; DeepSpeed ops build once)
     python scripts/check_checkpoints.py --cases lp_sharded  # the cases whose name contains any of the words
@@ -29,12 +31,13 @@ import torch
 from tests.checkpoint_matrix import CASES, STEPS, CaseResult, ensure_deepspeed_ops, run_case, skip_reason
 
 HEADER = ("| strategy / kind | format detected | tensors | max abs diff full_state_dict vs live | max abs diff "
-          "consolidate + load_from_checkpoint vs live | val_loss live | val_loss consolidated (1 device) |")
+          "consolidate + load_from_checkpoint vs live | val_loss live | val_loss consolidated (1 device) | trained: "
+          "max abs diff live vs initial |")
 
 
 def _row(r: CaseResult) -> str:
     return (f"| {r.case.name} | {r.format} | {r.tensors} | {r.full_vs_live:.1e} | {r.consolidated_vs_live:.1e} | "
-            f"{r.val_live:.6f} | {r.val_consolidated:.6f} |")
+            f"{r.val_live:.6f} | {r.val_consolidated:.6f} | {r.live_vs_initial:.1e} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, case in enumerate(cases):
         reason = skip_reason(case)
         if reason is not None:
-            rows.append(f"| {case.name} | skipped: {reason} | | | | | |")
+            rows.append(f"| {case.name} | skipped: {reason} | | | | | | |")
             continue
         if case.needs in ("deepspeed", "nvme"):
             ensure_deepspeed_ops(nvme=case.needs == "nvme")
