@@ -4,6 +4,7 @@ one weights-only Lightning file that ``MyModule.load_from_checkpoint(OUT)`` load
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> C
     checkpoint = {k: v for k, v in rest.items() if k not in DROPPED_KEYS}
     checkpoint["state_dict"] = {k: _own_storage(v) for k, v in state.items()}
     tensors = [v for v in checkpoint["state_dict"].values() if isinstance(v, Tensor)]
+    blocking = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(errno.ENOTDIR, "a parent of the output path is a file, not a folder", str(blocking))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
@@ -110,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input", metavar="IN", help="checkpoint file or folder written by trainer.save_checkpoint")
     parser.add_argument("output", metavar="OUT", help="the one-file checkpoint to write (e.g. model.ckpt)")
     parser.add_argument("--trust", action="store_true",
-                        help="load a one-file checkpoint with torch.load(weights_only=False), which runs code stored "
-                             "in the file: only for files you trust (needed when it holds pickled objects)")
+                        help="load a Lightning file or an lp_sharded folder with torch.load(weights_only=False), "
+                             "which runs code stored in the files: only for files you trust (needed when they hold "
+                             "pickled objects; DeepSpeed folders are always read that way)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():  # DeepSpeed's own choice without a GPU, minus the warning it prints on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
