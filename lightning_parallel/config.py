@@ -175,8 +175,8 @@ class ParallelConfig:
             raise LayoutError(
                 f"parallel.zero_stage={z} with pipeline_parallel_size={pp}: ZeRO-2/3 shard gradients that every "
                 "micro-batch of a pipeline accumulates into, so they do not combine with pipeline parallelism "
-                "(neither in DeepSpeed nor here). Fix: zero_stage=1 (the DP+PP+TP+ZeRO-1 hybrid) or "
-                "pipeline_parallel_size=1."
+                "(neither in DeepSpeed nor here). Fix: pipeline_parallel_size=1, or zero_stage=1 (the stage "
+                "that combines with a pipeline)."
             )
         if offload != "none" and self.zero_stage is not None and z < 2:
             raise LayoutError(

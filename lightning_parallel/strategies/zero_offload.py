@@ -136,6 +136,11 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
         """The layout's stage and offload count; a preset name that says others is an error."""
         given = ParallelConfig.from_dict(parallel)
+        if given.zero_stage == 0:  # before the preset's offload meets it: the fix is another strategy
+            raise LayoutError(
+                f"{self.strategy_name} runs DeepSpeed ZeRO, but parallel.zero_stage=0 (no ZeRO). Fix: set zero_stage "
+                "to 1, 2 or 3 (or leave it unset: stage 2), or use strategy lp_ddp for plain data parallelism."
+            )
         for key, wanted in zip(("zero_stage", "offload"), self._preset, strict=True):
             have = getattr(given, key)
             if have is not None and wanted is not None and have != wanted:

@@ -169,6 +169,37 @@ def test_cpu_offload_two_ranks_equals_one_device(stage: int, reference: pl.Light
     assert max_abs_diff(model, reference) < 5e-5
 
 
+def test_explicit_offload_none_runs_as_written(reference: pl.LightningModule) -> None:
+    """``offload: none`` under lp_zero_offload is DeepSpeed ZeRO-2 with the module's own AdamW, no offload (it used to
+    become ``cpu`` silently); "not set" takes the preset (cpu). Equal to one device with torch AdamW."""
+    strategy = _strategy(2, "none")
+    assert strategy.layout.offload == "none" and "offload_optimizer" not in strategy.config["zero_optimization"]
+    assert LPZeroOffloadStrategy(parallel={"zero_stage": 2}).layout.offload == "cpu"  # unset: the preset
+    model = tiny_gpt()
+    _fit(model, strategy, 2, PER_RANK_BATCH)
+    rel = max_rel_diff(model, reference)
+    print(f"\nZeRO-2 without offload (explicit offload: none) 2 ranks vs 1 device torch AdamW: max rel diff {rel:.3e}, "
+          f"max abs {max_abs_diff(model, reference):.3e}")
+    assert rel < 1e-5
+
+
+def test_layout_is_resolved_before_spawn_and_summarised_from_the_dims() -> None:
+    """data_parallel_size=3 on 2 devices is refused in Trainer.__init__ (nothing spawned), like every strategy; the
+    run summary comes from the resolved dims; an explicit stage 0 is refused with the fix."""
+    from lightning_parallel.config import LayoutError
+
+    with pytest.raises(LayoutError, match=r"data_parallel_size \(3\).*world size is 2 \(devices=2 per node"):
+        pl.Trainer(strategy=_strategy(2, parallel={"data_parallel_size": 3}), accelerator="cpu", devices=2)
+    trainer = pl.Trainer(strategy=_strategy(3), accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.describe() == "lp_zero_offload (dp=2 x pp=1 x tp=1 = 2 ranks, zero=3, offload=cpu)"
+    with pytest.raises(LayoutError, match=r"zero_stage=0 \(no ZeRO\). Fix: .*lp_ddp"):
+        LPZeroOffloadStrategy(parallel={"zero_stage": 0})
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size=2.*Fix: pipeline_parallel_size=1"):
+        LPZeroOffloadStrategy(parallel={"pipeline_parallel_size": 2})  # the preset's stage 2 meets the pipeline
+    with pytest.raises(LayoutError, match=r"data parallel only.*tensor_parallel_size=2\. Fix: set both to 1"):
+        LPZeroOffloadStrategy(parallel={"tensor_parallel_size": 2})
+
+
 def test_tiled_gpt_under_zero3_offload_equals_the_untiled_model(reference: pl.LightningModule) -> None:
     """Memory Centric Tiling under ZeRO-3 + CPU offload (each tile its own partitioned submodule, gathered alone):
     the trained weights, re-assembled, equal the untiled one-device run."""
