@@ -138,9 +138,35 @@ def _read_sharded(info: CheckpointInfo, *, trusted: bool) -> tuple[dict[str, Ten
         if not isinstance(part, dict) or not isinstance(part.get("state_dict"), dict):
             raise CheckpointFormatError(f"{f}: no 'state_dict'; expected this rank's ZeRO-3 shards (lp_sharded "
                                         "checkpoint='sharded' at stage 3).")
-    n_params = _optimizer_param_count(parts[0])
-    state = join_zero3_shards([p["state_dict"] for p in parts], n_params=n_params, where=info.path)
+    shapes = (meta.get(SHARDED_KEY) or {}).get("sharded_shapes")
+    if shapes is not None:  # recorded at save time: join exactly those, keep the rest (buffers) once
+        state = join_recorded_shards([p["state_dict"] for p in parts], shapes=shapes, where=info.path)
+    else:  # folders written before the shapes were recorded
+        n_params = _optimizer_param_count(parts[0])
+        state = join_zero3_shards([p["state_dict"] for p in parts], n_params=n_params, where=info.path)
     return strip_wrapper_prefixes(state), rest
+
+
+def join_recorded_shards(parts: list[Mapping[str, Any]], *, shapes: Mapping[str, list[int]],
+                         where: Path) -> dict[str, Any]:
+    """Full tensors from every rank's local ``Shard(0)`` state dict, for a folder that records which entries were
+    sharded and their full shapes (``sharded_shapes`` in ``meta.pt``): those are joined in rank order and checked
+    against the recorded shape; every other entry is replicated and taken from rank 0."""
+    out: dict[str, Any] = {}
+    for key, first in parts[0].items():
+        if key not in shapes:
+            out[key] = first
+            continue
+        try:
+            joined = torch.cat([p[key] for p in parts], dim=0)
+        except (KeyError, RuntimeError) as err:
+            raise CheckpointFormatError(f"{where}: the ranks' shards of {key} do not join ({err}); the rank files "
+                                        "do not belong together.") from None
+        if list(joined.shape) != list(shapes[key]):
+            raise CheckpointFormatError(f"{where}: {key} joins to shape {list(joined.shape)}, but meta.pt recorded "
+                                        f"{list(shapes[key])}; the rank files do not belong together.")
+        out[key] = joined
+    return out
 
 
 def _optimizer_param_count(part: Mapping[str, Any]) -> int | None:

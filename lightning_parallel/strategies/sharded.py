@@ -348,9 +348,20 @@ class LPShardedStrategy(LayoutStrategy):
             own["state_dict"] = checkpoint.pop("state_dict")
         torch.save(own, path / rank_file(self.global_rank))
         if self.is_global_zero:
-            checkpoint[SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size}
+            checkpoint[SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size,
+                                       "sharded_shapes": self._sharded_shapes()}
             torch.save(checkpoint, path / META_FILE)
         self.barrier("lp_sharded_saved")
+
+    def _sharded_shapes(self) -> dict[str, list[int]]:
+        """Stage 3: the full shapes of the state-dict entries that are dim-0 shards (DTensors), so that a reader
+        joins exactly those and keeps replicated entries (buffers) once."""
+        from torch.distributed.tensor import DTensor
+
+        module = self.lightning_module
+        if self.zero_stage != 3 or module is None:
+            return {}
+        return {k: list(v.shape) for k, v in module.state_dict().items() if isinstance(v, DTensor)}
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

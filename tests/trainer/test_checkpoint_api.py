@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_parallel.checkpoint import CheckpointFormatError, full_state_dict
+from lightning_parallel.models import GPT
 from tests.checkpoint_matrix import CASES, Case, CaseResult, ensure_deepspeed_ops, run_case, skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,3 +85,42 @@ def _check_command(src: Path, out: Path, described: str) -> None:
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and described in lines[0] and "35 tensors" in lines[0], done.stdout
     assert torch.load(out, weights_only=True)["state_dict"].keys() == full_state_dict(src).keys()
+
+
+class _BufferedGPT(GPT):
+    """The tiny GPT with a persistent buffer (replicated, not sharded, under ZeRO-3)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("calib", torch.arange(4, dtype=torch.float32))
+
+
+def test_zero3_sharded_folder_keeps_replicated_buffers_once(tmp_path: Path) -> None:
+    """A ZeRO-3 sharded folder records which entries are dim-0 shards (``sharded_shapes``), so both readers -- the
+    checkpoint API and lp_sharded's ``consolidate_checkpoint`` -- join those and keep a persistent buffer once (it
+    used to come out world-size times as long)."""
+    import lightning.pytorch as pl
+
+    from lightning_parallel.parallel.zero import consolidate_checkpoint
+    from lightning_parallel.strategies import LPShardedStrategy
+    from tests.helpers import TRAINER_QUIET, SequentialTokens
+
+    pl.seed_everything(0, verbose=False)
+    model = _BufferedGPT(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    trainer = pl.Trainer(strategy=LPShardedStrategy({"zero_stage": 3}, checkpoint="sharded", start_method="fork"),
+                         accelerator="cpu", devices=2, max_steps=2, **TRAINER_QUIET)
+    path = tmp_path / "z3.ckpt"
+
+    class _Save(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            trainer.save_checkpoint(path)
+
+    trainer.callbacks.append(_Save())
+    trainer.fit(model, SequentialTokens(batch_size=4))
+    state = full_state_dict(path)
+    assert state["calib"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    fresh = _BufferedGPT(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    fresh.load_state_dict(state)  # strict: every shape right
+    assert max(float((state[k] - v).abs().max()) for k, v in model.state_dict().items()) == 0.0
+    joined = consolidate_checkpoint(path, tmp_path / "one.ckpt")["state_dict"]
+    assert joined["calib"].shape == (4,) and all(torch.equal(joined[k], state[k]) for k in state)

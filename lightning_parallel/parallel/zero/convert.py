@@ -67,6 +67,25 @@ def _join_dim0(shards: list[dict[str, Any]]) -> dict[str, Any]:
             "param_groups": shards[0]["param_groups"]}
 
 
+def _join_model_state(states: list[dict[str, Any]], shapes: dict[str, list[int]] | None) -> dict[str, Any]:
+    """Stage 3 weights: entries recorded as dim-0 shards are joined in rank order and checked against their full
+    shape; the others (replicated buffers) are taken once. Folders written before the shapes were recorded join
+    every tensor entry."""
+    if shapes is None:
+        return _cat_dim0(states)  # type: ignore[no-any-return]
+    out: dict[str, Any] = {}
+    for name, value in states[0].items():
+        if name not in shapes:
+            out[name] = value
+            continue
+        joined = torch.cat([s[name] for s in states], dim=0)
+        if list(joined.shape) != shapes[name]:
+            raise ValueError(f"{name}: the joined shards have shape {list(joined.shape)}, but the checkpoint "
+                             f"recorded {shapes[name]}; the folder is incomplete or from another layout.")
+        out[name] = joined
+    return out
+
+
 def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path) -> dict[str, Any]:
     """Write (and return) the single-file, single-device form of a sharded ZeRO checkpoint folder."""
     folder = Path(sharded_dir)
@@ -76,7 +95,7 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path) -> dic
              for r in range(info["world_size"])]
     n_opt = len(parts[0]["optimizer_states"])
     if info["zero_stage"] == 3:
-        meta["state_dict"] = _cat_dim0([p["state_dict"] for p in parts])
+        meta["state_dict"] = _join_model_state([p["state_dict"] for p in parts], info.get("sharded_shapes"))
         join = _join_dim0
     else:
         join = _join_flat
