@@ -252,10 +252,12 @@ def convert_to_fp32_state_dict(checkpoint_dir: str | Path, output_file: str | Pa
     if nvme.is_dir():
         state = assemble_local_states(nvme)
         model_file = next(iter(sorted((folder / tag).glob("*model_states.pt"))), None)
-        if model_file is not None:
-            module = torch.load(model_file, map_location="cpu", weights_only=False).get("module") or {}
-            for name in module.get("buffer_names", []) if isinstance(module, dict) else []:
-                state.setdefault(name, module[name])
+        if model_file is not None:  # buffers: named at the file's top level, their values in its "module" dict
+            saved = torch.load(model_file, map_location="cpu", weights_only=False)
+            module = saved.get("module") or {}
+            for name in saved.get("buffer_names") or []:
+                if name in module:
+                    state.setdefault(name, module[name])
     else:
         state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
     if output_file is not None:
