@@ -10,6 +10,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.layouts import available_strategies
+
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
@@ -44,7 +46,7 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
                  {"zero_stage": 3}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
-        "DeepSpeed ZeRO + offload; parallel.zero_stage 2|3 and offload cpu|nvme (default: ZeRO-2 + optimizer on CPU)",
+        "DeepSpeed ZeRO (+ offload): parallel.zero_stage 1|2|3, offload none|cpu|nvme (unset: ZeRO-2 + CPU offload)",
         {},
     ),
     "lp_zero_offload_fork": (LPZeroOffloadStrategy, "lp_zero_offload started by fork (tests, notebooks; CPU)",
@@ -63,6 +65,9 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> None:
-    """Bind every name of :data:`STRATEGIES` in Lightning's registry (idempotent)."""
+    """Bind every name of :data:`STRATEGIES` in Lightning's registry (idempotent). Every strategy the layout table
+    (:mod:`lightning_parallel.layouts`) calls available is among them."""
+    missing = [n for n in available_strategies() if n not in STRATEGIES]
+    assert not missing, f"the layout table names strategies the registry lacks: {missing}"
     for name, (cls, description, params) in STRATEGIES.items():
         registry.register(name, cls, description=description, override=True, **params)
