@@ -1,4 +1,5 @@
-# Shared set-up for scripts/quickstart.sh and scripts/test.sh (sourced, not run).
+# Shared set-up for scripts/quickstart.sh and scripts/test.sh (sourced, not run). LP_SKIP_DEEPSPEED=1 skips DeepSpeed
+# (lp_zero_offload) and its ops; the quick start sets it, since its lp_ddp run does not use DeepSpeed.
 #
 # Works on a fresh machine: creates .venv (or uses $LP_VENV, or the virtual environment already active), installs
 # torch only if it is missing, then the package with its dev extras.
@@ -85,9 +86,11 @@ if [ -z "${LP_SKIP_DEEPSPEED:-}" ]; then
   fi
 fi
 # DeepSpeed compiles its C++ ops the first time a process uses them (minutes on a small machine: CPU collective op,
-# CPU Adam, and pin_memory + async_io for NVMe). That belongs here, announced, not inside a test or a first training
-# run: build them now (each build prints what it builds and how long it took; cached ones load in a second).
-if [ -z "${LP_SKIP_DEEPSPEED:-}" ] && "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
+# CPU Adam, and pin_memory + async_io for NVMe). For the test suite (LP_BUILD_DEEPSPEED_OPS=1, set by scripts/test.sh)
+# that happens here, announced, not inside a test under a per-test timeout: each build prints what it builds and how
+# long it took; cached ones load in a second. The quick start (lp_ddp) neither installs DeepSpeed nor waits for it.
+if [ -z "${LP_SKIP_DEEPSPEED:-}" ] && [ -n "${LP_BUILD_DEEPSPEED_OPS:-}" ] &&
+   "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
   "$PY" -m lightning_parallel.parallel.offload.ops ||
     echo "[setup] WARNING: DeepSpeed's ops did not build; lp_zero_offload will try again (and say why) on first use"
 fi
