@@ -17,8 +17,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import ParallelModuleMixin
+from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import LPTensorStrategy
+from tests.helpers import max_rel_diff
 
 T, GLOBAL_BATCH, STEPS = 16, 8, 10
 
@@ -45,8 +47,8 @@ class _Data(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader()
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader()
+    def predict_dataloader(self) -> DataLoader:  # token ids only: LightningModule's default predict_step is self(batch)
+        return DataLoader(self.dataset.tensors[0], batch_size=self.batch_size, shuffle=False)
 
 
 def _gpt() -> GPT:
@@ -119,11 +121,13 @@ def _tp(**layout: Any) -> LPTensorStrategy:
     ({"tensor_parallel_size": 2}, 2),
     ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2),
     ({"tensor_parallel_size": 2, "zero_stage": 1}, 4),
+    ({"tensor_parallel_size": 2, "zero_stage": 0, "sequence_parallel": True}, 4),
 ])
 def test_gpt_equals_one_device(reference: GPT, layout: dict[str, Any], devices: int) -> None:
     model, _ = _fit(_tp(**layout), devices, devices // 2, model=_gpt())
     diff = _diff(model, reference)
-    print(f"lp_tensor {layout} on {devices} ranks, {STEPS} AdamW steps: max |w - w_1dev| = {diff:.2e}")
+    print(f"lp_tensor {layout} on {devices} ranks (dp={devices // 2}), {STEPS} AdamW steps: max |w - w_1dev| = "
+          f"{diff:.2e}, max per-tensor relative {max_rel_diff(model, reference):.1e}")
     assert diff < 2e-5
 
 
@@ -141,3 +145,84 @@ def test_non_gpt_module_with_its_own_plan_equals_one_device() -> None:
     print(f"lp_tensor TinyMLPLM tp=2, {STEPS} AdamW steps + StepLR: max |w - w_1dev| = {diff:.2e}")
     assert _diff(ref, _tiny()) > 1e-2  # it trained
     assert diff < 2e-5
+
+
+class _SavePredictions(pl.Callback):
+    """Fork workers return no predictions to the main process: each rank saves its first batch's output."""
+
+    def __init__(self, folder: Any) -> None:
+        self.folder = folder
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        if batch_idx == 0:
+            torch.save(outputs, self.folder / f"pred_{trainer.global_rank}.pt")
+
+
+def test_logging_validation_and_predict_equal_one_device(tmp_path: Any) -> None:
+    """The logged training loss is one replicated value; validate and predict run tensor-parallel too."""
+    kw: dict[str, Any] = dict(limit_val_batches=2, val_check_interval=4, steps=8)
+    ref, ref_trainer = _fit("auto", 1, 1, model=_gpt(), **kw)
+    model, trainer = _fit(_tp(tensor_parallel_size=2, sequence_parallel=True), 2, 1, model=_gpt(), **kw)
+    for key in ("train_loss", "val_loss"):
+        got, want = float(trainer.callback_metrics[key]), float(ref_trainer.callback_metrics[key])
+        print(f"lp_tensor tp=2 SP logged {key} = {got:.6f}, one device {want:.6f}")
+        assert abs(got - want) < 1e-5
+    val = trainer.validate(model, datamodule=_Data(4), verbose=False)[0]["val_loss"]
+    ref_val = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         use_distributed_sampler=False, limit_val_batches=2).validate(ref, datamodule=_Data(4),
+                                                                                      verbose=False)
+    assert abs(val - ref_val[0]["val_loss"]) < 1e-5, (val, ref_val)
+    predictor = pl.Trainer(accelerator="cpu", devices=2, strategy=_tp(tensor_parallel_size=2), logger=False,
+                           enable_progress_bar=False, use_distributed_sampler=False, limit_predict_batches=1,
+                           callbacks=[_SavePredictions(tmp_path)])
+    predictor.predict(model, datamodule=_Data(4), return_predictions=False)
+    ref.eval()
+    want = ref(_Data(4).dataset.tensors[0][:4])
+    for rank in (0, 1):  # whole logits on every tp rank, not a vocabulary shard
+        got = torch.load(tmp_path / f"pred_{rank}.pt")
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def _refusal(strategy: LPTensorStrategy, model: Any, devices: int = 2, **trainer: Any) -> None:
+    pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, max_steps=1,
+               **trainer).fit(model, datamodule=_Data(2))
+
+
+def test_refusals_before_spawn() -> None:
+    """Every refusal happens in the launching process (fork workers would print them and hang otherwise)."""
+    with pytest.raises(LayoutError, match=r"n_head=4, 4 % 3 = 1\. Fix: tensor_parallel_size in \[1, 2, 4\]"):
+        _refusal(_tp(tensor_parallel_size=3), _gpt(), devices=3)
+    tiny = _tiny()  # the GPT's hidden size is heads x head_dim, so heads % t covers it; a module's own plan:
+    tiny.layers[0]["up"], tiny.layers[0]["down"] = nn.Linear(32, 63), nn.Linear(63, 32)
+    with pytest.raises(LayoutError, match=r"does not divide layers\.0\.up\.out_features=63 \(output features split "
+                                          r"by the 'column' style\): 63 % 2 = 1\. Fix: make the hidden size"):
+        _refusal(_tp(tensor_parallel_size=2), tiny)
+    torch.manual_seed(0)
+    with pytest.raises(LayoutError, match=r"vocab_size=65, 65 % 2 = 1"):
+        _refusal(_tp(tensor_parallel_size=2), GPT(n_layer=1, n_head=2, n_embd=32, block_size=T, vocab_size=65))
+    tiny = _tiny()
+    tiny.out = nn.Linear(32, 63)  # the module's own plan, no parallel_shape(): the plan check finds it
+    with pytest.raises(LayoutError, match=r"out\.out_features=63.*Fix: pad the vocabulary to 64"):
+        _refusal(_tp(tensor_parallel_size=2), tiny)
+    with pytest.raises(LayoutError, match=r"sequence_parallel=True.*tensor_parallel_size=1"):
+        _tp(sequence_parallel=True)
+    with pytest.raises(LayoutError, match=r"tensor_parallel_size \(4\) exceeds the devices of one node \(2\)"):
+        pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=_tp(tensor_parallel_size=4))
+    with pytest.raises(LayoutError, match=r"zero_stage=2\. Fix: zero_stage=1"):
+        _tp(tensor_parallel_size=2, zero_stage=2)
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size=2"):
+        _tp(tensor_parallel_size=2, pipeline_parallel_size=2)
+
+    class NoPlan(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    with pytest.raises(LayoutError, match=r"(?s)does not implement `tensor_parallel_plan\(\)`.*A minimal plan.*"
+                                          r"\"layers\.\*\.fc1\": \"column\""):
+        _refusal(_tp(tensor_parallel_size=2), NoPlan())
+    tiny = _tiny()
+    tiny.tensor_parallel_plan = lambda: {"layers.*.upp": "column"}  # type: ignore[method-assign]
+    with pytest.raises(LayoutError, match=r"'layers\.\*\.upp' matches no submodule"):
+        _refusal(_tp(tensor_parallel_size=2), tiny)

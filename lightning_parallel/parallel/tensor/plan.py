@@ -48,10 +48,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_parallel.module_hooks import TP_STYLES
+
 __all__ = ["PLAN_STYLES", "PlanError", "apply_tensor_parallel", "expand_plan", "make_style"]
 
-PLAN_STYLES = ("column", "row", "vocab", "sequence", "sequence_scatter", "replicate")
-"""The string values a tensor-parallel plan may use (or a ``ParallelStyle`` object)."""
+PLAN_STYLES = TP_STYLES
+"""The string values a plan may use (or a ``ParallelStyle`` object): the module hook's list."""
 
 _SEQ = 1  # the sequence dimension of (batch, sequence, features) activations
 
