@@ -21,6 +21,7 @@ every rank's local shard adds its squares -- and each tp-replicated tensor once 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,7 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
     def __init__(self, optimizer: Optimizer, *, group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None,
                  tp_size: int, counter: CommCounter | None = None) -> None:
         self.dtensor_params: list[tuple[DTensor, Tensor]] = []
+        self.original_params: list[list[Tensor]] = [list(pg["params"]) for pg in optimizer.param_groups]
         self._weights: list[Tensor] = []
         self.tp_group, self.tp_size = tp_group, tp_size
         groups_sharded: list[list[bool]] = []
@@ -198,3 +200,37 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total.float()
+
+    # ------------------------------------------------------------------ checkpoints by parameter name
+    def state_by_name(self, model: nn.Module) -> dict[str, Any]:
+        """The whole optimizer state per parameter name, each state tensor laid out like its parameter (a DTensor
+        for tp-sharded ones): the format of :func:`~lightning_parallel.parallel.tensor.checkpoint.
+        optimizer_state_by_name`. Collective over ``dp`` (all-gathers the flat shards)."""
+        name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        full = self.consolidated_state_dict()
+        flat = [p for group in self.original_params for p in group]
+        state: dict[str, Any] = {}
+        for idx, slot in full["state"].items():
+            p = flat[int(idx)]
+            state[name_of[id(p)]] = {k: _like_param(v, p) for k, v in slot.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in params]}
+                  for g, params in zip(full["param_groups"], self.original_params, strict=True)]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_by_name(self, model: nn.Module, by_name: dict[str, Any]) -> None:
+        """Load :meth:`state_by_name` output (e.g. from a DCP checkpoint): re-sharded over ``dp`` as this rank's
+        flat shard."""
+        name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names = [name_of[id(p)] for group in self.original_params for p in group]
+        index = {n: i for i, n in enumerate(names)}
+        state = {index[n]: {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in slot.items()}
+                 for n, slot in by_name["state"].items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+        self.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _like_param(value: Any, p: Tensor) -> Any:
+    if isinstance(p, DTensor) and isinstance(value, Tensor) and value.shape == local_tensor(p).shape:
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return value
