@@ -342,6 +342,8 @@ class LPTensorStrategy(LayoutStrategy):
         if self.is_global_zero:
             if path.is_file():
                 path.unlink()
+            elif path.is_dir():  # a checkpoint saved again under one name (last.ckpt): no stale shard files
+                shutil.rmtree(path)
             path.mkdir(parents=True, exist_ok=True)
         self.barrier("lp_tensor_mkdir")
         model_state = checkpoint.pop("state_dict")

@@ -274,3 +274,15 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
           f"one-device checkpoint resumed on one device: {moved:.1e}")
     assert exact == 0.0
     assert moved < 2e-5
+
+
+@pytest.mark.parametrize("recipe", ["gpt_tp2.yaml", "gpt_dp2_tp2_zero1.yaml"])
+def test_recipes_pass_the_dry_run_of_fit(recipe: str) -> None:
+    """Everything fit would build (the model on the meta device, the layout against 2 or 4 devices, the plan), no
+    process started."""
+    from lightning_parallel.cli import check_recipe
+
+    root = Path(__file__).resolve().parents[2]
+    line = check_recipe(["--config", str(root / "recipes" / recipe), "--trainer.accelerator", "cpu",
+                         "--trainer.logger", "false"])
+    assert "lp_tensor" in line and "tp=2" in line, line
