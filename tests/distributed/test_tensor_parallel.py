@@ -70,7 +70,7 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
             "q_shape": shapes["blocks.0.attn.q_proj.weight"], "out_shape": shapes["blocks.0.attn.out_proj.weight"],
             "emb_shape": shapes["embed.tok.weight"], "logits": type(logits).__name__, "partial_after_settle": partial,
             "calls": dict(counter.calls), "bytes": dict(counter.bytes),
-            "formula": megatron_tp_bytes(n_layer=2, batch=4, seq=16, hidden=32, tp=world),
+            "formula": megatron_tp_bytes(n_layer=2, batch=4, seq=16, hidden=32, tp=world, sequence_parallel=sp),
         }
     torch.manual_seed(3)
     ref_mlp = _MLPStack()
@@ -98,12 +98,17 @@ def test_tp2_forward_backward_equals_one_device() -> None:
     print(f"MLP stack (own plan) tp=2: max |out diff| = {result['mlp']['out']:.1e}, grads {result['mlp']['grad']:.1e}")
     assert result["mlp"]["out"] < 1e-6 and result["mlp"]["grad"] < 1e-6
     # Megatron without SP: 2 all-reduces per layer in forward (+1 embedding, +3 b x s statistics of the loss) and
-    # 2 per layer in backward (+1 head input gradient); the activation bytes equal the formula exactly
+    # 2 per layer in backward (+1 head input gradient); the bytes counted at each collective equal the formula
     plain = result["sp=False"]
     assert plain["calls"] == {("forward", "all_reduce"): 2 * 2 + 1 + 3, ("backward", "all_reduce"): 2 * 2 + 1}
     assert plain["bytes"][("backward", "all_reduce")] == plain["formula"]["backward"]
-    loss_stats = 3 * 4 * 16 * 4 * (2 - 1) / 2 * 2  # three all-reduces of b x s fp32 values
-    assert plain["bytes"][("forward", "all_reduce")] == plain["formula"]["forward"] + loss_stats
-    # with SP the forward runs all-gathers and reduce-scatters (one each per norm / row linear)
+    assert plain["bytes"][("forward", "all_reduce")] == plain["formula"]["forward"] + plain["formula"]["loss"]
+    # with SP: one all-gather per norm and one reduce-scatter per row linear in forward, the reverse in backward
+    # (+ the embedding's scatter and the head's gather); one reduction per norm, not one per consumer linear
     sp = result["sp=True"]
-    assert sp["calls"][("forward", "all_gather")] == 2 * 2 + 1 and sp["calls"][("forward", "reduce_scatter")] == 4
+    assert sp["calls"] == {("forward", "all_gather"): 2 * 2 + 1, ("forward", "reduce_scatter"): 2 * 2,
+                           ("forward", "all_reduce"): 1 + 3, ("backward", "all_gather"): 2 * 2 + 1,
+                           ("backward", "reduce_scatter"): 2 * 2 + 1}
+    assert sum(v for (phase, _), v in sp["bytes"].items() if phase == "backward") == sp["formula"]["backward"]
+    assert sum(v for (phase, _), v in sp["bytes"].items() if phase == "forward") == (sp["formula"]["forward"]
+                                                                                     + sp["formula"]["loss"])

@@ -9,9 +9,9 @@ bytes by phase, with the ring model of :mod:`lightning_parallel.parallel.zero.co
 Megatron's count per transformer layer, activations ``b x s x h`` of ``e`` bytes (:func:`megatron_tp_bytes`):
 without sequence parallelism two all-reduces in forward (after the attention and the MLP row linears) and two in
 backward (of the input gradients of q/k/v and of ``fc_in``); with it, each all-reduce becomes an all-gather plus a
-reduce-scatter of the same buffer: the same bytes. Embedding and vocab-parallel head add one all-reduce forward (the
-partial lookups) and one backward (the head's input gradient), and the vocab-parallel loss three all-reduces of
-``b x s`` statistics. No Lightning import.
+reduce-scatter of the same buffer: the same bytes. The vocab-parallel embedding and head add one all-reduce each way
+(the partial lookups; the head's input gradient), and the vocab-parallel loss three all-reduces of ``b x s``
+statistics. No Lightning import.
 """
 
 from __future__ import annotations
@@ -79,15 +79,22 @@ class TPCommCounter(TorchDispatchMode):
 
 
 def megatron_tp_bytes(*, n_layer: int, batch: int, seq: int, hidden: int, tp: int, elem_bytes: int = 4,
-                      vocab_parallel: bool = True) -> dict[str, float]:
-    """Bytes one rank sends over ``tp`` per micro-batch (ring model), Megatron's layout, by phase.
+                      sequence_parallel: bool = False, scatter_embedding: bool = True) -> dict[str, float]:
+    """Bytes one rank sends over ``tp`` per micro-batch (ring model) for a Megatron-split transformer, by phase.
 
-    Per layer: 2 all-reduces of ``b s h`` in forward and 2 in backward (with SP: 2 all-gathers + 2 reduce-scatters
-    of the same buffers each way: the same bytes). ``vocab_parallel``: + one all-reduce forward (embedding) and one
-    backward (head input gradient). The vocab-parallel loss's ``b s``-sized all-reduces are left out (``< 1/h``).
+    ``x = (t-1)/t * b s h * elem_bytes`` (one all-gather or reduce-scatter of an activation; an all-reduce is
+    ``2x``). Layers: 2 all-reduces per layer each way (``4 L x``), with SP 2 all-gathers + 2 reduce-scatters (the same
+    ``4 L x``). Vocab-parallel embedding: forward all-reduce ``2x`` (SP without ``scatter_embedding``: a
+    reduce-scatter ``x``), backward with SP the all-gather ``x`` of its sequence-split gradient. Vocab-parallel head:
+    forward with SP the all-gather ``x`` of its input, backward the reduction of its input gradient (``2x``; SP
+    ``x``). ``loss`` (reported apart): the vocab-parallel cross-entropy's three all-reduces of ``b s`` values.
     """
-    act = batch * seq * hidden * elem_bytes
-    per = ring_bytes("all_reduce", full_bytes=act, world_size=tp)
-    extra = per if vocab_parallel else 0.0
-    fwd, bwd = 2 * n_layer * per + extra, 2 * n_layer * per + extra
-    return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
+    x = (tp - 1) / tp * batch * seq * hidden * elem_bytes
+    layers = 4 * n_layer * x
+    if sequence_parallel:
+        fwd = layers + (2 * x if scatter_embedding else x) + x
+        bwd = layers + x + x
+    else:
+        fwd, bwd = layers + 2 * x, layers + 2 * x
+    loss = 3 * ring_bytes("all_reduce", full_bytes=batch * seq * elem_bytes, world_size=tp)
+    return {"forward": fwd, "backward": bwd, "loss": loss, "total": fwd + bwd + loss}

@@ -36,9 +36,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -100,12 +102,48 @@ def expand_plan(module: nn.Module, plan: Mapping[str, Any], *, skip_missing: boo
     return dict(sorted(out.items(), key=lambda item: order[item[0]]))
 
 
+class _HandToTP(torch.autograd.Function):
+    """A norm's plain local output -> one replicated DTensor for the tensor-parallel linears that read it.
+
+    Forward: with SP, all-gather of the sequence shards (dim 1); without, nothing. Backward: the consumers' input
+    gradients arrive summed as one ``Partial`` DTensor; its local partial sum is reduce-scattered along the sequence
+    (SP) or all-reduced (Megatron's ``f``): one collective per norm, whatever the number of consumers. (Left to
+    DTensor, the same gradient was all-reduced once more per consumer group under SP, measured.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, sequence_parallel: bool) -> DTensor:
+        ctx.mesh, ctx.sp = mesh, sequence_parallel
+        if sequence_parallel:
+            x = funcol.all_gather_single(x.contiguous(), gather_dim=_SEQ, group=mesh)
+            x = funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Tensor, None, None]:
+        mesh, sp = ctx.mesh, ctx.sp
+        partial = isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements)
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if partial:
+            if sp:
+                out = funcol.reduce_scatter_single(local.contiguous(), "sum", scatter_dim=_SEQ, group=mesh)
+            else:
+                out = funcol.all_reduce(local, "sum", group=mesh)
+            out = funcol.wait_tensor(out)
+        elif sp:  # already whole: this rank's positions
+            out = local.chunk(mesh.size(), dim=_SEQ)[mesh.get_local_rank()].contiguous()
+        else:
+            out = local
+        return out, None, None
+
+
 class _SequenceNorm(ParallelStyle):
     """``sequence``: a norm whose output feeds tensor-parallel linears, handed on as a replicated DTensor.
 
-    Handing the consumers one DTensor (instead of a local tensor each wraps on its own) makes autograd sum their
-    partial input gradients as one ``Partial`` DTensor, so the norm output's gradient is reduced once per norm: an
-    all-reduce without SP, a reduce-scatter along the sequence with SP (whose forward all-gathers the shards).
+    Under SP the norm runs on its sequence shard (``SequenceParallel``: replicated DTensor parameters, whose
+    gradients are ``Partial`` sums over the shards until :func:`~lightning_parallel.parallel.tensor.sync.
+    settle_gradients`); then :class:`_HandToTP` gathers the shards (one all-gather forward, one reduce-scatter
+    backward). Without SP the norm is left alone and :class:`_HandToTP` adds the one all-reduce in backward.
     """
 
     def __init__(self, *, sequence_parallel: bool) -> None:
@@ -113,22 +151,33 @@ class _SequenceNorm(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.sequence_parallel:
-            SequenceParallel(sequence_dim=_SEQ, use_local_output=False)._apply(module, device_mesh)
+        sp = self.sequence_parallel
+        if sp:
+            SequenceParallel(sequence_dim=_SEQ, use_local_output=True)._apply(module, device_mesh)
 
-            def gather(mod: nn.Module, inputs: Any, output: Any) -> Any:
-                return output.redistribute(device_mesh, (Replicate(),))
-
-            module.register_forward_hook(gather)
-            return module
-
-        def wrap(mod: nn.Module, inputs: Any, output: Any) -> Any:
+        def hand(mod: nn.Module, inputs: Any, output: Any) -> Any:
             if isinstance(output, DTensor):
                 return output
-            return DTensor.from_local(output, device_mesh, (Replicate(),), run_check=False)
+            return _HandToTP.apply(output, device_mesh, sp)
 
-        module.register_forward_hook(wrap)
+        module.register_forward_hook(hand)
         return module
+
+
+class _Colwise(ColwiseParallel):
+    """``ColwiseParallel`` that takes a DTensor input as it is laid out: a replicated input from a ``sequence`` norm
+    is not redistributed again (torch's redistributes whenever ``input_layouts`` differs from Replicate, and its
+    backward then all-reduces the input gradient once per consumer); a plain input is read as ``input_layouts``."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
+                          device_mesh: DeviceMesh) -> Any:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            if tuple(x.placements) == tuple(desired_input_layouts):
+                return x
+            return x.redistribute(placements=desired_input_layouts)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
 
 def make_style(style: Any, module: nn.Module, *, name: str, sequence_parallel: bool,
@@ -151,7 +200,7 @@ def make_style(style: Any, module: nn.Module, *, name: str, sequence_parallel: b
 
     if style == "column":
         need(nn.Linear)
-        return ColwiseParallel(input_layouts=seq_in)
+        return _Colwise(input_layouts=seq_in)
     if style == "row":
         need(nn.Linear)
         return RowwiseParallel(output_layouts=seq_in)
@@ -160,7 +209,7 @@ def make_style(style: Any, module: nn.Module, *, name: str, sequence_parallel: b
         if isinstance(module, nn.Embedding):
             out: Any = Shard(_SEQ) if sequence_parallel and vocab_output != "replicate" else Replicate()
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-        return ColwiseParallel(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
+        return _Colwise(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
     if style == "sequence":
         return _SequenceNorm(sequence_parallel=sequence_parallel)
     if style == "sequence_scatter":
