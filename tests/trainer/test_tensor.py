@@ -274,6 +274,16 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
           f"one-device checkpoint resumed on one device: {moved:.1e}")
     assert exact == 0.0
     assert moved < 2e-5
+    if devices == 2:  # the one-device file's weights load into lp_tensor too (scattered): same validation loss
+        data = _Data(GLOBAL_BATCH, GLOBAL_BATCH)
+        plain = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                           use_distributed_sampler=False).validate(_gpt(1), data, ckpt_path=str(tmp_path / "one.ckpt"),
+                                                                   verbose=False)[0]["val_loss"]
+        tp = pl.Trainer(accelerator="cpu", devices=2, strategy=_tp(**layout), logger=False, enable_progress_bar=False,
+                        use_distributed_sampler=False).validate(_gpt(1), data, ckpt_path=str(tmp_path / "one.ckpt"),
+                                                                verbose=False)[0]["val_loss"]
+        print(f"one-device checkpoint validated on one device {plain:.6f}, under lp_tensor {tp:.6f}")
+        assert abs(plain - tp) < 1e-5 and abs(plain - float(_gpt(1)._loss(next(iter(data.val_dataloader()))))) > 1e-3
 
 
 @pytest.mark.parametrize("recipe", ["gpt_tp2.yaml", "gpt_dp2_tp2_zero1.yaml"])
