@@ -296,3 +296,15 @@ def test_recipes_pass_the_dry_run_of_fit(recipe: str) -> None:
     line = check_recipe(["--config", str(root / "recipes" / recipe), "--trainer.accelerator", "cpu",
                          "--trainer.logger", "false"])
     assert "lp_tensor" in line and "tp=2" in line, line
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_under_tp_equals_one_device(reference: GPT, mode: str) -> None:
+    """Recomputation is applied before TP (parameter and module names unchanged), so the plan still resolves; a
+    recomputed block re-runs its forward collectives in backward."""
+    pytest.importorskip("lightning_parallel.parallel.activation_checkpointing")
+    model, _ = _fit(_tp(tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=mode), 2, 1,
+                    model=_gpt())
+    diff = _diff(model, reference)
+    print(f"lp_tensor tp=2 SP activation_checkpointing={mode}: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 2e-5
