@@ -72,6 +72,12 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
             "calls": dict(counter.calls), "bytes": dict(counter.bytes),
             "formula": megatron_tp_bytes(n_layer=2, batch=4, seq=16, hidden=32, tp=world, sequence_parallel=sp),
         }
+    odd = tiny_gpt(0)
+    apply_tensor_parallel(odd, odd.tensor_parallel_plan(), mesh=mesh, sequence_parallel=True)
+    try:
+        odd(x[:, :15])
+    except ValueError as err:
+        out["odd_sequence"] = str(err)
     torch.manual_seed(3)
     ref_mlp = _MLPStack()
     mlp = _MLPStack()
@@ -95,6 +101,8 @@ def test_tp2_forward_backward_equals_one_device() -> None:
         assert r["loss"] < 1e-5 and r["grad"] < 1e-6
         assert r["q_shape"] == (16, 32) and r["out_shape"] == (32, 16) and r["emb_shape"] == (32, 32)  # 1/t each
         assert r["logits"] == "DTensor" and r["partial_after_settle"] == []
+    assert "embed got a sequence of 15 positions: 15 % 2 = 1. Fix: a sequence length that is a multiple of 2 (e.g. " \
+        "14 or 16), or sequence_parallel=False." in result["odd_sequence"]
     print(f"MLP stack (own plan) tp=2: max |out diff| = {result['mlp']['out']:.1e}, grads {result['mlp']['grad']:.1e}")
     assert result["mlp"]["out"] < 1e-6 and result["mlp"]["grad"] < 1e-6
     # Megatron without SP: 2 all-reduces per layer in forward (+1 embedding, +3 b x s statistics of the loss) and

@@ -243,7 +243,27 @@ def apply_tensor_parallel(
                           vocab_output="replicate" if inside_scatter else "sequence")
         if made is not None:
             styles[name] = made
+    if sequence_parallel:  # where the sequence is split: an uneven split would fail later inside a collective
+        for name, style in expanded.items():
+            sub = module.get_submodule(name)
+            if style == "sequence_scatter" or (style == "vocab" and isinstance(sub, nn.Embedding)
+                                               and not any(name.startswith(s + ".") for s in scatters)):
+                sub.register_forward_pre_hook(_check_sequence(name, mesh.size()))
     # children before parents: a parent's output hook (sequence_scatter) then runs after its children's
     for name in sorted(styles, key=lambda n: -n.count(".")):
         parallelize_module(module.get_submodule(name), mesh, styles[name])
     return expanded
+
+
+def _check_sequence(name: str, tp: int) -> Any:
+    def check(mod: nn.Module, inputs: tuple[Any, ...]) -> None:
+        x = inputs[0] if inputs else None
+        if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[_SEQ] % tp:
+            n = x.shape[_SEQ]
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tensor_parallel_size={tp} ranks, but {name} got a "
+                f"sequence of {n} positions: {n} % {tp} = {n % tp}. Fix: a sequence length that is a multiple of "
+                f"{tp} (e.g. {n - n % tp} or {n + tp - n % tp}), or sequence_parallel=False."
+            )
+
+    return check
