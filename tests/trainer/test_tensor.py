@@ -202,7 +202,7 @@ def test_refusals_before_spawn() -> None:
                                           r"by the 'column' style\): 63 % 2 = 1\. Fix: make the hidden size"):
         _refusal(_tp(tensor_parallel_size=2), tiny)
     torch.manual_seed(0)
-    with pytest.raises(LayoutError, match=r"vocab_size=65, 65 % 2 = 1"):
+    with pytest.raises(LayoutError, match=r"vocab_size=65, 65 % 2 = 1\. Fix: pad vocab_size to 66, the next multiple"):
         _refusal(_tp(tensor_parallel_size=2), GPT(n_layer=1, n_head=2, n_embd=32, block_size=T, vocab_size=65))
     tiny = _tiny()
     tiny.out = nn.Linear(32, 63)  # the module's own plan, no parallel_shape(): the plan check finds it
