@@ -30,11 +30,11 @@ from lightning_parallel.strategies.base import LayoutStrategy
 __all__ = ["LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
 
 _DESCRIPTION = (
-    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP) or ZeRO-offload (pipeline, tensor "
-    "and hybrid parallelism are planned). Subcommands: fit, validate, test, predict (Lightning's CLI, with a "
-    "`parallel` layout section), plan (recommend a layout: `lightning-parallel plan --help`), check (build "
-    "everything `fit` would, start nothing: `lightning-parallel check --config RECIPE`) and consolidate (any "
-    "strategy's checkpoint -> one file for one device: `lightning-parallel consolidate IN OUT`)."
+    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP), ZeRO-offload or tensor "
+    "parallelism (pipeline and hybrid parallelism are planned). Subcommands: fit, validate, test, predict "
+    "(Lightning's CLI, with a `parallel` layout section), plan (recommend a layout: `lightning-parallel plan "
+    "--help`), check (build everything `fit` would, start nothing: `lightning-parallel check --config RECIPE`) and "
+    "consolidate (any strategy's checkpoint -> one file for one device: `lightning-parallel consolidate IN OUT`)."
 )
 
 

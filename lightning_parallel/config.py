@@ -260,7 +260,8 @@ def check_model_compat(
     if vocab_size is not None and vocab_size % tp:
         raise LayoutError(
             f"parallel.tensor_parallel_size={tp} does not divide the vocabulary: vocab_size={vocab_size}, "
-            f"{vocab_size} % {tp} = {vocab_size % tp}. Fix: pad vocab_size to a multiple of {tp}."
+            f"{vocab_size} % {tp} = {vocab_size % tp}. Fix: pad vocab_size to {-(-vocab_size // tp) * tp}, the next "
+            f"multiple of {tp} (the extra embedding rows and logits are never targets)."
         )
     if n_layer is not None and pp * v > n_layer:
         raise LayoutError(

@@ -30,9 +30,12 @@ from lightning_parallel.config import LayoutError
 
 __all__ = ["TP_STYLES", "ParallelModuleMixin", "require_hook"]
 
-TP_STYLES = ("column", "row", "vocab")
+TP_STYLES = ("column", "row", "vocab", "sequence", "sequence_scatter", "replicate")
 """How a submodule splits under TP: ``column`` (output features over ``tp``), ``row`` (input features, all-reduce
-in forward), ``vocab`` (embedding rows / head columns over ``tp``, with a vocab-parallel loss)."""
+in forward), ``vocab`` (embedding rows / head columns over ``tp``, with a vocab-parallel loss), ``sequence`` (a norm
+run on its sequence shard under ``sequence_parallel``), ``sequence_scatter`` (a module whose output is split along
+the sequence under ``sequence_parallel``, e.g. token + learned position embeddings), ``replicate`` (kept whole).
+See :mod:`lightning_parallel.parallel.tensor.plan` for what each style shards and communicates."""
 
 
 class ParallelModuleMixin:
@@ -53,8 +56,9 @@ class ParallelModuleMixin:
         """The loss on the last stage's output for one micro-batch (mean over its samples)."""
         raise NotImplementedError
 
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Submodule name -> one of :data:`TP_STYLES` (e.g. ``{"blocks.0.attn.q_proj": "column", ...}``)."""
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """Submodule name or glob pattern -> one of :data:`TP_STYLES` or a torch ``ParallelStyle`` (e.g.
+        ``{"blocks.*.attn.q_proj": "column", "blocks.*.attn.out_proj": "row", ...}``)."""
         raise NotImplementedError
 
     def parallel_shape(self) -> dict[str, int]:

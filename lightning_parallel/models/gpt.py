@@ -297,16 +297,24 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
         return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))
 
     def tensor_parallel_plan(self) -> dict[str, str]:
+        """Megatron's split: q/k/v and ``fc_in`` column, ``out_proj`` and ``fc_out`` row, the token embedding and
+        ``lm_head`` vocab-parallel (the loss is then a vocab-parallel cross-entropy), the norms ``sequence`` (with
+        ``sequence_parallel`` they run on this rank's sequence shard), and ``embed`` ``sequence_scatter``: token and
+        learned position embeddings are added whole, then split along the sequence, so positions stay right."""
         plan = {}
         if getattr(self, "embed", None) is not None:
             plan["embed.tok"] = "vocab"
+            plan["embed"] = "sequence_scatter"
         if getattr(self, "head", None) is not None:
             plan["head.lm_head"] = "vocab"
+            plan["head.ln_f"] = "sequence"
         for i, _ in self._present_blocks():
             for lin in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"):
                 plan[f"blocks.{i}.{lin}"] = "column"
             for lin in ("attn.out_proj", "mlp.fc_out"):
                 plan[f"blocks.{i}.{lin}"] = "row"
+            for norm in ("ln_1", "ln_2"):
+                plan[f"blocks.{i}.{norm}"] = "sequence"
         return plan
 
     def parallel_shape(self) -> dict[str, int]:

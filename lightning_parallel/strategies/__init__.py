@@ -16,10 +16,11 @@ from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
 from .sharded import LPShardedStrategy
+from .tensor import LPTensorStrategy
 from .zero_offload import LPZeroOffloadStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LPZeroOffloadStrategy",
-           "LayoutStrategy", "register_strategies"]
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LPTensorStrategy",
+           "LPZeroOffloadStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -44,6 +45,13 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
     "lp_zero2": (LPShardedStrategy, "lp_sharded at ZeRO stage 2 (+ gradients sharded)", {"zero_stage": 2}),
     "lp_zero3": (LPShardedStrategy, "lp_sharded at ZeRO stage 3 (+ parameters sharded; torch FSDP2)",
                  {"zero_stage": 3}),
+    "lp_tensor": (
+        LPTensorStrategy,
+        "tensor parallelism over tp (the module's tensor_parallel_plan) x data parallelism over dp, (N/t, 1, t, 0|1|3)",
+        {},
+    ),
+    "lp_tensor_fork": (LPTensorStrategy, "lp_tensor started by fork (tests, notebooks; CPU)",
+                       {"start_method": "fork"}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
         "DeepSpeed ZeRO (+ offload): parallel.zero_stage 1|2|3, offload none|cpu|nvme (unset: ZeRO-2 + CPU offload)",

@@ -118,10 +118,16 @@ def test_parameter_names_and_tensor_parallel_plan_are_unchanged() -> None:
     assert list(model.state_dict()) == list(legacy.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in legacy.named_parameters()]
     assert "blocks.1.attn.q_proj.weight" in model.state_dict()
-    assert model.tensor_parallel_plan() == _legacy_plan(cfg["n_layer"])
-    assert list(model.tensor_parallel_plan()) == list(_legacy_plan(cfg["n_layer"]))  # same order too
-    for name in model.tensor_parallel_plan():
+    plan = model.tensor_parallel_plan()
+    # the linear/embedding split is unchanged; the norms and the embedding container were added for SP
+    split = {k: v for k, v in plan.items() if v in ("column", "row", "vocab")}
+    assert split == _legacy_plan(cfg["n_layer"])
+    for name in split:
         assert isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding))
+    rest = {k: v for k, v in plan.items() if k not in split}
+    assert rest == {"embed": "sequence_scatter", "head.ln_f": "sequence",
+                    **{f"blocks.{i}.ln_{j}": "sequence" for i in range(cfg["n_layer"]) for j in (1, 2)}}
+    assert all(isinstance(model.get_submodule(n), nn.LayerNorm) for n, v in rest.items() if v == "sequence")
     assert model.parallel_shape() == {"n_layer": 2, "n_head": 2, "vocab_size": 64}
     # the attention core is its own parameter-free submodule: no parameter or buffer name mentions it
     cores = [n for n, m in model.named_modules() if isinstance(m, AttentionCore)]
@@ -202,4 +208,4 @@ def test_pipeline_layers_follow_the_block_keys_in_layer_order() -> None:
     model.blocks = nn.ModuleDict(blocks)  # inserted out of order: pipeline_layers() still sorts by layer index
     model.embed = None
     assert model.pipeline_layers() == [blocks["0"], blocks["2"], model.head]
-    assert list(model.tensor_parallel_plan())[:2] == ["head.lm_head", "blocks.0.attn.q_proj"]
+    assert list(model.tensor_parallel_plan())[:3] == ["head.lm_head", "head.ln_f", "blocks.0.attn.q_proj"]

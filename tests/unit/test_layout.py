@@ -85,7 +85,7 @@ def test_trainer_refuses_a_bad_layout_in_its_constructor() -> None:
 
 
 def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
-    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size=2.*no strategy of this version runs tensor"):
+    with pytest.raises(LayoutError, match=r"tensor_parallel_size=2\. Fix: .* or use strategy lp_tensor"):
         LPDDPStrategy(parallel={"tensor_parallel_size": 2})
     with pytest.raises(LayoutError, match=r"nvme_path.*offload='nvme'"):
         LPDDPStrategy(parallel={"nvme_path": "/tmp/x"})  # "not set" is lp_ddp's "none": nvme_path has no use
@@ -97,7 +97,8 @@ def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
 
 def test_one_table_from_layout_to_strategy() -> None:
     """The layout table: plain ZeRO-3 is lp_sharded's (not the offload engine's); offload is lp_zero_offload's;
-    pp/tp layouts name planned strategies, which the table marks unavailable (never recommended, never a fix)."""
+    tp layouts are lp_tensor's; pp layouts name planned strategies, which the table marks unavailable (never
+    recommended, never a fix)."""
     from lightning_parallel.layouts import available_strategies, strategy_for, strategy_for_key
 
     def name(**keys: Any) -> str:
@@ -108,7 +109,7 @@ def test_one_table_from_layout_to_strategy() -> None:
     assert name(zero_stage=2, offload="cpu") == name(zero_stage=3, offload="nvme", nvme_path="/x") == "lp_zero_offload"
     assert name(pipeline_parallel_size=2) == "lp_pipeline" and name(tensor_parallel_size=2) == "lp_tensor"
     assert name(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1) == "lp_hybrid"
-    assert available_strategies() == ["lp_ddp", "lp_sharded", "lp_zero_offload"]
+    assert available_strategies() == ["lp_ddp", "lp_sharded", "lp_zero_offload", "lp_tensor"]
     assert "lp_" not in strategy_for_key("pipeline_parallel_size")  # no planned name offered as a fix
     assert strategy_for_key("offload") == "or use strategy lp_zero_offload"
 

@@ -1,0 +1,473 @@
+"""``lp_tensor``: tensor parallelism over the ``tp`` axis, data parallelism (with ZeRO-1 or FSDP2) over ``dp``.
+
+Layout ``(N/t, 1, t, z)``: ``tensor_parallel_size = t`` ranks (neighbours on a node) split each weight matrix of the
+module's :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.tensor_parallel_plan` (Megatron's column / row /
+vocab-parallel split, :mod:`lightning_parallel.parallel.tensor`) and see the same batch; ``d = N/t`` replicas of
+that group split the global batch (the sampler takes rank and size from ``dp``). Per rank, each split matrix holds
+``1/t`` of its elements; norms, row-linear biases and modules outside the plan are replicated over ``tp``.
+
+Collectives, per micro-batch and transformer layer, over ``tp`` (activations ``b x s x h``): forward two
+all-reduces (after the row linears of attention and MLP), backward two (of the column linears' input gradients);
+with ``sequence_parallel`` all-gather + reduce-scatter of the same buffers instead, and norms/dropout run on
+``s/t`` positions. The vocab-parallel embedding all-reduces its lookups, the head leaves its logits split by
+vocabulary and the loss is computed by ``loss_parallel`` (all-reduces of ``b x s`` statistics): the loss the
+training step sees and logs is one replicated value. Over ``dp``, by ``parallel.zero_stage``:
+
+* 0 -- after the step's last backward, one all-reduce (mean) of this rank's local gradients;
+* 1 -- ZeRO-1 on the local shards (:class:`~lightning_parallel.parallel.tensor.LocalShardZeroOptimizer`):
+  reduce-scatter of the flat local gradients, the optimizer steps ``1/d`` of them, all-gather of the parameters;
+* 3 -- FSDP2 ``fully_shard`` over the dp sub-mesh on top of TP (parameters 2-D DTensors ``(dp, tp)``):
+  all-gathers per block in forward and backward, reduce-scatter of gradients.
+
+Clipping (``gradient_clip_val``, by norm) uses the norm of the whole model's gradient: tp-sharded tensors count once
+(each rank its shard), tp-replicated ones once. Checkpoints: see :meth:`LPTensorStrategy.save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.module_hooks import require_hook
+from lightning_parallel.parallel.tensor import PlanError, expand_plan
+from lightning_parallel.parallel.zero import CommCounter, apply_zero3
+
+from .base import LayoutStrategy
+from .layout import CheckedMultiProcessingLauncher
+
+__all__ = ["LPTensorStrategy", "full_model_state"]
+
+_MINIMAL_PLAN = ('def tensor_parallel_plan(self):\n'
+                 '    return {"layers.*.fc1": "column", "layers.*.fc2": "row"}   # fc1 -> act -> fc2 per layer')
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _replicated_local(value: Any) -> Any:
+    """A DTensor output as a plain tensor: a replicated one (the loss) keeps its graph (``to_local``); a sharded one
+    (logits) is gathered (``full_tensor``, a collective every tp rank runs)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def convert(t: DTensor) -> Tensor:
+        if all(isinstance(p, Replicate) for p in t.placements):
+            return t.to_local()
+        return t.full_tensor()
+
+    return apply_to_collection(value, DTensor, convert)
+
+
+def full_model_state(module: nn.Module) -> dict[str, Tensor]:
+    """The module's whole state dict with plain full tensors, on every rank (collective: gathers each DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in module.state_dict().items()}
+
+
+class LPTensorStrategy(LayoutStrategy):
+    """Tensor parallelism over ``tp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1 or 3).
+
+    Args:
+        parallel: the layout: ``tensor_parallel_size``, ``data_parallel_size`` (auto or d), ``sequence_parallel``,
+            ``activation_checkpointing``, ``zero_stage`` 0 (unset), 1 or 3; pp = 1, no offload.
+        kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
+    """
+
+    strategy_name = "lp_tensor"
+    preset = {"zero_stage": 0, "offload": "none"}
+
+    def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(parallel, **kwargs)
+        self.comm_counter = CommCounter()
+        """Bytes of the dp-axis collectives (gradient sync, ZeRO-1) since the step began."""
+        self._accumulating = False
+        self._patched: contextlib.ExitStack | None = None
+        self.applied_plan: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the layout and the module
+    @override
+    def check_layout(self, layout: ParallelConfig) -> None:
+        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "offload": ("none",)},
+                         shape="splits layers over tp and replicates them over dp (layout (N/t, 1, t, 0|1|3))")
+        if layout.zero_stage not in (None, 0, 1, 3):
+            raise LayoutError(
+                f"lp_tensor runs zero_stage 0 (gradient all-reduce over dp), 1 (ZeRO-1 on the local shards) or 3 "
+                f"(FSDP2 over dp x TP over tp), but parallel.zero_stage={layout.zero_stage}. Fix: zero_stage=1 "
+                "(same traffic as 2, the gradients stay whole) or 3."
+            )
+
+    @override
+    def check_module(self, module: pl.LightningModule) -> None:
+        """Before spawning: the layout's model rules, the plan hook (named, with a minimal plan), every plan key
+        against the module, and each split dimension divisible by ``t``."""
+        super().check_module(module)
+        try:
+            require_hook(module, "tensor_parallel_plan", strategy=self.strategy_name)
+        except LayoutError as err:
+            raise LayoutError(f"{err} A minimal plan for a module with layers.<i>.fc1/fc2 linears:\n"
+                              f"{_MINIMAL_PLAN}") from None
+        t = self.layout.tensor_parallel_size
+        try:
+            plan = expand_plan(module, module.tensor_parallel_plan())  # type: ignore[operator]
+        except PlanError as err:
+            raise LayoutError(str(err)) from None
+        for name, style in plan.items():
+            sub = module.get_submodule(name)
+            split = {("column", "Linear"): ("out_features", "output features"),
+                     ("row", "Linear"): ("in_features", "input features"),
+                     ("vocab", "Linear"): ("out_features", "vocabulary (output features)"),
+                     ("vocab", "Embedding"): ("num_embeddings", "vocabulary (rows)")}.get(
+                         (style if isinstance(style, str) else "", type(sub).__name__))
+            if split is None or not isinstance(sub, (nn.Linear, nn.Embedding)):
+                continue
+            size = int(getattr(sub, split[0]))
+            if size % t:
+                fix = (f"pad the vocabulary to {-(-size // t) * t} (a multiple of {t}; the extra rows are never "
+                       "targets)" if style == "vocab" else
+                       f"make the hidden size a multiple of {t}, or tensor_parallel_size a divisor of {size}")
+                raise LayoutError(
+                    f"parallel.tensor_parallel_size={t} does not divide {name}.{split[0]}={size} ({split[1]} split "
+                    f"by the '{style}' style): {size} % {t} = {size % t}. Fix: {fix}."
+                )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, CheckedMultiProcessingLauncher):
+            self._launcher = _TensorMultiProcessingLauncher(self, start_method=self._launcher._start_method)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.layout.zero
+
+    @override
+    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
+        """TP over ``tp`` as the module's plan says (kept if an earlier ``fit`` already split it), dp replicas made
+        equal by a broadcast of the local tensors over ``dp``, then FSDP2 over ``dp`` at zero_stage 3."""
+        from lightning_parallel.parallel.tensor import apply_tensor_parallel
+        from lightning_parallel.parallel.tensor.sync import broadcast_local_states
+
+        if _is_parallelized(model):
+            return model
+        module = self.lightning_module
+        assert module is not None
+        self.applied_plan = apply_tensor_parallel(model, module.tensor_parallel_plan(),  # type: ignore[operator]
+                                                  mesh=self.mesh["tp"],
+                                                  sequence_parallel=self.layout.sequence_parallel)
+        src = self.dims.group_ranks("dp", self.global_rank)[0]
+        broadcast_local_states(model, group=self.mesh.get_group("dp"), src_rank=src)
+        if self.zero_stage == 3:
+            apply_zero3(model, mesh=self.mesh["dp"])
+        return model
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """ZeRO-1: wrap each optimizer on the local shards (the user's optimizer object and its schedulers stay)."""
+        super().setup_optimizers(trainer)
+        if self.zero_stage != 1 or trainer.state.fn != TrainerFn.FITTING:
+            return
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"),
+                                                   tp_group=self.mesh.get_group("tp"), tp_size=self.dims.tp,
+                                                   counter=self.comm_counter) for opt in self.optimizers]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._patched = contextlib.ExitStack()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._patched.enter_context(_clip_by_global_norm(self))
+
+    @override
+    def teardown(self) -> None:
+        if self._patched is not None:
+            self._patched.close()
+            self._patched = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ steps: vocab-parallel loss, replicated outputs
+    @contextlib.contextmanager
+    def _step_context(self) -> Generator[None, None, None]:
+        """``loss_parallel`` (the logits are split by vocabulary) and ``self.log`` of plain replicated values."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        module = self.lightning_module
+        assert module is not None
+        original = module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            original(name, _replicated_local(value), *args, **kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            del module.log
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _replicated_local(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _replicated_local(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _replicated_local(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _replicated_local(super().predict_step(*args, **kwargs))
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():  # the vocab-parallel cross-entropy's backward runs under it too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batch: gradients stay local (no dp sync) until the step's last backward."""
+        self._accumulating = True
+        try:
+            model: Any = self.model
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(False)
+                try:
+                    yield None
+                finally:
+                    model.set_requires_gradient_sync(True)
+            else:
+                yield None
+        finally:
+            self._accumulating = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Last backward of the step: settle partial (sequence-parallel) gradients over tp, then the dp sync of
+        zero_stage 0 (all-reduce) or 1 (reduce-scatter), before Lightning's clipping."""
+        from lightning_parallel.parallel.tensor.sync import (
+            LocalShardZeroOptimizer,
+            allreduce_gradients,
+            settle_gradients,
+        )
+
+        super().post_backward(closure_loss)
+        if self._accumulating:
+            return
+        assert self.model is not None
+        settle_gradients(self.model.parameters())
+        if self.zero_stage == 0:
+            allreduce_gradients(self.model.parameters(), group=self.mesh.get_group("dp"), counter=self.comm_counter)
+        for opt in self.optimizers:
+            if isinstance(opt, LocalShardZeroOptimizer):
+                opt.reduce_gradients()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
+        if batch_idx % accumulate == 0:
+            self.comm_counter.reset()
+
+
+    # ------------------------------------------------------------------ checkpoints: DCP, one shard per rank
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallelized module and the wrapped optimizers
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict as it is on this rank: DTensor shards (saved by DCP, rank by rank)."""
+        assert self.lightning_module is not None
+        return dict(self.lightning_module.state_dict())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state by parameter name, laid out like the parameters (ZeRO-1: gathered over ``dp``, a
+        collective every rank runs)."""
+        from lightning_parallel.parallel.tensor.checkpoint import optimizer_state_by_name
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        assert self.lightning_module is not None
+        if isinstance(raw, LocalShardZeroOptimizer):
+            return raw.state_by_name(self.lightning_module)
+        return optimizer_state_by_name(self.lightning_module, raw)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """A folder: DCP shards of the module and optimizer states from every rank, ``meta.pt`` from rank 0 (see
+        :mod:`lightning_parallel.parallel.tensor.checkpoint`). Resumes on the same layout;
+        :func:`~lightning_parallel.parallel.tensor.checkpoint.read_full_checkpoint` turns it into the one-device
+        checkpoint offline."""
+        from lightning_parallel.parallel.tensor.checkpoint import TENSOR_KEY, save_sharded
+
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            elif path.is_dir():  # a checkpoint saved again under one name (last.ckpt): no stale shard files
+                shutil.rmtree(path)
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("lp_tensor_mkdir")
+        model_state = checkpoint.pop("state_dict")
+        optim_states = checkpoint.pop("optimizer_states", [])
+        checkpoint[TENSOR_KEY] = {"dp": self.dims.dp, "tp": self.dims.tp, "zero_stage": self.zero_stage,
+                                  "sequence_parallel": self.layout.sequence_parallel}
+        save_sharded(path, model_state=model_state, optimizer_states=optim_states,
+                     meta=checkpoint if self.is_global_zero else None, rank=self.global_rank)
+        self.barrier("lp_tensor_saved")
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A tensor-parallel folder (same tp size) or a one-device file (whole tensors, scattered in
+        :meth:`load_model_state_dict`)."""
+        from lightning_parallel.parallel.tensor.checkpoint import META_FILE, TENSOR_KEY, is_tensor_checkpoint
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=False)
+        if not is_tensor_checkpoint(path):
+            raise LayoutError(f"{str(path)!r} is a folder but not an lp_tensor checkpoint (meta.pt + DCP files).")
+        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        saved = checkpoint[TENSOR_KEY]
+        if saved["tp"] != self.dims.tp:
+            raise LayoutError(
+                f"the checkpoint {str(path)!r} was saved with tensor_parallel_size={saved['tp']}; this run has "
+                f"{self.dims.tp}. Fix: resume with tensor_parallel_size={saved['tp']}, or convert it with "
+                "lightning_parallel.parallel.tensor.read_full_checkpoint and resume from the one-device file."
+            )
+        checkpoint["_lp_tensor_folder"] = str(path)
+        # the tensors stay in the DCP files until load_model_state_dict / load_optimizer_state_dict read them
+        checkpoint["state_dict"] = {}
+        checkpoint["optimizer_states"] = [{} for _ in checkpoint.get("optimizer_param_groups", [])]
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        from lightning_parallel.parallel.tensor.checkpoint import load_model
+
+        module = self.lightning_module
+        assert module is not None
+        folder = checkpoint.get("_lp_tensor_folder")
+        if folder is not None:
+            load_model(folder, module)
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        state = dict(module.state_dict())  # a one-device file: scatter each whole tensor as its DTensor is laid out
+        full = checkpoint["state_dict"]
+        with torch.no_grad():
+            for name, current in state.items():
+                value = full[name]
+                if isinstance(current, DTensor):
+                    value = distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements)
+                current.copy_(value)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        from lightning_parallel.parallel.tensor.checkpoint import apply_optimizer_state, load_optimizer
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        module = self.lightning_module
+        assert module is not None
+        folder = checkpoint.get("_lp_tensor_folder")
+        if folder is None:
+            raise LayoutError("lp_tensor resumes the optimizer from its own checkpoint folders only. Fix: resume "
+                              "from an lp_tensor checkpoint, or load the weights alone (load_from_checkpoint).")
+        for i, optimizer in enumerate(self.optimizers):
+            by_name = load_optimizer(folder, i, module)
+            raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if isinstance(raw, LocalShardZeroOptimizer):
+                raw.load_state_by_name(module, by_name)
+            else:
+                apply_optimizer_state(module, raw, by_name)
+
+
+class _TensorMultiProcessingLauncher(CheckedMultiProcessingLauncher):
+    """Spawn/fork launcher that hands the main process the whole weights, not rank 0's DTensor shards."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        module = trainer.lightning_module
+        if module is None or not _is_parallelized(module):
+            return super()._collect_rank_zero_results(trainer, results)
+        full = full_model_state(module)  # collective: every rank is here
+        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign,assignment]
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+@contextlib.contextmanager
+def _clip_by_global_norm(strategy: LPTensorStrategy) -> Generator[None, None, None]:
+    """Lightning's ``gradient_clip_val`` (norm) by the norm of the whole model's gradient across tp (and dp)."""
+    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, clip_grad_norm_
+
+    precision = strategy.precision_plugin
+    original = precision.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(raw, LocalShardZeroOptimizer):
+            raw.clip_grad_norm_(float(clip_val))
+            return
+        groups = [strategy.mesh.get_group("tp")]
+        if strategy.zero_stage == 3:
+            groups.append(strategy.mesh.get_group("dp"))
+        params = [p for g in raw.param_groups for p in g["params"]]
+        clip_grad_norm_(params, float(clip_val), tp_size=strategy.dims.tp, groups=groups)
+
+    shadowed = "clip_grad_by_norm" in vars(precision)
+    precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+    try:
+        yield None
+    finally:
+        if shadowed:
+            precision.clip_grad_by_norm = original  # type: ignore[method-assign]
+        else:
+            del precision.clip_grad_by_norm
