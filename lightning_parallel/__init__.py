@@ -1,5 +1,5 @@
-"""lightning-parallel: DP, DDP, ZeRO (sharded DDP) and ZeRO-offload for PyTorch Lightning; pipeline, tensor and hybrid
-parallelism are planned.
+"""lightning-parallel: DP, DDP, ZeRO (sharded DDP), ZeRO-offload and tensor parallelism for PyTorch Lightning; pipeline
+and hybrid parallelism are planned.
 
 Importing the package registers its strategies with Lightning (``Trainer(strategy="lp_ddp")``).
 """

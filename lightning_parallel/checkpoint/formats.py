@@ -27,7 +27,7 @@ __all__ = [
     "load_torch_file",
 ]
 
-CheckpointFormat = Literal["lightning", "lp_sharded", "deepspeed", "deepspeed_nvme"]
+CheckpointFormat = Literal["lightning", "lp_sharded", "lp_tensor", "deepspeed", "deepspeed_nvme"]
 """``lightning``: one file (``lp_ddp``, ``lp_dp``, ``lp_sharded`` with ``checkpoint="full"``, any plain Lightning
 strategy). ``lp_sharded``: a ``meta.pt`` + ``rank_XXXXX.pt`` folder (``checkpoint="sharded"``). ``deepspeed``: a
 DeepSpeed ZeRO folder (``lp_zero_offload`` with CPU offload or none, Lightning's ``deepspeed``). ``deepspeed_nvme``:
@@ -76,8 +76,8 @@ class CheckpointInfo:
             details.append("NVMe offload")
         if self.world_size is not None:
             details.append(f"{self.world_size} rank{'s' if self.world_size != 1 else ''}")
-        name = {"lightning": "Lightning file", "lp_sharded": "lp_sharded folder", "deepspeed": "DeepSpeed folder",
-                "deepspeed_nvme": "DeepSpeed folder"}[self.format]
+        name = {"lightning": "Lightning file", "lp_sharded": "lp_sharded folder", "lp_tensor": "lp_tensor folder (DCP)",
+                "deepspeed": "DeepSpeed folder", "deepspeed_nvme": "DeepSpeed folder"}[self.format]
         return f"{name} ({', '.join(details)})" if details else name
 
 
@@ -123,6 +123,10 @@ def detect_format(path: str | Path, *, trusted: bool = False) -> CheckpointInfo:
     if p.is_file():
         return _detect_file(p, trusted=trusted)
     if p.is_dir():
+        from lightning_parallel.parallel.tensor.checkpoint import is_tensor_checkpoint
+
+        if is_tensor_checkpoint(p):  # meta.pt + torch DCP's .metadata: lp_tensor's per-rank shards
+            return CheckpointInfo(format="lp_tensor", path=p, files=tuple(sorted(p.iterdir())))
         if (p / SHARDED_META_FILE).is_file():
             return _detect_sharded(p, trusted=trusted)
         if (p / DEEPSPEED_LATEST_FILE).is_file() or any(p.glob("*/*_model_states.pt")):

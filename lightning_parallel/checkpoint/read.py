@@ -102,6 +102,8 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> tuple[dict[st
             state, rest = _read_lightning(info)
         elif info.format == "lp_sharded":
             state, rest = _read_sharded(info, trusted=trusted)
+        elif info.format == "lp_tensor":
+            state, rest = _read_tensor(info)
         else:
             state, rest = _read_deepspeed(info)
     except OSError as err:
@@ -120,6 +122,16 @@ def _read_lightning(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, 
     assert content is not None
     state = strip_wrapper_prefixes(content["state_dict"])
     return state, {k: v for k, v in content.items() if k != "state_dict"}
+
+
+# ---------------------------------------------------------------------------------------------- lp_tensor folder
+def _read_tensor(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """lp_tensor's DCP folder: every tp/dp shard joined into whole tensors, offline (no process group)."""
+    from lightning_parallel.parallel.tensor.checkpoint import read_full_checkpoint
+
+    full = read_full_checkpoint(info.path)
+    state = strip_wrapper_prefixes(full.pop("state_dict"))
+    return state, full
 
 
 # ---------------------------------------------------------------------------------------------- lp_sharded folder

@@ -268,6 +268,15 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
     assert all(one_device["state_dict"][k].shape == v.shape for k, v in reference.items())
     assert one_device["global_step"] == 4 and len(one_device["optimizer_states"][0]["state"]) == len(reference)
     torch.save(one_device, tmp_path / "one.ckpt")
+    # the one checkpoint API reads the same folder (format lp_tensor) and consolidates it for load_from_checkpoint
+    from lightning_parallel.checkpoint import consolidate, detect_format, full_state_dict
+
+    assert detect_format(folder).format == "lp_tensor"
+    api = full_state_dict(folder)
+    assert sorted(api) == sorted(reference) and all(torch.equal(api[k], one_device["state_dict"][k]) for k in api)
+    consolidate(folder, tmp_path / "consolidated.ckpt")
+    loaded = GPT.load_from_checkpoint(tmp_path / "consolidated.ckpt", map_location="cpu")
+    assert all(torch.equal(loaded.state_dict()[k], api[k]) for k in api)
     single = fit("auto", 1, 1, seed=1, ckpt_path=str(tmp_path / "one.ckpt"))
     moved = _diff(single, full)
     print(f"lp_tensor {layout}: DCP resume at step 4 -> 6, max |w - w_uninterrupted| = {exact:.1e}; offline "
