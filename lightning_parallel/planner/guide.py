@@ -150,7 +150,10 @@ def _layouts_for(
         "sequence_parallel": tp > 1,
         "num_micro_batches": training.micro_batches(pp) if pp > 1 else None,
     }
-    stages: list[tuple[int, str]] = [(z, "none") for z in ([0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3])]
+    # Over dp: no ZeRO with one replica; ZeRO-1 at most with a pipeline; with TP, ZeRO 0, 1 or 3 (lp_tensor: ZeRO-2
+    # would shard gradients it already holds whole for the tp collectives, and is refused there).
+    zero_stages = [0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 3] if tp > 1 else [0, 1, 2, 3]
+    stages: list[tuple[int, str]] = [(z, "none") for z in zero_stages]
     if pp == tp == 1:
         stages += [(z, device) for device in (["cpu", "nvme"] if hardware.nvme else ["cpu"]) for z in (2, 3)]
     out = []
