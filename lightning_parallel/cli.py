@@ -24,7 +24,7 @@ from typing_extensions import override
 import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig
-from lightning_parallel.recipe_files import expand_config_args, written_batch_limits
+from lightning_parallel.recipe_files import compose_recipe, expand_config_args, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
 __all__ = ["LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
@@ -59,6 +59,8 @@ def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
     """
     default = ParallelConfig()
     custom = layout is not None and layout != default
+    if isinstance(strategy, str) and strategy not in StrategyRegistry and strategy != "auto":
+        raise LayoutError(unknown_strategy_message(strategy))
     if isinstance(strategy, str) and strategy in StrategyRegistry:
         entry = StrategyRegistry[strategy]
         cls = entry["strategy"]
@@ -82,6 +84,56 @@ def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
             "Fix: use one of the library's strategies (lp_ddp, ...), or remove the parallel section."
         )
     return strategy
+
+
+def unknown_strategy_message(name: str) -> str:
+    """An unknown ``trainer.strategy`` name: the nearest registered names and the library's own."""
+    import difflib
+
+    registered = sorted(StrategyRegistry.available_strategies())
+    near = difflib.get_close_matches(name, registered, n=3, cutoff=0.6)
+    ours = [n for n in registered if n.startswith("lp_")]
+    hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+    return (f"trainer.strategy={name!r} is not a registered strategy.{hint} The library's strategies: "
+            f"{', '.join(ours)}; Lightning's own names (ddp, fsdp, ...) and a strategy class path work too.")
+
+
+def unknown_parallel_keys(args: list[str]) -> str | None:
+    """The refusal for ``--parallel.KEY`` arguments whose key is not a layout key (with the nearest valid one), or
+    None. (Keys in a recipe's ``parallel`` section are checked the same way by :func:`check_recipe_parallel`.)"""
+    valid = ParallelConfig.field_names()
+    for arg in args:
+        if arg.startswith("--parallel."):
+            key = arg[len("--parallel."):].split("=", 1)[0]
+            if key not in valid:
+                return _unknown_key_message(key, valid, where=f"--parallel.{key}")
+    return None
+
+
+def check_recipe_parallel(args: list[str]) -> str | None:
+    """The refusal for an unknown key in the ``parallel`` section of a ``--config`` file, or None."""
+    valid = ParallelConfig.field_names()
+    for i, arg in enumerate(args):
+        path = args[i + 1] if arg in ("--config", "-c") and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if path is None or not path.endswith((".yaml", ".yml")):
+            continue
+        try:  # the recipe with its `defaults` fragments merged in
+            section = compose_recipe(path).get("parallel")
+        except Exception:  # unreadable: the CLI's own parser reports it
+            continue
+        for key in section or {} if isinstance(section, dict) else {}:
+            if key not in valid:
+                return _unknown_key_message(str(key), valid, where=f"parallel.{key} in {path}")
+    return None
+
+
+def _unknown_key_message(key: str, valid: list[str], *, where: str) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" Did you mean '{near[0]}'?" if near else ""
+    return f"{where}: unknown layout key {key!r}.{hint} Valid keys: {', '.join(valid)}."
 
 
 class LightningParallelCLI(LightningCLI):
@@ -172,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+                refusal = unknown_parallel_keys(args[1:]) or check_recipe_parallel(args[1:])
+                if refusal:
+                    raise LayoutError(refusal)
                 print(check_recipe(args[1:]), flush=True)
         except LayoutError as err:
             print(f"lightning-parallel: error: {err}", file=sys.stderr)
@@ -182,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too
             warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
             expanded = expand_config_args(args)
+            refusal = unknown_parallel_keys(expanded) or check_recipe_parallel(args)
+            if refusal:
+                raise LayoutError(refusal)
             LightningParallelCLI(args=expanded, written_limits=written_batch_limits(expanded))
     except LayoutError as err:
         print(f"lightning-parallel: error: {err}", file=sys.stderr)
