@@ -13,10 +13,12 @@ fix, naming only strategies that exist (:mod:`lightning_parallel.layouts`). The 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -24,7 +26,7 @@ from lightning_parallel.config import LayoutError, ParallelConfig, check_model_c
 from lightning_parallel.layouts import strategy_for_key
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 
-__all__ = ["LayoutMixin"]
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "oversubscription_warning"]
 
 
 class LayoutMixin:
@@ -171,9 +173,26 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
+def oversubscription_warning(*, processes: int, device_type: str, cores: int | None) -> str | None:
+    """The warning for more CPU ranks on this node than it has cores (each rank then gets a fraction of a core and
+    training crawls without a word), or None. GPU ranks do their work on their devices: no warning."""
+    if device_type != "cpu" or not cores or processes <= cores:
+        return None
+    return (
+        f"{processes} processes on this node's {cores} CPU core(s): each rank gets {cores / processes:.2g} of a core, "
+        "so the run will be much slower than with fewer ranks (the layout is still exact). Fix: devices <= "
+        f"{cores}, or use a GPU node; to keep {processes} ranks for a test, expect it to be slow."
+    )
+
+
 def _before_launch(strategy: Any, trainer: pl.Trainer | None) -> None:
     if trainer is not None and trainer.lightning_module is not None:
         strategy.check_module(trainer.lightning_module)
+    devices = getattr(strategy, "parallel_devices", None) or []
+    warning = oversubscription_warning(processes=len(devices), device_type=devices[0].type if devices else "cpu",
+                                       cores=os.cpu_count())
+    if warning and getattr(strategy, "global_rank", 0) == 0:
+        rank_zero_warn(warning)
     prepare = getattr(strategy, "before_launch", None)
     if callable(prepare):
         prepare()

@@ -122,3 +122,14 @@ def test_unset_and_explicit_differ() -> None:
                                                                        "offload": "cpu"}
     explicit = ParallelConfig(zero_stage=0, offload="none")
     assert explicit.with_preset(zero_stage=2, offload="cpu") == explicit
+
+
+def test_cpu_oversubscription_is_warned_about() -> None:
+    """More CPU ranks than cores trains exactly but at a crawl: the launch says so (GPU ranks never warn)."""
+    from lightning_parallel.strategies.layout import oversubscription_warning
+
+    text = oversubscription_warning(processes=8, device_type="cpu", cores=2)
+    assert text is not None and "8 processes on this node's 2 CPU core(s)" in text and "devices <= 2" in text
+    assert oversubscription_warning(processes=2, device_type="cpu", cores=2) is None
+    assert oversubscription_warning(processes=8, device_type="cuda", cores=2) is None
+    assert oversubscription_warning(processes=8, device_type="cpu", cores=None) is None
