@@ -118,7 +118,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     @property
     @override
     def world_size(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self.layout_world_size  # known before any process starts (the cluster environment's comes later)
 
     @property
     def is_distributed(self) -> bool:

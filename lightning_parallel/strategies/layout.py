@@ -13,10 +13,13 @@ fix, naming only strategies that exist (:mod:`lightning_parallel.layouts`). The 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -26,7 +29,8 @@ from lightning_parallel.config import LayoutError, ParallelConfig, check_model_c
 from lightning_parallel.layouts import strategy_for_key
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "oversubscription_warning"]
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "clip_by_norm_replaced",
+           "oversubscription_warning"]
 
 
 class LayoutMixin:
@@ -39,6 +43,9 @@ class LayoutMixin:
     strategy_name = "lp_layout"
     preset: dict[str, Any] = {}
     """Values for the keys a layout leaves unset (``zero_stage``, ``offload``): what "not set" means here."""
+    pinned: dict[str, Any] = {}
+    """Keys fixed by the strategy's own arguments (a preset name such as ``lp_zero1`` or ``lp_zero3_offload``): a
+    layout that sets one of them to another value is refused."""
 
     if TYPE_CHECKING:  # supplied by the host Lightning strategy
         num_nodes: int
@@ -52,6 +59,14 @@ class LayoutMixin:
     def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
         """Take the layout (constructor and :meth:`set_layout`): keep it as given, fill the preset, check it."""
         given = ParallelConfig.from_dict(parallel)
+        for key, wanted in self.pinned.items():
+            have = getattr(given, key)
+            if have is not None and have != wanted:
+                raise LayoutError(
+                    f"the layout says parallel.{key}={have!r} but the strategy preset says {key}={wanted!r} "
+                    f"({self.strategy_name} was built with it). Fix: keep one: the layout's value counts, so drop "
+                    f"the strategy's {key} argument, or use the preset name that matches the layout."
+                )
         layout = given.with_preset(**self.preset)
         self.check_layout(layout)
         self._explicit_layout = given
@@ -98,6 +113,11 @@ class LayoutMixin:
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
             activation_checkpointing_targets(module, self.layout.activation_checkpointing)
+
+    def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
+        """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called
+        on every rank, so it may be a collective), or None when rank 0's own ``state_dict()`` is already whole."""
+        return None
 
     def apply_activation_checkpointing(self, module: nn.Module) -> list[str]:
         """Recompute activations in backward as ``parallel.activation_checkpointing`` says (none/selective/full),
@@ -161,7 +181,8 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher: the module is checked against the layout before spawning."""
+    """Lightning's spawn/fork launcher: the module is checked against the layout before spawning, and the main
+    process gets back whole weights where the ranks hold shards (the strategy's ``full_state_for_main_process``)."""
 
     def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"]) -> None:
         super().__init__(strategy, start_method=start_method)
@@ -171,6 +192,46 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _before_launch(self._lp_strategy, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        module = trainer.lightning_module
+        gather = getattr(self._lp_strategy, "full_state_for_main_process", None)
+        full = gather(module) if module is not None and callable(gather) else None  # may be a collective: all ranks
+        if full is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        assert module is not None
+        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign,assignment]
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+@contextlib.contextmanager
+def clip_by_norm_replaced(precision: Any, clip: Callable[[Any, float], None]) -> Generator[None, None, None]:
+    """Route Lightning's ``gradient_clip_val`` (by norm) to ``clip(raw_optimizer, clip_val)`` while the context is
+    open (a strategy's set-up to teardown), then restore the precision plugin's own method.
+
+    Lightning clips ``precision.main_params(optimizer)`` by their *local* norm; under sharding (ZeRO shards, tensor
+    shards) the norm of the whole gradient needs a reduction over the right axes, which only the strategy knows.
+    ``clip`` receives the unwrapped optimizer and the clip value.
+    """
+    original = precision.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float | int) -> None:
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        clip(raw, float(clip_val))
+
+    shadowed = "clip_grad_by_norm" in vars(precision)
+    precision.clip_grad_by_norm = clip_grad_by_norm
+    try:
+        yield None
+    finally:
+        if shadowed:
+            precision.clip_grad_by_norm = original
+        else:
+            del precision.clip_grad_by_norm
 
 
 def oversubscription_warning(*, processes: int, device_type: str, cores: int | None) -> str | None:

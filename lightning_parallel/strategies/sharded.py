@@ -66,7 +66,7 @@ from lightning_parallel.parallel.zero import (
 )
 
 from .base import LayoutStrategy
-from .layout import CheckedMultiProcessingLauncher
+from .layout import clip_by_norm_replaced
 
 __all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
 
@@ -110,8 +110,8 @@ class LPShardedStrategy(LayoutStrategy):
                              "Fix: checkpoint='full', or backend='native' for sharded checkpoints.")
         if zero_stage is not None and zero_stage not in (1, 2, 3):
             raise LayoutError(f"zero_stage={zero_stage!r} must be 1, 2 or 3 (0 is plain DDP: use lp_ddp).")
-        self._zero_default = zero_stage
         self.preset = {"zero_stage": zero_stage or DEFAULT_ZERO_STAGE, "offload": "none"}
+        self.pinned = {"zero_stage": zero_stage} if zero_stage is not None else {}
         self._backend: ShardedBackend = backend
         self._checkpoint_kind: ShardedCheckpoint = checkpoint
         super().__init__(parallel, **kwargs)
@@ -124,18 +124,6 @@ class LPShardedStrategy(LayoutStrategy):
         self._patched: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ the layout
-    @override
-    def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
-        """The layout's ``zero_stage`` is the one that counts; a preset name that says another is an error."""
-        given = ParallelConfig.from_dict(parallel)
-        wanted = self._zero_default
-        if wanted is not None and given.zero_stage is not None and given.zero_stage != wanted:
-            raise LayoutError(
-                f"the layout says parallel.zero_stage={given.zero_stage} but the strategy was built with "
-                f"zero_stage={wanted}. Fix: keep one (the layout's zero_stage is the one that counts)."
-            )
-        super().init_layout(given)
-
     @property
     def zero_stage(self) -> int:
         """The stage that runs: the layout's, or the preset's when the layout leaves it unset."""
@@ -165,10 +153,9 @@ class LPShardedStrategy(LayoutStrategy):
             )
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, CheckedMultiProcessingLauncher):
-            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._launcher._start_method)
+    def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
+        """Stage 3: the all-gathered weights (rank 0 holds DTensor shards); stages 1-2 hold whole weights."""
+        return zero3_full_model_state(module) if _is_fsdp(module) else None
 
     @override
     def describe(self) -> str:
@@ -417,53 +404,27 @@ class LPShardedStrategy(LayoutStrategy):
                 optimizer.load_state_dict(state)
 
 
-class _ShardedMultiProcessingLauncher(CheckedMultiProcessingLauncher):
-    """Spawn/fork launcher that hands the main process full weights (not rank 0's DTensor shards) at stage 3."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        module = trainer.lightning_module
-        if module is None or not _is_fsdp(module):
-            return super()._collect_rank_zero_results(trainer, results)
-        full = zero3_full_model_state(module)  # collective: every rank is here
-        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign,assignment]
-        try:
-            return super()._collect_rank_zero_results(trainer, results)
-        finally:
-            del module.state_dict
-
-
 def _is_fsdp(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
 
 
-@contextlib.contextmanager
-def _clip_by_zero_norm(precision: Any) -> Generator[None, None, None]:
+def _clip_by_zero_norm(precision: Any) -> contextlib.AbstractContextManager[None]:
     """Make Lightning's ``gradient_clip_val`` (norm) use the norm of the whole gradient across dp ranks.
 
-    Lightning clips ``precision.main_params(optimizer)`` by their local norm; with ZeRO-1/2 those are this rank's
-    gradient shard, so the norm must be all-reduced (``ZeroOptimizer.clip_grad_norm_``, fairscale
-    ``OSS.clip_grad_norm``). Stage 3's DTensor gradients already give torch's ``clip_grad_norm_`` the global norm.
+    With ZeRO-1/2 the parameters' gradients are this rank's shard, so the norm must be all-reduced
+    (``ZeroOptimizer.clip_grad_norm_``, fairscale ``OSS.clip_grad_norm``). Stage 3's DTensor gradients already give
+    torch's ``clip_grad_norm_`` the global norm (Lightning's own clipping).
     """
     original = precision.clip_grad_by_norm
 
-    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    def clip(raw: Any, clip_val: float) -> None:
         if isinstance(raw, ZeroOptimizer):
-            raw.clip_grad_norm_(float(clip_val))
+            raw.clip_grad_norm_(clip_val)
         elif callable(getattr(raw, "clip_grad_norm", None)):  # fairscale OSS
-            raw.clip_grad_norm(float(clip_val))  # type: ignore[attr-defined]
+            raw.clip_grad_norm(clip_val)
         else:
-            original(optimizer, clip_val)
+            original(raw, clip_val)
 
-    shadowed = "clip_grad_by_norm" in vars(precision)
-    precision.clip_grad_by_norm = clip_grad_by_norm
-    try:
-        yield None
-    finally:
-        if shadowed:
-            precision.clip_grad_by_norm = original
-        else:
-            del precision.clip_grad_by_norm
+    return clip_by_norm_replaced(precision, clip)

@@ -47,7 +47,7 @@ from lightning_parallel.parallel.tensor import PlanError, expand_plan
 from lightning_parallel.parallel.zero import CommCounter, apply_zero3
 
 from .base import LayoutStrategy
-from .layout import CheckedMultiProcessingLauncher
+from .layout import clip_by_norm_replaced
 
 __all__ = ["LPTensorStrategy", "full_model_state"]
 
@@ -155,10 +155,9 @@ class LPTensorStrategy(LayoutStrategy):
                 )
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, CheckedMultiProcessingLauncher):
-            self._launcher = _TensorMultiProcessingLauncher(self, start_method=self._launcher._start_method)
+    def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
+        """The whole weights (rank 0 holds DTensor shards); a collective every rank runs."""
+        return full_model_state(module) if _is_parallelized(module) else None
 
     @property
     def zero_stage(self) -> int:
@@ -427,47 +426,18 @@ class LPTensorStrategy(LayoutStrategy):
                 apply_optimizer_state(module, raw, by_name)
 
 
-class _TensorMultiProcessingLauncher(CheckedMultiProcessingLauncher):
-    """Spawn/fork launcher that hands the main process the whole weights, not rank 0's DTensor shards."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        module = trainer.lightning_module
-        if module is None or not _is_parallelized(module):
-            return super()._collect_rank_zero_results(trainer, results)
-        full = full_model_state(module)  # collective: every rank is here
-        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign,assignment]
-        try:
-            return super()._collect_rank_zero_results(trainer, results)
-        finally:
-            del module.state_dict
-
-
-@contextlib.contextmanager
-def _clip_by_global_norm(strategy: LPTensorStrategy) -> Generator[None, None, None]:
+def _clip_by_global_norm(strategy: LPTensorStrategy) -> contextlib.AbstractContextManager[None]:
     """Lightning's ``gradient_clip_val`` (norm) by the norm of the whole model's gradient across tp (and dp)."""
     from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, clip_grad_norm_
 
-    precision = strategy.precision_plugin
-    original = precision.clip_grad_by_norm
-
-    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    def clip(raw: Any, clip_val: float) -> None:
         if isinstance(raw, LocalShardZeroOptimizer):
-            raw.clip_grad_norm_(float(clip_val))
+            raw.clip_grad_norm_(clip_val)
             return
         groups = [strategy.mesh.get_group("tp")]
         if strategy.zero_stage == 3:
             groups.append(strategy.mesh.get_group("dp"))
         params = [p for g in raw.param_groups for p in g["params"]]
-        clip_grad_norm_(params, float(clip_val), tp_size=strategy.dims.tp, groups=groups)
+        clip_grad_norm_(params, clip_val, tp_size=strategy.dims.tp, groups=groups)
 
-    shadowed = "clip_grad_by_norm" in vars(precision)
-    precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-    try:
-        yield None
-    finally:
-        if shadowed:
-            precision.clip_grad_by_norm = original  # type: ignore[method-assign]
-        else:
-            del precision.clip_grad_by_norm
+    return clip_by_norm_replaced(strategy.precision_plugin, clip)

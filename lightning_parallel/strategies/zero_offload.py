@@ -40,8 +40,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators.cuda import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
@@ -67,7 +66,7 @@ from lightning_parallel.parallel.offload import (
     save_local_state,
 )
 
-from .layout import LayoutMixin
+from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
 
@@ -114,7 +113,7 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
             raise LayoutError(f"zero_stage={zero_stage!r} must be 1, 2 or 3 (0 is plain DDP: use lp_ddp).")
         if offload is not None and offload not in ("none", "cpu", "nvme"):
             raise LayoutError(f"offload={offload!r} is not one of ['none', 'cpu', 'nvme'].")
-        self._preset = (zero_stage, offload)
+        self.pinned = {k: v for k, v in (("zero_stage", zero_stage), ("offload", offload)) if v is not None}
         self.preset = {"zero_stage": zero_stage if zero_stage is not None else _DEFAULT_STAGE,
                        "offload": offload if offload is not None else _DEFAULT_OFFLOAD}
         typed: dict[str, Any] = {}
@@ -134,21 +133,13 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ the layout
     @override
     def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
-        """The layout's stage and offload count; a preset name that says others is an error."""
+        """An explicit stage 0 is refused first (before the preset's offload meets it); then the mixin's checks."""
         given = ParallelConfig.from_dict(parallel)
         if given.zero_stage == 0:  # before the preset's offload meets it: the fix is another strategy
             raise LayoutError(
                 f"{self.strategy_name} runs DeepSpeed ZeRO, but parallel.zero_stage=0 (no ZeRO). Fix: set zero_stage "
                 "to 1, 2 or 3 (or leave it unset: stage 2), or use strategy lp_ddp for plain data parallelism."
             )
-        for key, wanted in zip(("zero_stage", "offload"), self._preset, strict=True):
-            have = getattr(given, key)
-            if have is not None and wanted is not None and have != wanted:
-                raise LayoutError(
-                    f"the layout says parallel.{key}={have!r} but the strategy preset says {key}={wanted!r}. "
-                    "Fix: keep one: use strategy lp_zero_offload (it takes stage and offload from the layout), or "
-                    "the preset that matches the layout (lp_zero3_offload, lp_zero3_offload_nvme)."
-                )
         super().init_layout(given)
 
     @override
@@ -270,10 +261,21 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _OffloadSubprocessLauncher(self, self.cluster_environment, self.num_processes,
-                                                        self.num_nodes)
+            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                       self.num_nodes)
         else:
-            self._launcher = _OffloadMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+
+    def before_launch(self) -> None:
+        """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""
+        self.prepare_ops()
+
+    @override
+    def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
+        """Spawn/fork after a ZeRO-3 fit: the consolidated weights taken in ``teardown`` (rank 0's partitions are not
+        the model); None otherwise."""
+        final, self._final_state = self._final_state, None
+        return final
 
     def prepare_ops(self) -> dict[str, float]:
         """Select DeepSpeed's accelerator (CPU or CUDA) and build the C++ ops this run loads, with a progress message
@@ -398,43 +400,3 @@ def _select_deepspeed_accelerator(kind: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
-
-
-class _OffloadSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher: the module checked against the layout and DeepSpeed's ops built (with a message)
-    before the ranks start."""
-
-    def __init__(self, strategy: LPZeroOffloadStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._lp_strategy = strategy
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.lightning_module is not None:
-            self._lp_strategy.check_module(trainer.lightning_module)
-        self._lp_strategy.prepare_ops()
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _OffloadMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher: ops built first; rank 0 hands back consolidated weights under ZeRO-3."""
-
-    def __init__(self, strategy: LPZeroOffloadStrategy, start_method: str) -> None:
-        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
-        self._lp_strategy = strategy
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.lightning_module is not None:
-            self._lp_strategy.check_module(trainer.lightning_module)
-        self._lp_strategy.prepare_ops()
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
-        final, self._lp_strategy._final_state = self._lp_strategy._final_state, None
-        output = super()._collect_rank_zero_results(trainer, results)
-        if output is None or final is None or output.weights_path is None:
-            return output
-        self._strategy.checkpoint_io.save_checkpoint(final, output.weights_path)
-        return output
