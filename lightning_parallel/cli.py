@@ -23,7 +23,7 @@ from typing_extensions import override
 
 import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import RunSummary
-from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.config import LayoutError, ParallelConfig, unknown_key_message
 from lightning_parallel.recipe_files import compose_recipe, expand_config_args, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
@@ -106,7 +106,7 @@ def unknown_parallel_keys(args: list[str]) -> str | None:
         if arg.startswith("--parallel."):
             key = arg[len("--parallel."):].split("=", 1)[0]
             if key not in valid:
-                return _unknown_key_message(key, valid, where=f"--parallel.{key}")
+                return unknown_key_message(key, where=f"--parallel.{key}")
     return None
 
 
@@ -124,16 +124,8 @@ def check_recipe_parallel(args: list[str]) -> str | None:
             continue
         for key in section or {} if isinstance(section, dict) else {}:
             if key not in valid:
-                return _unknown_key_message(str(key), valid, where=f"parallel.{key} in {path}")
+                return unknown_key_message(str(key), where=f"parallel.{key} in {path}")
     return None
-
-
-def _unknown_key_message(key: str, valid: list[str], *, where: str) -> str:
-    import difflib
-
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f" Did you mean '{near[0]}'?" if near else ""
-    return f"{where}: unknown layout key {key!r}.{hint} Valid keys: {', '.join(valid)}."
 
 
 class LightningParallelCLI(LightningCLI):

@@ -25,6 +25,7 @@ __all__ = [
     "PipelineSchedule",
     "ZeroStage",
     "check_model_compat",
+    "unknown_key_message",
 ]
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -42,6 +43,13 @@ class LayoutError(ValueError):
 def _nearest(key: str, valid: list[str]) -> str:
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def unknown_key_message(key: str, *, where: str | None = None) -> str:
+    """The refusal of a key that is not a layout key: where it was found, the nearest valid key, all valid keys."""
+    valid = ParallelConfig.field_names()
+    place = where or f"parallel.{key}"
+    return f"{place}: unknown layout key {key!r}.{_nearest(key, valid)} Valid keys: {', '.join(valid)}."
 
 
 def _check_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -108,11 +116,9 @@ class ParallelConfig:
             return data
         if not isinstance(data, Mapping):
             raise LayoutError(f"the parallel section must be a mapping of keys to values, got {type(data).__name__}.")
-        valid = cls.field_names()
-        unknown = [k for k in data if k not in valid]
+        unknown = [k for k in data if k not in cls.field_names()]
         if unknown:
-            k = unknown[0]
-            raise LayoutError(f"unknown key parallel.{k}.{_nearest(str(k), valid)} Valid keys: {', '.join(valid)}.")
+            raise LayoutError(unknown_key_message(str(unknown[0])))
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
