@@ -22,6 +22,7 @@ strategies whose ranks hold different parts override ``save_checkpoint``/``light
 from __future__ import annotations
 
 import atexit
+import contextlib
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -94,6 +95,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._mesh: DeviceMesh | None = None
+        self._fit_patches: contextlib.ExitStack | None = None
         self.init_layout(parallel)
 
     # ------------------------------------------------------------------ processes and devices
@@ -197,6 +199,14 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._fit_patches = contextlib.ExitStack()
+            for patch in self.fit_patches():
+                self._fit_patches.enter_context(patch)
+
+    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
+        """Context managers held open from the end of ``setup`` (fitting) to ``teardown``: e.g. clipping by the norm
+        of the whole sharded gradient, collective counting. None by default."""
+        return []
 
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """Turn the (device-placed) module into what this rank runs under the layout, for ``trainer_fn``.
@@ -219,6 +229,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
+        if self._fit_patches is not None:
+            self._fit_patches.close()
+            self._fit_patches = None
         module = self.lightning_module
         if module is not None and self.model is not module:
             self.model = module

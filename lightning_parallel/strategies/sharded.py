@@ -121,7 +121,6 @@ class LPShardedStrategy(LayoutStrategy):
         self.last_model_state: ModelStateBytes | None = None
         self.last_step_comm: dict[str, float] = {}
         self._accumulating = False
-        self._patched: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ the layout
     @property
@@ -211,22 +210,13 @@ class LPShardedStrategy(LayoutStrategy):
             self.model = fairscale_sharded_ddp(self.model, oss, group=self._dp_group)
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Lightning's set-up, then (fitting) count FSDP2's collectives and clip by the global gradient norm."""
-        super().setup(trainer)
-        self._patched = contextlib.ExitStack()
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.zero_stage == 3:
-                self._patched.enter_context(self.comm_counter.patch_torch())
-            self._patched.enter_context(_clip_by_zero_norm(self.precision_plugin))
-
-    @override
-    def teardown(self) -> None:
-        """Undo the set-up patches (collective counting, clipping)."""
-        if self._patched is not None:
-            self._patched.close()
-            self._patched = None
-        super().teardown()
+    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
+        """While fitting: count FSDP2's collectives (stage 3) and clip by the global gradient norm."""
+        patches: list[contextlib.AbstractContextManager[Any]] = []
+        if self.zero_stage == 3:
+            patches.append(self.comm_counter.patch_torch())
+        patches.append(_clip_by_zero_norm(self.precision_plugin))
+        return patches
 
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager

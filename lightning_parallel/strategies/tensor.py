@@ -105,7 +105,6 @@ class LPTensorStrategy(LayoutStrategy):
         self.comm_counter = CommCounter()
         """Bytes of the dp-axis collectives (gradient sync, ZeRO-1) since the step began."""
         self._accumulating = False
-        self._patched: contextlib.ExitStack | None = None
         self.applied_plan: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the layout and the module
@@ -196,18 +195,9 @@ class LPTensorStrategy(LayoutStrategy):
                                                    counter=self.comm_counter) for opt in self.optimizers]
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        self._patched = contextlib.ExitStack()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._patched.enter_context(_clip_by_global_norm(self))
-
-    @override
-    def teardown(self) -> None:
-        if self._patched is not None:
-            self._patched.close()
-            self._patched = None
-        super().teardown()
+    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
+        """While fitting: clip by the norm of the whole model's gradient across tp (and dp)."""
+        return [_clip_by_global_norm(self)]
 
     # ------------------------------------------------------------------ steps: vocab-parallel loss, replicated outputs
     @contextlib.contextmanager
