@@ -1,0 +1,30 @@
+"""Pipeline parallelism over the ``pp`` axis on ``torch.distributed.pipelining``: cut a module's ordered layers into
+stages (:mod:`.stage`, names kept), the schedules and their bubble (:mod:`.partition`), and the runtime that runs a
+rank's stages for training and evaluation (:mod:`.runtime`). No Lightning import; the ``lp_pipeline`` strategy uses
+it."""
+
+from .partition import (
+    SCHEDULES,
+    ScheduleInfo,
+    balanced_partition,
+    bubble_fraction,
+    check_micro_batches,
+    stage_ranges,
+    stages_of_rank,
+)
+from .runtime import PipelineRunner, largest_divisor_at_most
+from .stage import (
+    PrunedLayer,
+    StageChunk,
+    StagePlan,
+    has_meta_tensors,
+    layer_names,
+    materialize,
+    plan_stages,
+    prune_to,
+)
+
+__all__ = ["SCHEDULES", "PipelineRunner", "PrunedLayer", "ScheduleInfo", "StageChunk", "StagePlan",
+           "balanced_partition", "bubble_fraction", "check_micro_batches", "has_meta_tensors",
+           "largest_divisor_at_most", "layer_names", "materialize", "plan_stages", "prune_to", "stage_ranges",
+           "stages_of_rank"]

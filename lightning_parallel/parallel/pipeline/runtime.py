@@ -1,0 +1,166 @@
+"""``PipelineRunner``: run one rank's stages under a torch pipeline schedule, for training and for forward-only
+evaluation, and hand the last stage's results to every pipeline rank.
+
+Collectives per training step of ``m`` micro-batches (``b`` samples each, activations ``b x s x h`` between
+stages): forward sends each micro-batch's activation from stage ``k`` to ``k + 1`` (point-to-point over the ``pp``
+group), backward sends its gradient back; ``2 (n - 1) m`` messages per step for ``n = p x v`` stages. Then one
+broadcast of the step's mean loss from the last stage's rank over ``pp``. Nothing is all-reduced here: the dp-axis
+gradient sync is the strategy's.
+
+Gradients: each micro-batch's loss is divided by ``m x accumulate`` before its backward (the schedule's own
+``scale_grads`` is off: it would also divide gradients accumulated over earlier batches), so after a step's
+schedule every stage's ``.grad`` holds the gradient of the batch's mean loss, exactly as one device's backward of
+the whole batch does, and gradient accumulation over batches adds up like Lightning's.
+
+Evaluation runs forward only (``torch.no_grad``) under GPipe (one stage per rank) or looped BFS (several) with as
+many micro-batches as divide the batch (at most ``num_micro_batches``); the last stage's output -- the whole batch's,
+concatenated along dim 0 -- is where the loss is computed. No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .partition import SCHEDULES
+
+__all__ = ["PipelineRunner", "largest_divisor_at_most"]
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest ``d <= limit`` that divides ``n`` (at least 1)."""
+    for d in range(min(n, limit), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+class PipelineRunner:
+    """This rank's stages and the schedules that run them.
+
+    Args:
+        chunks: ``(stage_index, module)`` of each stage this rank runs, in order.
+        num_stages: ``n = p x v``, stages of the whole pipeline.
+        schedule: a key of :data:`~lightning_parallel.parallel.pipeline.partition.SCHEDULES`.
+        num_micro_batches: ``m`` micro-batches per training step.
+        group: the ``pp`` process group; ``group_ranks``: its global ranks in pipeline order.
+        device: where the stages live.
+        loss_fn: ``loss_fn(output, target)`` -> mean loss of one micro-batch (the module's ``pipeline_loss``).
+    """
+
+    def __init__(self, chunks: list[tuple[int, nn.Module]], *, num_stages: int, schedule: str,
+                 num_micro_batches: int, group: dist.ProcessGroup, group_ranks: list[int], device: torch.device,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(SCHEDULES)}.")
+        self.chunks = chunks
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.m = num_micro_batches
+        self.group = group
+        self.group_ranks = group_ranks
+        self.p = len(group_ranks)
+        self.device = device
+        self.loss_fn = loss_fn
+        self.first = any(s == 0 for s, _ in chunks)
+        self.last = any(s == num_stages - 1 for s, _ in chunks)
+        self.last_rank = group_ranks[(num_stages - 1) % self.p]
+        self._train: dict[Any, Any] = {}
+        self._eval: dict[Any, Any] = {}
+        self._losses: list[Tensor] = []
+        self._scale = 1.0
+
+    # ------------------------------------------------------------------ schedules
+    def _stages(self) -> list[Any]:
+        from torch.distributed.pipelining import PipelineStage
+
+        return [PipelineStage(module, s, self.num_stages, self.device, group=self.group) for s, module in self.chunks]
+
+    def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        loss = self.loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return loss * self._scale
+
+    def _train_schedule(self, key: Any) -> Any:
+        """One schedule object per micro-batch shape (the stages infer the p2p buffer shapes on first use)."""
+        if key not in self._train:
+            from torch.distributed.pipelining import schedules
+
+            info = SCHEDULES[self.schedule_name]
+            cls = getattr(schedules, info.torch_class)
+            stages = self._stages()
+            self._train[key] = cls(stages if info.multi_stage else stages[0], self.m, loss_fn=self._scaled_loss,
+                                   scale_grads=False)
+        return self._train[key]
+
+    def _eval_schedule(self, m: int, key: Any) -> Any:
+        if (m, key) not in self._eval:
+            from torch.distributed.pipelining import schedules
+
+            stages = self._stages()
+            if len(stages) == 1:
+                self._eval[(m, key)] = schedules.ScheduleGPipe(stages[0], m)
+            else:
+                self._eval[(m, key)] = schedules.ScheduleLoopedBFS(stages, m)
+        return self._eval[(m, key)]
+
+    @staticmethod
+    def _key(inputs: Tensor, m: int) -> tuple[Any, ...]:
+        return (tuple(inputs.shape), inputs.dtype, m)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, inputs: Tensor, target: Tensor, *, accumulate: int = 1) -> Tensor:
+        """Forward and backward of one batch (``.grad`` accumulates the gradient of its mean loss / ``accumulate``);
+        returns the batch's mean loss (unscaled, detached) on every pipeline rank."""
+        if inputs.shape[0] % self.m:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} samples does not split into num_micro_batches={self.m} equal "
+                f"micro-batches ({inputs.shape[0]} % {self.m} = {inputs.shape[0] % self.m}). Fix: a per-rank batch "
+                f"size that is a multiple of {self.m} (and drop_last=True on the training DataLoader)."
+            )
+        schedule = self._train_schedule(self._key(inputs, self.m))
+        self._losses, self._scale = [], 1.0 / (self.m * accumulate)
+        args = (inputs.to(self.device),) if self.first else ()
+        tgt = target.to(self.device) if self.last else None
+        schedule.step(*args, target=tgt, return_outputs=False)
+        # the last m: on a schedule's first step torch's shape inference calls the loss once on scratch tensors
+        loss = torch.stack(self._losses[-self.m:]).mean() if self.last else torch.zeros((), device=self.device)
+        self._losses = []
+        return self._from_last(loss.float())
+
+    @torch.no_grad()
+    def forward_only(self, inputs: Tensor) -> Tensor | None:
+        """The last stage's output for the whole batch on the last stage's rank (None elsewhere), forward only."""
+        m = largest_divisor_at_most(int(inputs.shape[0]), self.m)
+        schedule = self._eval_schedule(m, self._key(inputs, m))
+        args = (inputs.to(self.device),) if self.first else ()
+        out = schedule.step(*args)
+        return out if self.last else None
+
+    def eval_loss(self, inputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(loss, output)``: the batch's loss on every pipeline rank; the output only on the last stage's rank."""
+        out = self.forward_only(inputs)
+        if self.last:
+            assert out is not None
+            with torch.no_grad():
+                loss = self.loss_fn(out, target.to(self.device)).detach().float()
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self._from_last(loss), out
+
+    def outputs_everywhere(self, out: Tensor | None) -> Tensor:
+        """The last stage's output on every pipeline rank (a broadcast of shape, dtype and data over ``pp``)."""
+        box = [None if out is None else out.detach().cpu()]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        value = box[0]
+        assert isinstance(value, Tensor)
+        return value.to(self.device)
+
+    def _from_last(self, value: Tensor) -> Tensor:
+        if self.p > 1:
+            dist.broadcast(value, src=self.last_rank, group=self.group)
+        return value
