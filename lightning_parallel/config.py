@@ -94,12 +94,17 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs virtual_pipeline_stages >= 2) or zero_bubble."""
     virtual_pipeline_stages: int = 1
     """Model chunks per pipeline rank (v of interleaved 1F1B; bubble (p-1)/(v*m)). Bounds: >= 1."""
+    pipeline_stage_layers: tuple[int, ...] | None = None
+    """Layers of ``pipeline_layers()`` in each of the ``p x v`` stages, in order (e.g. ``[3, 3]``); None = balanced
+    by parameter count. Bounds: p x v positive counts summing to the module's pipeline layers."""
     sequence_parallel: bool = False
     """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward: none, selective (attention core) or full (every block)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline_stage_layers, list):  # a recipe's YAML list
+            object.__setattr__(self, "pipeline_stage_layers", tuple(self.pipeline_stage_layers))
         self.validate()
 
     # ------------------------------------------------------------------ construction
@@ -228,6 +233,22 @@ class ParallelConfig:
                 f"stage busy only with at least one micro-batch per stage (bubble (p-1)/m = {pp - 1}/{m}). "
                 f"Fix: num_micro_batches >= {pp} (for example {2 * pp}) or pipeline_schedule='gpipe'."
             )
+        if pp > 1 and sched in ("interleaved_1f1b", "zero_bubble"):
+            from lightning_parallel.parallel.pipeline.partition import check_micro_batches
+
+            why = check_micro_batches(sched, p=pp, m=m)
+            if why:
+                raise LayoutError(f"parallel.num_micro_batches={m}: {why}.")
+        layers = self.pipeline_stage_layers
+        if layers is not None:
+            if (not isinstance(layers, tuple) or len(layers) != pp * v
+                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in layers)):
+                raise LayoutError(
+                    f"parallel.pipeline_stage_layers={list(layers) if isinstance(layers, tuple) else layers!r} must "
+                    f"list one positive layer count per stage: pipeline_parallel_size={pp} x "
+                    f"virtual_pipeline_stages={v} = {pp * v} counts. Fix: give {pp * v} counts, or remove it to "
+                    "balance the stages by parameter count."
+                )
         if self.num_micro_batches is not None and pp == 1 and self.num_micro_batches > 1:
             raise LayoutError(
                 f"parallel.num_micro_batches={self.num_micro_batches} splits batches for a pipeline, but "

@@ -32,7 +32,7 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
     LayoutStrategyEntry("lp_ddp", "(N, 1, 1, 0, none): the whole model on every rank, gradients all-reduced", True),
     LayoutStrategyEntry("lp_sharded", "(N, 1, 1, 1|2|3, none): ZeRO over dp (native engine or fairscale)", True),
     LayoutStrategyEntry("lp_zero_offload", "(N, 1, 1, 1|2|3, none|cpu|nvme): the DeepSpeed engine, offload", True),
-    LayoutStrategyEntry("lp_pipeline", "(N/p, p, 1, 0|1, none): pipeline stages", False),
+    LayoutStrategyEntry("lp_pipeline", "(N/p, p, 1, 0|1, none): pipeline stages", True),
     LayoutStrategyEntry("lp_tensor", "(N/t, 1, t, 0|1|3, none): tensor-parallel layers", True),
     LayoutStrategyEntry("lp_hybrid", "(d, p, t, 0|1, none): DP + PP + TP (+ ZeRO-1)", False),
 )
@@ -65,7 +65,7 @@ def strategy_for(layout: ParallelConfig) -> str:
     if pp == tp == 1:
         return "lp_ddp" if zero == 0 else "lp_sharded"
     if tp == 1:
-        return "lp_pipeline" if zero == 0 else "lp_hybrid"
+        return "lp_pipeline"
     if pp == 1:
         return "lp_tensor"
     return "lp_hybrid"

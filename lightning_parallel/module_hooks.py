@@ -7,7 +7,8 @@ LightningModule trains unchanged. Which hook each feature needs:
 feature                                             hooks
 ==================================================  ==============================================================
 pipeline parallelism                                :meth:`~ParallelModuleMixin.pipeline_layers`,
-                                                    :meth:`~ParallelModuleMixin.pipeline_loss`
+                                                    :meth:`~ParallelModuleMixin.pipeline_loss`,
+                                                    :meth:`~ParallelModuleMixin.pipeline_batch` (optional)
 tensor parallelism                                  :meth:`~ParallelModuleMixin.tensor_parallel_plan`
 checks of the layout against the model (optional)   :meth:`~ParallelModuleMixin.parallel_shape`
 ``activation_checkpointing: full``                  :meth:`~ParallelModuleMixin.pipeline_layers` (or
@@ -55,6 +56,19 @@ class ParallelModuleMixin:
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The loss on the last stage's output for one micro-batch (mean over its samples)."""
         raise NotImplementedError
+
+    def pipeline_batch(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+        """``(input, target)`` of a batch for the pipeline: the input enters the first stage, the target meets the
+        last stage's output in :meth:`pipeline_loss`. Default: ``batch[0], batch[1]`` (a tensor or a 1-tuple: no
+        target, for predict); override for dict batches, e.g. ``return batch["tokens"], batch["labels"]``."""
+        if isinstance(batch, Tensor):
+            return batch, None
+        if isinstance(batch, (list, tuple)) and 1 <= len(batch) <= 2:
+            return batch[0], batch[1] if len(batch) == 2 else None
+        raise TypeError(
+            f"pipeline_batch cannot split a {type(batch).__name__} batch into (input, target). Fix: override "
+            "pipeline_batch(self, batch) on the module (e.g. return batch['x'], batch['y'])."
+        )
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
         """Submodule name or glob pattern -> one of :data:`TP_STYLES` or a torch ``ParallelStyle`` (e.g.

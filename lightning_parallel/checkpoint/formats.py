@@ -27,11 +27,14 @@ __all__ = [
     "load_torch_file",
 ]
 
-CheckpointFormat = Literal["lightning", "lp_sharded", "lp_tensor", "deepspeed", "deepspeed_nvme"]
+CheckpointFormat = Literal["lightning", "lp_sharded", "lp_tensor", "lp_pipeline", "deepspeed",
+                           "deepspeed_nvme"]
 """``lightning``: one file (``lp_ddp``, ``lp_dp``, ``lp_sharded`` with ``checkpoint="full"``, any plain Lightning
 strategy). ``lp_sharded``: a ``meta.pt`` + ``rank_XXXXX.pt`` folder (``checkpoint="sharded"``). ``deepspeed``: a
 DeepSpeed ZeRO folder (``lp_zero_offload`` with CPU offload or none, Lightning's ``deepspeed``). ``deepspeed_nvme``:
-the same written with NVMe offload, plus the per-rank ``lp_offload_state/`` files that hold its real weights."""
+the same written with NVMe offload, plus the per-rank ``lp_offload_state/`` files that hold its real weights.
+``lp_tensor`` / ``lp_pipeline``: a torch DCP folder (``meta.pt``, ``layout.json``, ``.metadata``, one ``.distcp`` file
+per rank) holding tensor shards or pipeline stages under the whole model's names."""
 
 SHARDED_META_FILE = "meta.pt"
 SHARDED_KEY = "lp_sharded_checkpoint"
@@ -77,7 +80,8 @@ class CheckpointInfo:
         if self.world_size is not None:
             details.append(f"{self.world_size} rank{'s' if self.world_size != 1 else ''}")
         name = {"lightning": "Lightning file", "lp_sharded": "lp_sharded folder", "lp_tensor": "lp_tensor folder (DCP)",
-                "deepspeed": "DeepSpeed folder", "deepspeed_nvme": "DeepSpeed folder"}[self.format]
+                "lp_pipeline": "lp_pipeline folder (DCP, one shard per stage)", "deepspeed": "DeepSpeed folder",
+                "deepspeed_nvme": "DeepSpeed folder"}[self.format]
         return f"{name} ({', '.join(details)})" if details else name
 
 
@@ -123,10 +127,11 @@ def detect_format(path: str | Path, *, trusted: bool = False) -> CheckpointInfo:
     if p.is_file():
         return _detect_file(p, trusted=trusted)
     if p.is_dir():
-        from lightning_parallel.parallel.tensor.checkpoint import is_tensor_checkpoint
+        from lightning_parallel.parallel.tensor.checkpoint import is_tensor_checkpoint, saved_strategy
 
-        if is_tensor_checkpoint(p):  # meta.pt + torch DCP's .metadata: lp_tensor's per-rank shards
-            return CheckpointInfo(format="lp_tensor", path=p, files=tuple(sorted(p.iterdir())))
+        if is_tensor_checkpoint(p):  # meta.pt + DCP's .metadata: lp_tensor's or lp_pipeline's per-rank shards
+            fmt: CheckpointFormat = "lp_pipeline" if saved_strategy(p) == "lp_pipeline" else "lp_tensor"
+            return CheckpointInfo(format=fmt, path=p, files=tuple(sorted(p.iterdir())))
         if (p / SHARDED_META_FILE).is_file():
             return _detect_sharded(p, trusted=trusted)
         if (p / DEEPSPEED_LATEST_FILE).is_file() or any(p.glob("*/*_model_states.pt")):

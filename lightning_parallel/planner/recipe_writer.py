@@ -66,7 +66,8 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
                 "vocab_size": shape.vocab_size,
                 "dropout": shape.dropout,
                 "bias": shape.bias,
-                "tie_embeddings": shape.tie_embeddings,
+                # a pipeline puts the embedding and the head on different stages: they cannot share one weight
+                "tie_embeddings": shape.tie_embeddings and layout.pipeline_parallel_size == 1,
             },
         },
         "data": {
@@ -94,6 +95,9 @@ def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: s
         f"optimizer: {plan.training.optimizer} (GPT.configure_optimizers uses AdamW); data.batch_size is per "
         "data-parallel rank" + (", split into num_micro_batches micro-batches" if pipelined else ""),
     ]
+    if pipelined and plan.model.shape is not None and plan.model.shape.tie_embeddings:
+        notes.append("tie_embeddings: false -- the first and last pipeline stages cannot share the embedding; the head "
+                     "gets its own weight (counted in the estimate)")
     if chosen.tiled_layers:
         notes.append("tiled_layers: the largest layer must run tiled (Memory Centric Tiling, e.g. a tiled nn.Linear);")
         notes.append("the parallel section has no key for it: tile the model's largest layer yourself.")

@@ -15,11 +15,12 @@ from lightning_parallel.layouts import available_strategies
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
+from .pipeline import LPPipelineStrategy
 from .sharded import LPShardedStrategy
 from .tensor import LPTensorStrategy
 from .zero_offload import LPZeroOffloadStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPShardedStrategy", "LPTensorStrategy",
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPPipelineStrategy", "LPShardedStrategy", "LPTensorStrategy",
            "LPZeroOffloadStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
@@ -52,6 +53,14 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
     ),
     "lp_tensor_fork": (LPTensorStrategy, "lp_tensor started by fork (tests, notebooks; CPU)",
                        {"start_method": "fork"}),
+    "lp_pipeline": (
+        LPPipelineStrategy,
+        "pipeline stages over pp (the module's pipeline_layers; gpipe, 1f1b, interleaved_1f1b, zero_bubble schedules)"
+        " x data parallelism over dp, (N/p, p, 1, 0|1)",
+        {},
+    ),
+    "lp_pipeline_fork": (LPPipelineStrategy, "lp_pipeline started by fork (tests, notebooks; CPU)",
+                         {"start_method": "fork"}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
         "DeepSpeed ZeRO (+ offload): parallel.zero_stage 1|2|3, offload none|cpu|nvme (unset: ZeRO-2 + CPU offload)",

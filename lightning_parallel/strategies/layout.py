@@ -43,6 +43,9 @@ class LayoutMixin:
     strategy_name = "lp_layout"
     preset: dict[str, Any] = {}
     """Values for the keys a layout leaves unset (``zero_stage``, ``offload``): what "not set" means here."""
+    shape_checks: tuple[str, ...] = ("n_layer", "n_head", "vocab_size")
+    """Which ``parallel_shape()`` facts :meth:`check_module` checks the layout against (a pipeline checks its exact
+    layer count itself: the embedding and head are pipeline layers too)."""
     pinned: dict[str, Any] = {}
     """Keys fixed by the strategy's own arguments (a preset name such as ``lp_zero1`` or ``lp_zero3_offload``): a
     layout that sets one of them to another value is refused."""
@@ -108,7 +111,7 @@ class LayoutMixin:
         lacks the hook its activation checkpointing needs (the error names the hook)."""
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
-        check_model_compat(self.layout, **{k: shape[k] for k in ("n_layer", "n_head", "vocab_size") if k in shape})
+        check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
@@ -176,7 +179,7 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        _before_launch(self._lp_strategy, trainer)
+        _before_launch(self._lp_strategy, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -190,8 +193,23 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        _before_launch(self._lp_strategy, trainer)
+        _before_launch(self._lp_strategy, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        """Lightning's, plus: a module the main process built on the meta device (a pipeline's large-model path)
+        takes the trained weights as its tensors (``assign=True``) instead of ignoring them."""
+        module = trainer.lightning_module
+        if (worker_output.weights_path is None or module is None
+                or not any(t.is_meta for t in (*module.parameters(), *module.buffers()))):
+            super()._recover_results_in_main_process(worker_output, trainer)
+            return
+        weights = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
+        module.load_state_dict(weights, strict=False, assign=True)
+        self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+        worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
@@ -246,9 +264,12 @@ def oversubscription_warning(*, processes: int, device_type: str, cores: int | N
     )
 
 
-def _before_launch(strategy: Any, trainer: pl.Trainer | None) -> None:
+def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     if trainer is not None and trainer.lightning_module is not None:
         strategy.check_module(trainer.lightning_module)
+    check_data = getattr(strategy, "check_data", None)
+    if callable(check_data) and trainer is not None and trainer.state.fn == "fit":
+        check_data(args)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
     devices = getattr(strategy, "parallel_devices", None) or []
     warning = oversubscription_warning(processes=len(devices), device_type=devices[0].type if devices else "cpu",
                                        cores=os.cpu_count())

@@ -26,15 +26,11 @@ Clipping (``gradient_clip_val``, by norm) uses the norm of the whole model's gra
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -47,6 +43,7 @@ from lightning_parallel.parallel.tensor import PlanError, expand_plan
 from lightning_parallel.parallel.zero import CommCounter, apply_zero3
 
 from .base import LayoutStrategy
+from .dcp import DCPCheckpointMixin
 from .layout import clip_by_norm_replaced
 
 __all__ = ["LPTensorStrategy", "full_model_state"]
@@ -88,7 +85,7 @@ def full_model_state(module: nn.Module) -> dict[str, Tensor]:
             for k, v in module.state_dict().items()}
 
 
-class LPTensorStrategy(LayoutStrategy):
+class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
     """Tensor parallelism over ``tp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1 or 3).
 
     Args:
@@ -98,6 +95,7 @@ class LPTensorStrategy(LayoutStrategy):
     """
 
     strategy_name = "lp_tensor"
+    checkpoint_key = "lp_tensor_checkpoint"
     preset = {"zero_stage": 0, "offload": "none"}
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -295,125 +293,19 @@ class LPTensorStrategy(LayoutStrategy):
 
 
     # ------------------------------------------------------------------ checkpoints: DCP, one shard per rank
-    @property
     @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the parallelized module and the wrapped optimizers
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict as it is on this rank: DTensor shards (saved by DCP, rank by rank)."""
-        assert self.lightning_module is not None
-        return dict(self.lightning_module.state_dict())
+    def checkpoint_layout(self) -> dict[str, Any]:
+        return {"dp": self.dims.dp, "tp": self.dims.tp, "zero_stage": self.zero_stage,
+                "sequence_parallel": self.layout.sequence_parallel}
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state by parameter name, laid out like the parameters (ZeRO-1: gathered over ``dp``, a
-        collective every rank runs)."""
-        from lightning_parallel.parallel.tensor.checkpoint import optimizer_state_by_name
-        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
-
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        assert self.lightning_module is not None
-        if isinstance(raw, LocalShardZeroOptimizer):
-            return raw.state_by_name(self.lightning_module)
-        return optimizer_state_by_name(self.lightning_module, raw)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """A folder: DCP shards of the module and optimizer states from every rank, ``meta.pt`` from rank 0 (see
-        :mod:`lightning_parallel.parallel.tensor.checkpoint`). Resumes on the same layout;
-        :func:`~lightning_parallel.parallel.tensor.checkpoint.read_full_checkpoint` turns it into the one-device
-        checkpoint offline."""
-        from lightning_parallel.parallel.tensor.checkpoint import TENSOR_KEY, save_sharded
-
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            elif path.is_dir():  # a checkpoint saved again under one name (last.ckpt): no stale shard files
-                shutil.rmtree(path)
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier("lp_tensor_mkdir")
-        model_state = checkpoint.pop("state_dict")
-        optim_states = checkpoint.pop("optimizer_states", [])
-        checkpoint[TENSOR_KEY] = {"dp": self.dims.dp, "tp": self.dims.tp, "zero_stage": self.zero_stage,
-                                  "sequence_parallel": self.layout.sequence_parallel}
-        save_sharded(path, model_state=model_state, optimizer_states=optim_states,
-                     meta=checkpoint if self.is_global_zero else None, rank=self.global_rank)
-        self.barrier("lp_tensor_saved")
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero and Path(filepath).is_dir():
-            shutil.rmtree(filepath)
-        else:
-            super().remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A tensor-parallel folder (same tp size) or a one-device file (whole tensors, scattered in
-        :meth:`load_model_state_dict`)."""
-        from lightning_parallel.parallel.tensor.checkpoint import META_FILE, TENSOR_KEY, is_tensor_checkpoint
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=False)
-        if not is_tensor_checkpoint(path):
-            raise LayoutError(f"{str(path)!r} is a folder but not an lp_tensor checkpoint (meta.pt + DCP files).")
-        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        saved = checkpoint[TENSOR_KEY]
+    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
         if saved["tp"] != self.dims.tp:
             raise LayoutError(
                 f"the checkpoint {str(path)!r} was saved with tensor_parallel_size={saved['tp']}; this run has "
                 f"{self.dims.tp}. Fix: resume with tensor_parallel_size={saved['tp']}, or convert it with "
                 "lightning_parallel.parallel.tensor.read_full_checkpoint and resume from the one-device file."
             )
-        checkpoint["_lp_tensor_folder"] = str(path)
-        # the tensors stay in the DCP files until load_model_state_dict / load_optimizer_state_dict read them
-        checkpoint["state_dict"] = {}
-        checkpoint["optimizer_states"] = [{} for _ in checkpoint.get("optimizer_param_groups", [])]
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        from lightning_parallel.parallel.tensor.checkpoint import load_model
-
-        module = self.lightning_module
-        assert module is not None
-        folder = checkpoint.get("_lp_tensor_folder")
-        if folder is not None:
-            load_model(folder, module)
-            return
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        state = dict(module.state_dict())  # a one-device file: scatter each whole tensor as its DTensor is laid out
-        full = checkpoint["state_dict"]
-        with torch.no_grad():
-            for name, current in state.items():
-                value = full[name]
-                if isinstance(current, DTensor):
-                    value = distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements)
-                current.copy_(value)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        from lightning_parallel.parallel.tensor.checkpoint import apply_optimizer_state, load_optimizer
-        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
-
-        module = self.lightning_module
-        assert module is not None
-        folder = checkpoint.get("_lp_tensor_folder")
-        if folder is None:
-            raise LayoutError("lp_tensor resumes the optimizer from its own checkpoint folders only. Fix: resume "
-                              "from an lp_tensor checkpoint, or load the weights alone (load_from_checkpoint).")
-        for i, optimizer in enumerate(self.optimizers):
-            by_name = load_optimizer(folder, i, module)
-            raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            if isinstance(raw, LocalShardZeroOptimizer):
-                raw.load_state_by_name(module, by_name)
-            else:
-                apply_optimizer_state(module, raw, by_name)
 
 
 def _clip_by_global_norm(strategy: LPTensorStrategy) -> contextlib.AbstractContextManager[None]:

@@ -14,7 +14,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel import ParallelModuleMixin
@@ -22,34 +21,7 @@ from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import LPTensorStrategy
 from tests.helpers import max_rel_diff
-
-T, GLOBAL_BATCH, STEPS = 16, 8, 10
-
-
-class _Data(pl.LightningDataModule):
-    """Fixed random tokens in order; dp rank r of d gets samples r, r+d, ... (one device: all, in order)."""
-
-    def __init__(self, batch_size: int, samples: int = 2 * STEPS * GLOBAL_BATCH, vocab: int = 64) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(7)
-        data = torch.randint(0, vocab, (samples, T + 1), generator=g)
-        self.dataset = TensorDataset(data[:, :-1], data[:, 1:])
-        self.batch_size = batch_size
-
-    def _loader(self) -> DataLoader:
-        trainer: Any = self.trainer
-        kwargs = trainer.strategy.distributed_sampler_kwargs if trainer.world_size > 1 else None
-        sampler = DistributedSampler(self.dataset, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader()
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader()
-
-    def predict_dataloader(self) -> DataLoader:  # token ids only: LightningModule's default predict_step is self(batch)
-        return DataLoader(self.dataset.tensors[0], batch_size=self.batch_size, shuffle=False)
+from tests.trainer.token_data import GLOBAL_BATCH, STEPS, SavePredictions, T, TokenData, fit, weight_diff
 
 
 def _gpt(seed: int = 0) -> GPT:
@@ -93,27 +65,9 @@ def _tiny() -> TinyMLPLM:
     return TinyMLPLM()
 
 
-def _fit(strategy: Any, devices: int, dp: int, *, model: Any, steps: int = STEPS, batch: int | None = None,
-         samples: int = 2 * STEPS * GLOBAL_BATCH, ckpt_path: str | None = None, **kw: Any) -> tuple[Any, Any]:
-    kwargs: dict[str, Any] = dict(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                  limit_val_batches=0, gradient_clip_val=0.5, accumulate_grad_batches=2,
-                                  enable_checkpointing=False, use_distributed_sampler=False)
-    kwargs.update(kw)
-    trainer = pl.Trainer(**kwargs)
-    data = _Data(batch or GLOBAL_BATCH // 2 // dp, samples)  # accumulation 2: a step sees GLOBAL_BATCH
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    return model, trainer
-
-
-def _diff(a: nn.Module, b: nn.Module) -> float:
-    sb = b.state_dict()
-    return max(float((v - sb[k]).abs().max()) for k, v in a.state_dict().items())
-
-
 @pytest.fixture(scope="module")
 def reference() -> GPT:
-    return _fit("auto", 1, 1, model=_gpt())[0]
+    return fit("auto", 1, 1, model=_gpt())[0]
 
 
 def _tp(**layout: Any) -> LPTensorStrategy:
@@ -127,61 +81,49 @@ def _tp(**layout: Any) -> LPTensorStrategy:
     ({"tensor_parallel_size": 2, "zero_stage": 0, "sequence_parallel": True}, 4),
 ])
 def test_gpt_equals_one_device(reference: GPT, layout: dict[str, Any], devices: int) -> None:
-    model, _ = _fit(_tp(**layout), devices, devices // 2, model=_gpt())
-    diff = _diff(model, reference)
+    model, _ = fit(_tp(**layout), devices, devices // 2, model=_gpt())
+    diff = weight_diff(model, reference)
     print(f"lp_tensor {layout} on {devices} ranks (dp={devices // 2}), {STEPS} AdamW steps: max |w - w_1dev| = "
           f"{diff:.2e}, max per-tensor relative {max_rel_diff(model, reference):.1e}")
     assert diff < 2e-5
 
 
 def test_gpt_dp2_tp2_zero3_equals_one_device(reference: GPT) -> None:
-    model, _ = _fit(_tp(tensor_parallel_size=2, zero_stage=3), 4, 2, model=_gpt())
-    diff = _diff(model, reference)
+    model, _ = fit(_tp(tensor_parallel_size=2, zero_stage=3), 4, 2, model=_gpt())
+    diff = weight_diff(model, reference)
     print(f"lp_tensor dp=2 x tp=2 zero_stage=3 on 4 ranks, {STEPS} AdamW steps: max |w - w_1dev| = {diff:.2e}")
     assert diff < 2e-5
 
 
 def test_non_gpt_module_with_its_own_plan_equals_one_device() -> None:
-    ref, _ = _fit("auto", 1, 1, model=_tiny())
-    model, _ = _fit(_tp(tensor_parallel_size=2), 2, 1, model=_tiny())
-    diff = _diff(model, ref)
+    ref, _ = fit("auto", 1, 1, model=_tiny())
+    model, _ = fit(_tp(tensor_parallel_size=2), 2, 1, model=_tiny())
+    diff = weight_diff(model, ref)
     print(f"lp_tensor TinyMLPLM tp=2, {STEPS} AdamW steps + StepLR: max |w - w_1dev| = {diff:.2e}")
-    assert _diff(ref, _tiny()) > 1e-2  # it trained
+    assert weight_diff(ref, _tiny()) > 1e-2  # it trained
     assert diff < 2e-5
-
-
-class _SavePredictions(pl.Callback):
-    """Fork workers return no predictions to the main process: each rank saves its first batch's output."""
-
-    def __init__(self, folder: Any) -> None:
-        self.folder = folder
-
-    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                             dataloader_idx: int = 0) -> None:
-        if batch_idx == 0:
-            torch.save(outputs, self.folder / f"pred_{trainer.global_rank}.pt")
 
 
 def test_logging_validation_and_predict_equal_one_device(tmp_path: Any) -> None:
     """The logged training loss is one replicated value; validate and predict run tensor-parallel too."""
     kw: dict[str, Any] = dict(limit_val_batches=2, val_check_interval=4, steps=8)
-    ref, ref_trainer = _fit("auto", 1, 1, model=_gpt(), **kw)
-    model, trainer = _fit(_tp(tensor_parallel_size=2, sequence_parallel=True), 2, 1, model=_gpt(), **kw)
+    ref, ref_trainer = fit("auto", 1, 1, model=_gpt(), **kw)
+    model, trainer = fit(_tp(tensor_parallel_size=2, sequence_parallel=True), 2, 1, model=_gpt(), **kw)
     for key in ("train_loss", "val_loss"):
         got, want = float(trainer.callback_metrics[key]), float(ref_trainer.callback_metrics[key])
         print(f"lp_tensor tp=2 SP logged {key} = {got:.6f}, one device {want:.6f}")
         assert abs(got - want) < 1e-5
-    val = trainer.validate(model, datamodule=_Data(4), verbose=False)[0]["val_loss"]
+    val = trainer.validate(model, datamodule=TokenData(4), verbose=False)[0]["val_loss"]
     ref_val = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         use_distributed_sampler=False, limit_val_batches=2).validate(ref, datamodule=_Data(4),
+                         use_distributed_sampler=False, limit_val_batches=2).validate(ref, datamodule=TokenData(4),
                                                                                       verbose=False)
     assert abs(val - ref_val[0]["val_loss"]) < 1e-5, (val, ref_val)
     predictor = pl.Trainer(accelerator="cpu", devices=2, strategy=_tp(tensor_parallel_size=2), logger=False,
                            enable_progress_bar=False, use_distributed_sampler=False, limit_predict_batches=1,
-                           callbacks=[_SavePredictions(tmp_path)])
-    predictor.predict(model, datamodule=_Data(4), return_predictions=False)
+                           callbacks=[SavePredictions(tmp_path)])
+    predictor.predict(model, datamodule=TokenData(4), return_predictions=False)
     ref.eval()
-    want = ref(_Data(4).dataset.tensors[0][:4])
+    want = ref(TokenData(4).tokens[:4])
     for rank in (0, 1):  # whole logits on every tp rank, not a vocabulary shard
         got = torch.load(tmp_path / f"pred_{rank}.pt")
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
@@ -189,7 +131,7 @@ def test_logging_validation_and_predict_equal_one_device(tmp_path: Any) -> None:
 
 def _refusal(strategy: LPTensorStrategy, model: Any, devices: int = 2, **trainer: Any) -> None:
     pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, max_steps=1,
-               **trainer).fit(model, datamodule=_Data(2))
+               **trainer).fit(model, datamodule=TokenData(2))
 
 
 def test_refusals_before_spawn() -> None:
@@ -250,18 +192,18 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
     dp = devices // 2
     kw: dict[str, Any] = {"steps": 6, "accumulate_grad_batches": 1}
 
-    def fit(strategy: Any, n: int, d: int, seed: int = 0, **extra: Any) -> Any:
-        return _fit(strategy, n, d, model=_gpt(seed), batch=GLOBAL_BATCH // d, samples=GLOBAL_BATCH, **kw,
+    def run(strategy: Any, n: int, d: int, seed: int = 0, **extra: Any) -> Any:
+        return fit(strategy, n, d, model=_gpt(seed), batch=GLOBAL_BATCH // d, samples=GLOBAL_BATCH, **kw,
                     **extra)[0]
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "a", filename="{step}", every_n_train_steps=4, save_top_k=-1)
-    full = fit(_tp(**layout), devices, dp, enable_checkpointing=True, callbacks=[ckpt])
+    full = run(_tp(**layout), devices, dp, enable_checkpointing=True, callbacks=[ckpt])
     folder = tmp_path / "a" / "step=4.ckpt"
     assert (folder / "meta.pt").is_file() and (folder / ".metadata").is_file()
     assert len(list(folder.glob("*.distcp"))) == devices  # one shard file per rank
     # other initial weights: only a checkpoint that really restored weights and optimizer state gives `full`
-    resumed = fit(_tp(**layout), devices, dp, seed=1, ckpt_path=str(folder))
-    exact = _diff(resumed, full)
+    resumed = run(_tp(**layout), devices, dp, seed=1, ckpt_path=str(folder))
+    exact = weight_diff(resumed, full)
     one_device = read_full_checkpoint(folder)  # offline: no process group here
     reference = _gpt().state_dict()
     assert sorted(one_device["state_dict"]) == sorted(reference)
@@ -277,14 +219,14 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
     consolidate(folder, tmp_path / "consolidated.ckpt")
     loaded = GPT.load_from_checkpoint(tmp_path / "consolidated.ckpt", map_location="cpu")
     assert all(torch.equal(loaded.state_dict()[k], api[k]) for k in api)
-    single = fit("auto", 1, 1, seed=1, ckpt_path=str(tmp_path / "one.ckpt"))
-    moved = _diff(single, full)
+    single = run("auto", 1, 1, seed=1, ckpt_path=str(tmp_path / "one.ckpt"))
+    moved = weight_diff(single, full)
     print(f"lp_tensor {layout}: DCP resume at step 4 -> 6, max |w - w_uninterrupted| = {exact:.1e}; offline "
           f"one-device checkpoint resumed on one device: {moved:.1e}")
     assert exact == 0.0
     assert moved < 2e-5
     if devices == 2:  # the one-device file's weights load into lp_tensor too (scattered): same validation loss
-        data = _Data(GLOBAL_BATCH, GLOBAL_BATCH)
+        data = TokenData(GLOBAL_BATCH, GLOBAL_BATCH)
         plain = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                            use_distributed_sampler=False).validate(_gpt(1), data, ckpt_path=str(tmp_path / "one.ckpt"),
                                                                    verbose=False)[0]["val_loss"]
@@ -296,7 +238,7 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
 
 
 @pytest.mark.parametrize("recipe", ["gpt_tp2.yaml", "gpt_dp2_tp2_zero1.yaml"])
-def test_recipes_pass_the_dry_run_of_fit(recipe: str) -> None:
+def test_recipes_pass_the_dry_run_offit(recipe: str) -> None:
     """Everything fit would build (the model on the meta device, the layout against 2 or 4 devices, the plan), no
     process started."""
     from lightning_parallel.cli import check_recipe
@@ -312,8 +254,8 @@ def test_activation_checkpointing_under_tp_equals_one_device(reference: GPT, mod
     """Recomputation is applied before TP (parameter and module names unchanged), so the plan still resolves; a
     recomputed block re-runs its forward collectives in backward."""
     pytest.importorskip("lightning_parallel.parallel.activation_checkpointing")
-    model, _ = _fit(_tp(tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=mode), 2, 1,
+    model, _ = fit(_tp(tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=mode), 2, 1,
                     model=_gpt())
-    diff = _diff(model, reference)
+    diff = weight_diff(model, reference)
     print(f"lp_tensor tp=2 SP activation_checkpointing={mode}: max |w - w_1dev| = {diff:.2e}")
     assert diff < 2e-5

@@ -95,9 +95,7 @@ def test_one_node_does_not_fit_pcie_prefers_pipeline() -> None:
     assert plan.branch == "one-node/does-not-fit/pcie"
     strategy, dp, pp, tp, zero, _ = _rec(plan, guide=True)
     assert (strategy, tp, zero) == ("lp_pipeline", 1, 0) and pp > 1 and dp * pp == 8
-    # lp_pipeline is not in this version: the recommendation is the next family of the guide, and it says why
-    assert _rec(plan)[0] in ("lp_sharded", "lp_zero_offload")
-    assert "lp_pipeline" in plan.reason and "not available in this version" in plan.reason
+    assert _rec(plan) == _rec(plan, guide=True)  # lp_pipeline exists: the guide's choice is the recommendation
 
 
 def test_one_node_largest_layer_does_not_fit_uses_tiled_zero() -> None:

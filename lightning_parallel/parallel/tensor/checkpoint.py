@@ -1,11 +1,12 @@
-"""Distributed checkpoints of a tensor-parallel module (torch DCP): per-rank shards, same-layout resume, and the
+"""Distributed checkpoints of a tensor- or pipeline-parallel module (torch DCP): per-rank shards, resume, and the
 offline reading of such a folder into the one-device state dict -- no process group needed for that.
 
 A folder holds:
 
+* ``layout.json`` (rank 0): the strategy and layout that wrote it (readable without unpickling anything);
 * ``meta.pt`` (rank 0): everything of the Lightning checkpoint but the tensors -- epoch, step, loops, LR schedulers,
   callbacks, hyper-parameters -- plus each optimizer's ``param_groups`` with parameters named by their FQN, and
-  ``lp_tensor_checkpoint`` = the layout that wrote it;
+  ``lp_tensor_checkpoint`` or ``lp_pipeline_checkpoint`` = the layout that wrote it;
 * DCP files (``.metadata`` + ``__<rank>_0.distcp``): ``model`` (the module's ``state_dict()``: each rank writes its
   tp/dp shards of every DTensor, replicated tensors are written once) and ``optim.<i>.state.<fqn>.<key>`` (each
   optimizer state tensor laid out like its parameter). The optimizer state is stored by parameter name in every
@@ -26,11 +27,36 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["META_FILE", "TENSOR_KEY", "apply_optimizer_state", "is_tensor_checkpoint", "load_model", "load_optimizer",
-           "optimizer_state_by_name", "read_full_checkpoint", "save_sharded"]
+__all__ = [
+    "LAYOUT_FILE",
+    "META_FILE",
+    "PIPELINE_KEY",
+    "TENSOR_KEY",
+    "apply_optimizer_state",
+    "is_tensor_checkpoint",
+    "load_model",
+    "load_optimizer",
+    "optimizer_state_by_name",
+    "read_full_checkpoint",
+    "save_sharded",
+    "saved_strategy",
+]
 
 META_FILE = "meta.pt"
+LAYOUT_FILE = "layout.json"
 TENSOR_KEY = "lp_tensor_checkpoint"
+PIPELINE_KEY = "lp_pipeline_checkpoint"
+
+
+def saved_strategy(path: str | Path) -> str:
+    """The strategy that wrote a checkpoint folder, from its ``layout.json`` (``lp_tensor`` for folders written
+    before that file existed)."""
+    import json
+
+    layout = Path(path) / LAYOUT_FILE
+    if not layout.is_file():
+        return "lp_tensor"
+    return str(json.loads(layout.read_text()).get("strategy", "lp_tensor"))
 
 
 def is_tensor_checkpoint(path: str | Path) -> bool:
@@ -100,7 +126,7 @@ def _optim_template(folder: Path, index: int, model: nn.Module) -> dict[str, dic
         rest = key[len(prefix):]
         name = max((n for n in params if rest.startswith(n + ".")), key=len, default=None)
         if name is None:
-            raise KeyError(f"the checkpoint's optimizer state {key!r} names no parameter of the module.")
+            continue  # a parameter this rank does not hold (another pipeline stage's)
         p = params[name]
         slot = rest[len(name) + 1:]
         if tuple(meta.size) == tuple(p.shape):
@@ -124,12 +150,13 @@ def load_optimizer(folder: str | Path, index: int, model: nn.Module) -> dict[str
 
 def apply_optimizer_state(model: nn.Module, optimizer: Optimizer, by_name: dict[str, Any]) -> None:
     """Put a by-name state (:func:`load_optimizer`) into a torch optimizer over the module's parameters."""
-    params = dict(model.named_parameters())
+    name_of = _names(model)
     for group, saved in zip(optimizer.param_groups, by_name["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
-        for name in saved["params"]:
+        for p in group["params"]:  # this rank's parameters (a pipeline stage holds some of the saved names)
+            name = name_of[id(p)]
             if name in by_name["state"]:
-                optimizer.state[params[name]] = dict(by_name["state"][name])
+                optimizer.state[p] = dict(by_name["state"][name])
 
 
 def _full(value: Any) -> Any:
@@ -154,13 +181,15 @@ def read_full_checkpoint(folder: str | Path) -> dict[str, Any]:
 
     folder = Path(folder)
     if not is_tensor_checkpoint(folder):
-        raise ValueError(f"{str(folder)!r} is not an lp_tensor checkpoint folder (meta.pt and DCP .metadata).")
+        raise ValueError(f"{str(folder)!r} is not an lp_tensor/lp_pipeline checkpoint folder (meta.pt and DCP "
+                         ".metadata).")
     tensors: dict[str, Any] = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
     checkpoint: dict[str, Any] = torch.load(folder / META_FILE, map_location="cpu", weights_only=False)
     groups_by_opt = checkpoint.pop("optimizer_param_groups", [])
     checkpoint.pop(TENSOR_KEY, None)
+    checkpoint.pop(PIPELINE_KEY, None)
     checkpoint["state_dict"] = dict(tensors["model"])
     optimizer_states = []
     for i, groups in enumerate(groups_by_opt):

@@ -96,8 +96,9 @@ def allreduce_gradients(params: Iterable[Tensor], *, group: dist.ProcessGroup,
 
 
 def _reduce(value: Tensor, groups: Iterable[dist.ProcessGroup | None]) -> Tensor:
+    """Sum ``value`` over each group in turn; ``None`` entries (an axis this run does not have) are skipped."""
     for group in groups:
-        if dist.get_world_size(group) > 1:
+        if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(value, group=group)
     return value
 
@@ -134,15 +135,19 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
     Args:
         optimizer: a fresh torch optimizer over the module's parameters (DTensor or plain).
         group: the ``dp`` process group. tp_group: the ``tp`` group; tp_size: its size (for clipping).
+        norm_groups: further groups whose ranks hold other parameters (the ``pp`` group of a pipeline): the
+            clipping norm sums over them too.
         counter: where the dp collectives' bytes are counted.
     """
 
     def __init__(self, optimizer: Optimizer, *, group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None,
-                 tp_size: int, counter: CommCounter | None = None) -> None:
+                 tp_size: int, norm_groups: Iterable[dist.ProcessGroup] = (),
+                 counter: CommCounter | None = None) -> None:
         self.dtensor_params: list[tuple[DTensor, Tensor]] = []
         self.original_params: list[list[Tensor]] = [list(pg["params"]) for pg in optimizer.param_groups]
         self._weights: list[Tensor] = []
         self.tp_group, self.tp_size = tp_group, tp_size
+        self.norm_groups = list(norm_groups)
         groups_sharded: list[list[bool]] = []
         for pg in optimizer.param_groups:
             locals_: list[Tensor] = []
@@ -195,7 +200,7 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
             assert g is not None
             squares += (g.double().pow(2) * weight).sum()
             grads.append(g)
-        total = _reduce(squares, [self.tp_group, self.group]).sqrt()
+        total = _reduce(squares, [self.tp_group, self.group, *self.norm_groups]).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
@@ -225,7 +230,9 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
         index = {n: i for i, n in enumerate(names)}
         state = {index[n]: {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in slot.items()}
                  for n, slot in by_name["state"].items()}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+        # this rank's own parameters per group (a pipeline stage holds some of the saved groups' names)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[name_of[id(p)]] for p in own]}
+                  for g, own in zip(by_name["param_groups"], self.original_params, strict=True)]
         self.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -1,0 +1,209 @@
+"""``DCPCheckpointMixin``: checkpoints as torch DCP folders, one shard per rank, for strategies whose ranks hold
+different parts of the model (tensor shards, pipeline stages).
+
+``trainer.save_checkpoint(path)`` writes a folder (:mod:`lightning_parallel.parallel.tensor.checkpoint`): the module's
+``state_dict()`` as each rank holds it (DTensor shards, or only a pipeline stage's layers -- under the whole model's
+names), each optimizer's state by parameter name, ``meta.pt`` (everything else of the Lightning checkpoint, from rank
+0) and ``layout.json`` (the layout that wrote it, readable without unpickling). A strategy names its layout record
+(:attr:`checkpoint_key`, :meth:`checkpoint_layout`) and says which saved layouts it resumes
+(:meth:`check_saved_layout`). A one-device Lightning file also loads: each whole tensor is scattered as this rank
+holds it; tensors this rank does not hold (other pipeline stages) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim import Optimizer
+
+from lightning_parallel.config import LayoutError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["DCPCheckpointMixin"]
+
+FOLDER_KEY = "_lp_dcp_folder"
+
+
+class DCPCheckpointMixin:
+    """Save/resume through DCP folders; mix in before :class:`~lightning_parallel.strategies.base.LayoutStrategy`."""
+
+    checkpoint_key = "lp_tensor_checkpoint"
+    """The ``meta.pt`` key (and ``layout.json``'s ``strategy``) that records the layout."""
+
+    if TYPE_CHECKING:
+        strategy_name: str
+        optimizers: list[Optimizer]
+
+        @property
+        def lightning_module(self) -> pl.LightningModule | None: ...
+
+        @property
+        def is_global_zero(self) -> bool: ...
+
+        @property
+        def global_rank(self) -> int: ...
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+        def barrier(self, name: str | None = None) -> None: ...
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """What ``meta.pt`` and ``layout.json`` record about the layout (subclasses)."""
+        return {}
+
+    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
+        """Refuse (``LayoutError`` with the fix) a folder whose saved layout this run cannot resume."""
+
+    def merge_saved_param_groups(self, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """One optimizer's ``param_groups`` (parameter names) from every rank, joined into the whole model's: each
+        group's names in rank order, each once (ranks that hold other parameters add theirs)."""
+        merged: list[dict[str, Any]] = []
+        for i, group in enumerate(gathered[0]):
+            names: list[str] = []
+            for rank_groups in gathered:
+                names.extend(n for n in rank_groups[i]["params"] if n not in names)
+            merged.append({**group, "params": names})
+        return merged
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallelized module and the wrapped optimizers
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict as it is on this rank (saved by DCP, rank by rank)."""
+        assert self.lightning_module is not None
+        return dict(self.lightning_module.state_dict())
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state by parameter name, laid out like the parameters (ZeRO-1: gathered over ``dp``, a
+        collective every rank runs)."""
+        from lightning_parallel.parallel.tensor.checkpoint import optimizer_state_by_name
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        assert self.lightning_module is not None
+        if isinstance(raw, LocalShardZeroOptimizer):
+            return raw.state_by_name(self.lightning_module)
+        return optimizer_state_by_name(self.lightning_module, raw)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """A folder: DCP shards of the module and optimizer states from every rank, ``meta.pt`` and ``layout.json``
+        from rank 0. Written next to the target and renamed into place, so a failed save never leaves a half folder
+        under the checkpoint's name."""
+        from lightning_parallel.parallel.tensor.checkpoint import LAYOUT_FILE, save_sharded
+
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ".partial")
+        if self.is_global_zero:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        self.barrier("lp_dcp_mkdir")
+        model_state = checkpoint.pop("state_dict")
+        optim_states = checkpoint.pop("optimizer_states", [])
+        if dist.is_initialized() and dist.get_world_size() > 1 and optim_states:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, [s["param_groups"] for s in optim_states])
+            optim_states = [{**s, "param_groups": self.merge_saved_param_groups([g[i] for g in gathered])}
+                            for i, s in enumerate(optim_states)]
+        layout = {"strategy": self.strategy_name, **self.checkpoint_layout()}
+        checkpoint[self.checkpoint_key] = layout
+        save_sharded(partial, model_state=model_state, optimizer_states=optim_states,
+                     meta=checkpoint if self.is_global_zero else None, rank=self.global_rank)
+        self.barrier("lp_dcp_saved")
+        if self.is_global_zero:
+            (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
+            if path.is_file():
+                path.unlink()
+            elif path.is_dir():  # a checkpoint saved again under one name (last.ckpt): no stale shard files
+                shutil.rmtree(path)
+            partial.rename(path)
+        self.barrier("lp_dcp_renamed")
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        elif self.is_global_zero and Path(filepath).is_file():
+            Path(filepath).unlink()
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A DCP folder of this strategy (its layout checked by :meth:`check_saved_layout`) or a one-device file
+        (whole tensors, placed in :meth:`load_model_state_dict`)."""
+        from lightning_parallel.parallel.tensor.checkpoint import META_FILE, is_tensor_checkpoint
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+            return loaded
+        if not is_tensor_checkpoint(path):
+            raise LayoutError(f"{str(path)!r} is a folder but not a {self.strategy_name} checkpoint (meta.pt + DCP "
+                              "files).")
+        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint") if k in checkpoint),
+                     None)
+        if saved is None or checkpoint.get(self.checkpoint_key) is None:
+            other = saved.get("strategy", "another strategy") if isinstance(saved, dict) else "another strategy"
+            raise LayoutError(
+                f"the checkpoint {str(path)!r} was written by {other}, not {self.strategy_name}. Fix: resume it "
+                f"with {other}, or turn it into a one-device file with `lightning-parallel consolidate "
+                f"{path} OUT.ckpt` and resume from that."
+            )
+        self.check_saved_layout(saved, path)
+        checkpoint[FOLDER_KEY] = str(path)
+        # the tensors stay in the DCP files until load_model_state_dict / load_optimizer_state_dict read them
+        checkpoint["state_dict"] = {}
+        checkpoint["optimizer_states"] = [{} for _ in checkpoint.get("optimizer_param_groups", [])]
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from lightning_parallel.parallel.tensor.checkpoint import load_model
+
+        module = self.lightning_module
+        assert module is not None
+        folder = checkpoint.get(FOLDER_KEY)
+        if folder is not None:
+            load_model(folder, module)
+            return
+        state = dict(module.state_dict())  # a one-device file: place each whole tensor as this rank holds it
+        full = checkpoint["state_dict"]
+        missing = [name for name in state if name not in full]
+        if missing and strict:
+            raise KeyError(f"the checkpoint has no {missing[:5]} ({len(missing)} tensors of this rank missing).")
+        with torch.no_grad():
+            for name, current in state.items():
+                if name not in full:
+                    continue
+                value = full[name]
+                if isinstance(current, DTensor):
+                    value = distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements)
+                current.copy_(value)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        from lightning_parallel.parallel.tensor.checkpoint import apply_optimizer_state, load_optimizer
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        module = self.lightning_module
+        assert module is not None
+        folder = checkpoint.get(FOLDER_KEY)
+        if folder is None:
+            raise LayoutError(f"{self.strategy_name} resumes the optimizer from its own checkpoint folders only. "
+                              "Fix: resume from a checkpoint this strategy wrote, or load the weights alone "
+                              "(load_from_checkpoint).")
+        for i, optimizer in enumerate(self.optimizers):
+            by_name = load_optimizer(folder, i, module)
+            raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if isinstance(raw, LocalShardZeroOptimizer):
+                raw.load_state_by_name(module, by_name)
+            else:
+                apply_optimizer_state(module, raw, by_name)

@@ -1,0 +1,453 @@
+"""``lp_pipeline``: pipeline parallelism over the ``pp`` axis, data parallelism (plain or ZeRO-1) over ``dp``.
+
+Layout ``(N/p, p, 1, 0|1)``: the module's :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers`
+are cut into ``n = p x v`` contiguous stages (balanced by parameter count, or ``parallel.pipeline_stage_layers``);
+pipeline rank ``r`` keeps stages ``r, r + p, ...`` and deletes the other layers from its copy of the module, so each
+rank holds ``~1/p`` of the weights, gradients and optimizer state, under the whole model's parameter names. ``d = N/p``
+replicas of the pipeline split the global batch (the sampler takes rank and size from ``dp``).
+
+Each training batch (``b`` samples per dp rank) is split into ``m = num_micro_batches`` micro-batches that flow
+through the stages under ``pipeline_schedule`` (:mod:`lightning_parallel.parallel.pipeline`): forward activations
+``b/m x ...`` go point-to-point from stage ``k`` to ``k + 1`` over ``pp``, their gradients back; idle fraction
+``(p-1)/(m+p-1)`` (GPipe, 1F1B) or ``(p-1)/(v m + p-1)`` (interleaved). Then, over ``dp``, by ``zero_stage``:
+
+* 0 -- one all-reduce (mean) of this stage's gradients after the step's last backward;
+* 1 -- ZeRO-1 on this stage's parameters: reduce-scatter of the flat gradient, the optimizer steps ``1/d`` of it,
+  all-gather of the parameters (ZeRO-2/3 are refused: every micro-batch adds into the whole gradient).
+
+Lightning integration: the module's ``training_step`` / ``validation_step`` / ``test_step`` are not called (they
+define the one-device computation); the strategy runs the schedule on ``pipeline_batch(batch) -> (input, target)``
+and ``pipeline_loss(output, target)``, and logs ``train_loss`` (the mean over micro-batches, reduced from the last
+stage to every rank and averaged over ``dp``: the one-device loss of the global batch), ``val_loss`` and
+``test_loss`` (forward-only schedules). ``predict_step`` returns the last stage's output on every rank. Gradient
+clipping by norm uses the norm of the whole model's gradient (summed over stages and ZeRO shards); LR schedulers
+and gradient accumulation work as usual. Checkpoints are DCP folders, one shard per stage
+(:class:`~lightning_parallel.strategies.dcp.DCPCheckpointMixin`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.module_hooks import ParallelModuleMixin, require_hook
+from lightning_parallel.parallel.zero import CommCounter
+
+from .base import LayoutStrategy
+from .dcp import DCPCheckpointMixin
+from .layout import clip_by_norm_replaced
+
+__all__ = ["LPPipelineStrategy"]
+
+_MINIMAL_HOOKS = (
+    "class MyModel(lightning_parallel.ParallelModuleMixin, L.LightningModule):\n"
+    "    def pipeline_layers(self):            # the model as an ordered list of tensor -> tensor modules\n"
+    "        return [self.embed, *self.blocks, self.head]\n"
+    "    def pipeline_loss(self, output, target):   # the loss of one micro-batch\n"
+    "        return F.cross_entropy(output.flatten(0, 1), target.flatten())"
+)
+
+
+class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
+    """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0 or 1).
+
+    Args:
+        parallel: the layout: ``pipeline_parallel_size``, ``data_parallel_size`` (auto or d), ``num_micro_batches``,
+            ``pipeline_schedule`` (gpipe, 1f1b, interleaved_1f1b, zero_bubble), ``virtual_pipeline_stages``,
+            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset) or 1; tp = 1.
+        kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
+    """
+
+    strategy_name = "lp_pipeline"
+    checkpoint_key = "lp_pipeline_checkpoint"
+    preset = {"zero_stage": 0, "offload": "none"}
+    shape_checks = ("n_head", "vocab_size")
+
+    def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(parallel, **kwargs)
+        self.comm_counter = CommCounter()
+        """Bytes of the dp-axis collectives (gradient sync, ZeRO-1) since the step began."""
+        self._accumulating = False
+        self.runner: Any = None
+        self.stage_plan: Any = None
+        self._grads_fresh = False
+        self._zero_grads: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ the layout and the module
+    @override
+    def check_layout(self, layout: ParallelConfig) -> None:
+        self.refuse_keys(layout, {"tensor_parallel_size": (1,), "offload": ("none",)},
+                         shape="splits the layers into pipeline stages over pp and replicates them over dp "
+                               "(layout (N/p, p, 1, 0|1))")
+        if layout.zero_stage not in (None, 0, 1):
+            raise LayoutError(
+                f"lp_pipeline runs zero_stage 0 (gradient all-reduce over dp) or 1 (ZeRO-1: optimizer states "
+                f"sharded over dp), but parallel.zero_stage={layout.zero_stage}: ZeRO-2/3 shard the gradients, and "
+                "every micro-batch of a pipeline step adds into the whole gradient of its stage (the shards would "
+                "be reduce-scattered m times a step). Fix: zero_stage=1."
+            )
+
+    @property
+    def zero_stage(self) -> int:
+        return self.layout.zero
+
+    @override
+    def check_module(self, module: pl.LightningModule) -> None:
+        """Before spawning: the hooks (named, with a minimal implementation), enough layers for ``p x v`` stages,
+        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, and a meta-device module
+        only with ``init_weights()``."""
+        super().check_module(module)
+        for hook in ("pipeline_layers", "pipeline_loss"):
+            try:
+                require_hook(module, hook, strategy=self.strategy_name)
+            except LayoutError as err:
+                raise LayoutError(f"{err} A minimal implementation:\n{_MINIMAL_HOOKS}") from None
+        from lightning_parallel.parallel.pipeline import has_meta_tensors, layer_names, stage_ranges
+
+        layers = module.pipeline_layers()  # type: ignore[operator]
+        p, v = self.layout.pipeline_parallel_size, self.layout.virtual_pipeline_stages
+        n = p * v
+        if len(layers) < n:
+            raise LayoutError(
+                f"parallel.pipeline_parallel_size={p} x virtual_pipeline_stages={v} = {n} stages, but "
+                f"{type(module).__name__}.pipeline_layers() returns {len(layers)} layers (each stage needs at least "
+                f"one). Fix: pipeline_parallel_size x virtual_pipeline_stages <= {len(layers)}."
+            )
+        try:
+            names = layer_names(module, layers)
+            ranges = stage_ranges(len(layers), n, layers_per_stage=self.layout.pipeline_stage_layers)
+        except ValueError as err:
+            raise LayoutError(f"{type(module).__name__}: {err}") from None
+        owner: dict[int, tuple[int, str]] = {}
+        for s, (a, b) in enumerate(ranges):
+            for i in range(a, b):
+                for pname, param in layers[i].named_parameters(remove_duplicate=False):
+                    seen = owner.setdefault(id(param), (s, f"{names[i]}.{pname}"))
+                    if seen[0] != s:
+                        raise LayoutError(
+                            f"{type(module).__name__} shares one parameter between pipeline stage {seen[0]} "
+                            f"({seen[1]}) and stage {s} ({names[i]}.{pname}), e.g. tied input and output "
+                            "embeddings: a stage cannot hold another stage's weight. Fix: untie them (the library's "
+                            "GPT: tie_embeddings=False), or put both layers in one stage with "
+                            "parallel.pipeline_stage_layers."
+                        )
+        if has_meta_tensors(module) and not callable(getattr(module, "init_weights", None)):
+            raise LayoutError(
+                f"{type(module).__name__} was built on the meta device but has no init_weights(): the pipeline "
+                "stages could not fill their layers. Fix: implement init_weights() (re-initialize every present "
+                "parameter in place, as the library's GPT does), or build the module on a real device."
+            )
+
+    def check_data(self, launch_args: tuple[Any, ...]) -> None:
+        """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches
+        (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments)."""
+        m = self.layout.micro_batches
+        for source, batch_size in _batch_sizes(launch_args):
+            if batch_size % m:
+                raise LayoutError(
+                    f"{source} batch_size={batch_size} (per data-parallel rank) does not split into "
+                    f"parallel.num_micro_batches={m} equal micro-batches: {batch_size} % {m} = {batch_size % m}. "
+                    f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
+                    f"num_micro_batches a divisor of {batch_size}."
+                )
+
+    @override
+    def model_to_device(self) -> None:
+        """Keep only this rank's stages (other layers deleted), then place them: moved to the device, or -- for a
+        module built on the meta device -- materialized there and filled by its ``init_weights()``."""
+        from lightning_parallel.parallel.pipeline import has_meta_tensors, materialize, plan_stages, prune_to
+
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        if self.stage_plan is None:
+            layers = module.pipeline_layers()  # type: ignore[operator]
+            self.stage_plan = plan_stages(module, layers, pp=self.dims.pp, chunks=self.layout.virtual_pipeline_stages,
+                                          pp_rank=self.coords.pp,
+                                          layers_per_stage=_as_list(self.layout.pipeline_stage_layers))
+            self._chunks = prune_to(module, self.stage_plan)
+        if has_meta_tensors(module):
+            materialize(module, self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        else:
+            module.to(self.root_device)
+
+    @override
+    def describe(self) -> str:
+        """``lp_pipeline (dp=1 x pp=2 x tp=1 = 2 ranks, 1f1b, m=4)``, plus v, ZeRO and recomputation when set."""
+        text = super().describe()
+        if self._dims is None:
+            return text
+        extra = f", {self.layout.pipeline_schedule}, m={self.layout.micro_batches}"
+        if self.layout.virtual_pipeline_stages > 1:
+            extra += f", v={self.layout.virtual_pipeline_stages}"
+        return text[:-1] + extra + ")"
+
+    def describe_stages(self) -> str:
+        """Which layers each stage runs (after setup)."""
+        return self.stage_plan.describe() if self.stage_plan is not None else "(stages are cut in setup)"
+
+    @override
+    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
+        """dp replicas made equal (a broadcast over ``dp``), then the runner for this rank's stages (kept across
+        fit / validate / test / predict)."""
+        from lightning_parallel.parallel.pipeline import PipelineRunner
+
+        if self.runner is not None:
+            return model
+        module = self.lightning_module
+        assert module is not None and self.stage_plan is not None
+        self.sync_replicas(model)
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+            return module.pipeline_loss(output, target)  # type: ignore[operator,no-any-return]
+
+        self.runner = PipelineRunner(
+            list(zip(self.stage_plan.my_stages, self._chunks, strict=True)), num_stages=self.stage_plan.num_stages,
+            schedule=self.layout.pipeline_schedule, num_micro_batches=self.layout.micro_batches,
+            group=self.mesh.get_group("pp"), group_ranks=self.dims.group_ranks("pp", self.global_rank),
+            device=self.root_device, loss_fn=loss_fn)
+        return model
+
+    @property
+    def _accumulate(self) -> int:
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return 1
+        return int(module.trainer.accumulate_grad_batches)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """ZeRO-1: wrap each optimizer on this stage's parameters (the user's optimizer object and its schedulers
+        stay); the gradient norm for clipping sums over the other stages too."""
+        super().setup_optimizers(trainer)
+        if self.zero_stage != 1 or trainer.state.fn != TrainerFn.FITTING:
+            return
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"), tp_group=None, tp_size=1,
+                                                   norm_groups=[self.mesh.get_group("pp")],
+                                                   counter=self.comm_counter) for opt in self.optimizers]
+
+    @override
+    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
+        """While fitting: clip by the norm of the whole model's gradient (all stages); the loop's zero_grad between
+        :meth:`training_step` (which already ran the backward) and :meth:`backward` is skipped."""
+        return [_clip_by_global_norm(self), self._zero_grad_after_schedule_skipped()]
+
+    @contextlib.contextmanager
+    def _zero_grad_after_schedule_skipped(self) -> Generator[None, None, None]:
+        originals = [opt.zero_grad for opt in self.optimizers]
+        self._zero_grads = [functools.partial(zero_grad, set_to_none=False) for zero_grad in originals]
+
+        def guarded(original: Callable[..., None]) -> Callable[..., None]:
+            def zero_grad(*args: Any, **kwargs: Any) -> None:
+                if not self._grads_fresh:
+                    original(*args, **kwargs)
+            return zero_grad
+
+        for opt, original in zip(self.optimizers, originals, strict=True):
+            opt.zero_grad = guarded(original)  # type: ignore[method-assign]
+        try:
+            yield None
+        finally:
+            for opt in self.optimizers:
+                if "zero_grad" in vars(opt):
+                    del opt.zero_grad
+            self._zero_grads = []
+
+    @override
+    def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
+        """The whole model's weights, joined from every stage (an all-gather of objects over ``pp``)."""
+        if self.stage_plan is None or self.runner is None:
+            return None
+        mine = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        parts: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(parts, mine, group=self.runner.group)  # the mesh is gone after teardown
+        return {k: v for part in parts for k, v in part.items()}
+
+    # ------------------------------------------------------------------ steps: the schedule instead of *_step
+    def _inputs(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+        module = self.lightning_module
+        hook = getattr(module, "pipeline_batch", None)
+        if callable(hook):
+            return hook(batch)  # type: ignore[no-any-return]
+        return ParallelModuleMixin.pipeline_batch(module, batch)  # type: ignore[arg-type]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Forward + backward of every micro-batch under the schedule; logs and returns the step's mean loss (the
+        gradients are already in ``.grad``: :meth:`backward` runs no autograd)."""
+        assert self.runner is not None and self.lightning_module is not None
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        inputs, target = self._inputs(batch)
+        if target is None:
+            raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
+        if batch_idx % self._accumulate == 0:
+            # Lightning zeroes the gradients between training_step and backward; the schedule runs both here, so
+            # the zeroing happens now and the loop's own zero_grad of this batch is skipped (see fit_patches)
+            for zero_grad in self._zero_grads:
+                zero_grad()
+            self._grads_fresh = True
+        with self.precision_plugin.train_step_context():
+            loss = self.runner.train_step(inputs, target, accumulate=self._accumulate)
+        loss = self._mean_over_dp(loss)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    def _eval(self, batch: Any, name: str, prog_bar: bool) -> Tensor:
+        assert self.runner is not None and self.lightning_module is not None
+        inputs, target = self._inputs(batch)
+        if target is None:
+            raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
+        with self.precision_plugin.val_step_context():
+            loss, _ = self.runner.eval_loss(inputs, target)
+        self.lightning_module.log(name, loss, prog_bar=prog_bar, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self._eval(args[0] if args else kwargs["batch"], "val_loss", True)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        with self.precision_plugin.test_step_context():
+            return self._eval(args[0] if args else kwargs["batch"], "test_loss", False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The last stage's output for the batch, on every rank (a broadcast over ``pp``)."""
+        assert self.runner is not None
+        batch = args[0] if args else kwargs["batch"]
+        inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
+        with self.precision_plugin.predict_step_context():
+            out = self.runner.forward_only(inputs)
+        return self.runner.outputs_everywhere(out)
+
+    def _mean_over_dp(self, value: Tensor) -> Tensor:
+        if self.dims.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.mesh.get_group("dp"))
+            value /= self.dims.dp
+        return value
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule ran the backward in :meth:`training_step`: only the hooks (``on_before_backward``,
+        ``on_after_backward``) and, on the step's last batch, the dp gradient sync."""
+        assert self.lightning_module is not None
+        self._grads_fresh = False
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation batch: gradients stay local (no dp sync) until the step's last batch."""
+        self._accumulating = True
+        try:
+            yield None
+        finally:
+            self._accumulating = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Last batch of the step: the dp sync of zero_stage 0 (all-reduce) or 1 (reduce-scatter)."""
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, allreduce_gradients
+
+        super().post_backward(closure_loss)
+        if self._accumulating:
+            return
+        assert self.model is not None
+        if self.zero_stage == 0 and self.dims.dp > 1:
+            allreduce_gradients(self.model.parameters(), group=self.mesh.get_group("dp"), counter=self.comm_counter)
+        for opt in self.optimizers:
+            raw = getattr(opt, "_optimizer", opt)
+            if isinstance(raw, LocalShardZeroOptimizer):
+                raw.reduce_gradients()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx % self._accumulate == 0:
+            self.comm_counter.reset()
+
+    # ------------------------------------------------------------------ checkpoints: DCP, one shard per stage
+    @override
+    def checkpoint_layout(self) -> dict[str, Any]:
+        plan = self.stage_plan
+        return {"dp": self.dims.dp, "pp": self.dims.pp, "virtual_pipeline_stages": self.layout.virtual_pipeline_stages,
+                "zero_stage": self.zero_stage, "pipeline_schedule": self.layout.pipeline_schedule,
+                "stages": [list(plan.names[a:b]) for a, b in plan.ranges] if plan is not None else None}
+
+    @override
+    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
+        """Everything is stored under the whole model's parameter names, so any cut resumes: another ``pp``,
+        ``virtual_pipeline_stages``, schedule, ``dp`` or ZeRO stage reads the tensors this rank now holds."""
+
+    @override
+    def merge_saved_param_groups(self, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Each rank's optimizer ``param_groups`` (names of its stage's parameters) joined into the whole model's,
+        in layer order (the order a one-device optimizer numbers them)."""
+        plan = self.stage_plan
+        assert plan is not None
+        position = {name: i for i, name in enumerate(plan.names)}
+
+        def key(name: str) -> int:
+            prefix = max((n for n in position if name == n or name.startswith(n + ".")), key=len, default=None)
+            return position[prefix] if prefix is not None else -1
+
+        merged: list[dict[str, Any]] = []
+        for i, group in enumerate(gathered[0]):
+            names: list[str] = []
+            for rank_groups in gathered:
+                names.extend(n for n in rank_groups[i]["params"] if n not in names)
+            order = {n: j for j, n in enumerate(names)}
+            merged.append({**group, "params": sorted(names, key=lambda n: (key(n), order[n]))})
+        return merged
+
+
+def _as_list(value: Any) -> list[int] | None:
+    return None if value is None else [int(v) for v in value]
+
+
+def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
+    """``(what, batch_size)`` of the training DataLoader(s) or data module among ``trainer.fit``'s arguments."""
+    for arg in launch_args:
+        if isinstance(arg, DataLoader) and isinstance(arg.batch_size, int):
+            yield "the training DataLoader's", arg.batch_size
+        elif isinstance(arg, pl.LightningDataModule):
+            size = getattr(arg, "batch_size", None)
+            if size is None:
+                size = getattr(arg, "hparams", {}).get("batch_size") if hasattr(arg, "hparams") else None
+            if isinstance(size, int) and not isinstance(size, bool):
+                yield f"the data module {type(arg).__name__}'s", size
+
+
+def _clip_by_global_norm(strategy: LPPipelineStrategy) -> contextlib.AbstractContextManager[None]:
+    """Lightning's ``gradient_clip_val`` (norm) by the norm of the whole model's gradient across stages."""
+    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, clip_grad_norm_
+
+    def clip(raw: Any, clip_val: float) -> None:
+        if isinstance(raw, LocalShardZeroOptimizer):
+            raw.clip_grad_norm_(clip_val)
+            return
+        params = [p for g in raw.param_groups for p in g["params"]]
+        clip_grad_norm_(params, clip_val, tp_size=1, groups=[strategy.mesh.get_group("pp")])
+
+    return clip_by_norm_replaced(strategy.precision_plugin, clip)
