@@ -100,6 +100,18 @@ def test_gpt_equals_one_device(reference: GPT, layout: dict[str, Any], devices: 
     assert diff < 2e-5
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_under_pp_equals_one_device(reference: GPT, mode: str) -> None:
+    """Recomputation is applied to the pruned stage (names unchanged); zero bubble's split backward (input
+    gradients first, weight gradients later) recomputes the blocks too."""
+    for schedule in ("1f1b", "zero_bubble"):
+        model, _ = fit(_pp(pipeline_parallel_size=2, num_micro_batches=2, pipeline_schedule=schedule,
+                           activation_checkpointing=mode), 2, 1, model=_gpt())
+        diff = weight_diff(model, reference)
+        print(f"lp_pipeline pp=2 {schedule} activation_checkpointing={mode}: max |w - w_1dev| = {diff:.2e}")
+        assert diff < 2e-5
+
+
 def test_module_built_on_the_meta_device_equals_one_device(reference: GPT) -> None:
     """Each stage materializes and initializes only its own layers (GPT.init_weights walks the whole model's
     draws), after the same seed the reference was built with: the same training."""
