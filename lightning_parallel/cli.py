@@ -191,13 +191,19 @@ def check_recipe(args: list[str]) -> str:
     check_module = getattr(strategy, "check_module", None)
     if callable(check_module):
         check_module(cli.model)
+    check_data = getattr(strategy, "check_data", None)
+    if callable(check_data):
+        check_data((cli.datamodule,))
     describe = getattr(strategy, "describe", None)
     name = describe() if callable(describe) else type(strategy).__name__
     n_params = sum(p.numel() for p in cli.model.parameters())
+    cut = getattr(strategy, "describe_cut", None)
+    stages = f" | {cut(cli.model)}" if callable(cut) else ""
     return (
         f"lightning-parallel: recipe OK | strategy {name} | {cli.trainer.num_nodes} node(s) x "
         f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}) | model "
-        f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device) | nothing was started"
+        f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device){stages} | nothing was "
+        "started"
     )
 
 

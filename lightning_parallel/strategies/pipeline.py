@@ -194,9 +194,15 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             extra += f", v={self.layout.virtual_pipeline_stages}"
         return text[:-1] + extra + ")"
 
-    def describe_stages(self) -> str:
-        """Which layers each stage runs (after setup)."""
-        return self.stage_plan.describe() if self.stage_plan is not None else "(stages are cut in setup)"
+    def describe_cut(self, module: nn.Module) -> str:
+        """Which layers each stage of ``module`` (whole, meta device fine) gets under this layout, e.g.
+        ``stage 0 (rank 0): embed .. blocks.1 (3 layers); stage 1 (rank 1): blocks.2 .. head (3 layers)``."""
+        from lightning_parallel.parallel.pipeline import plan_stages
+
+        plan = plan_stages(module, module.pipeline_layers(), pp=self.layout.pipeline_parallel_size,  # type: ignore[operator]
+                           chunks=self.layout.virtual_pipeline_stages, pp_rank=0,
+                           layers_per_stage=_as_list(self.layout.pipeline_stage_layers))
+        return plan.describe()
 
     @override
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
