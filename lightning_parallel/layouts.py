@@ -34,7 +34,7 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
     LayoutStrategyEntry("lp_zero_offload", "(N, 1, 1, 1|2|3, none|cpu|nvme): the DeepSpeed engine, offload", True),
     LayoutStrategyEntry("lp_pipeline", "(N/p, p, 1, 0|1, none): pipeline stages", True),
     LayoutStrategyEntry("lp_tensor", "(N/t, 1, t, 0|1|3, none): tensor-parallel layers", True),
-    LayoutStrategyEntry("lp_hybrid", "(d, p, t, 0|1, none): DP + PP + TP (+ ZeRO-1)", False),
+    LayoutStrategyEntry("lp_hybrid", "(d, p, t, 0|1, none): DP + PP + TP (+ ZeRO-1)", True),
 )
 
 _BY_NAME = {e.name: e for e in LAYOUT_STRATEGIES}

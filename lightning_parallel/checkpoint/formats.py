@@ -27,7 +27,7 @@ __all__ = [
     "load_torch_file",
 ]
 
-CheckpointFormat = Literal["lightning", "lp_sharded", "lp_tensor", "lp_pipeline", "deepspeed",
+CheckpointFormat = Literal["lightning", "lp_sharded", "lp_tensor", "lp_pipeline", "lp_hybrid", "deepspeed",
                            "deepspeed_nvme"]
 """``lightning``: one file (``lp_ddp``, ``lp_dp``, ``lp_sharded`` with ``checkpoint="full"``, any plain Lightning
 strategy). ``lp_sharded``: a ``meta.pt`` + ``rank_XXXXX.pt`` folder (``checkpoint="sharded"``). ``deepspeed``: a
@@ -80,7 +80,8 @@ class CheckpointInfo:
         if self.world_size is not None:
             details.append(f"{self.world_size} rank{'s' if self.world_size != 1 else ''}")
         name = {"lightning": "Lightning file", "lp_sharded": "lp_sharded folder", "lp_tensor": "lp_tensor folder (DCP)",
-                "lp_pipeline": "lp_pipeline folder (DCP, one shard per stage)", "deepspeed": "DeepSpeed folder",
+                "lp_pipeline": "lp_pipeline folder (DCP, one shard per stage)",
+                "lp_hybrid": "lp_hybrid folder (DCP, one shard per rank)", "deepspeed": "DeepSpeed folder",
                 "deepspeed_nvme": "DeepSpeed folder"}[self.format]
         return f"{name} ({', '.join(details)})" if details else name
 
@@ -130,7 +131,9 @@ def detect_format(path: str | Path, *, trusted: bool = False) -> CheckpointInfo:
         from lightning_parallel.parallel.tensor.checkpoint import is_tensor_checkpoint, saved_strategy
 
         if is_tensor_checkpoint(p):  # meta.pt + DCP's .metadata: lp_tensor's or lp_pipeline's per-rank shards
-            fmt: CheckpointFormat = "lp_pipeline" if saved_strategy(p) == "lp_pipeline" else "lp_tensor"
+            wrote = saved_strategy(p)
+            fmt: CheckpointFormat = "lp_pipeline" if wrote == "lp_pipeline" else (
+                "lp_hybrid" if wrote == "lp_hybrid" else "lp_tensor")
             return CheckpointInfo(format=fmt, path=p, files=tuple(sorted(p.iterdir())))
         if (p / SHARDED_META_FILE).is_file():
             return _detect_sharded(p, trusted=trusted)

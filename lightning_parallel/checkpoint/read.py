@@ -102,7 +102,7 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> tuple[dict[st
             state, rest = _read_lightning(info)
         elif info.format == "lp_sharded":
             state, rest = _read_sharded(info, trusted=trusted)
-        elif info.format in ("lp_tensor", "lp_pipeline"):
+        elif info.format in ("lp_tensor", "lp_pipeline", "lp_hybrid"):
             state, rest = _read_tensor(info)
         else:
             state, rest = _read_deepspeed(info)

@@ -15,13 +15,14 @@ from lightning_parallel.layouts import available_strategies
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
+from .hybrid import LPHybridStrategy
 from .pipeline import LPPipelineStrategy
 from .sharded import LPShardedStrategy
 from .tensor import LPTensorStrategy
 from .zero_offload import LPZeroOffloadStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPPipelineStrategy", "LPShardedStrategy", "LPTensorStrategy",
-           "LPZeroOffloadStrategy", "LayoutStrategy", "register_strategies"]
+__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPHybridStrategy", "LPPipelineStrategy",
+           "LPShardedStrategy", "LPTensorStrategy", "LPZeroOffloadStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
@@ -61,6 +62,13 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
     ),
     "lp_pipeline_fork": (LPPipelineStrategy, "lp_pipeline started by fork (tests, notebooks; CPU)",
                          {"start_method": "fork"}),
+    "lp_hybrid": (
+        LPHybridStrategy,
+        "data x pipeline x tensor parallelism (+ ZeRO-1) from one parallel section, (d, p, t, 0|1): TP inside a node, "
+        "PP across nodes, DP over the rest",
+        {},
+    ),
+    "lp_hybrid_fork": (LPHybridStrategy, "lp_hybrid started by fork (tests, notebooks; CPU)", {"start_method": "fork"}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
         "DeepSpeed ZeRO (+ offload): parallel.zero_stage 1|2|3, offload none|cpu|nvme (unset: ZeRO-2 + CPU offload)",

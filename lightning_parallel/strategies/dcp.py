@@ -148,8 +148,8 @@ class DCPCheckpointMixin:
             raise LayoutError(f"{str(path)!r} is a folder but not a {self.strategy_name} checkpoint (meta.pt + DCP "
                               "files).")
         checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint") if k in checkpoint),
-                     None)
+        saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint", "lp_hybrid_checkpoint")
+                       if k in checkpoint), None)
         if saved is None or checkpoint.get(self.checkpoint_key) is None:
             other = saved.get("strategy", "another strategy") if isinstance(saved, dict) else "another strategy"
             raise LayoutError(

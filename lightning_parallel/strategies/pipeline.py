@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from lightning_parallel.module_hooks import ParallelModuleMixin, require_hook
 from lightning_parallel.parallel.zero import CommCounter
 
 from .base import LayoutStrategy
+from .composed import ComposedMixin
 from .dcp import DCPCheckpointMixin
 from .layout import clip_by_norm_replaced
 
@@ -61,7 +61,7 @@ _MINIMAL_HOOKS = (
 )
 
 
-class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
+class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
     """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0 or 1).
 
     Args:
@@ -75,6 +75,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     checkpoint_key = "lp_pipeline_checkpoint"
     preset = {"zero_stage": 0, "offload": "none"}
     shape_checks = ("n_head", "vocab_size")
+    pipelined = True
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(parallel, **kwargs)
@@ -165,25 +166,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 )
 
     @override
-    def model_to_device(self) -> None:
-        """Keep only this rank's stages (other layers deleted), then place them: moved to the device, or -- for a
-        module built on the meta device -- materialized there and filled by its ``init_weights()``."""
-        from lightning_parallel.parallel.pipeline import has_meta_tensors, materialize, plan_stages, prune_to
-
-        module = self.lightning_module
-        assert module is not None and self.model is not None
-        if self.stage_plan is None:
-            layers = module.pipeline_layers()  # type: ignore[operator]
-            self.stage_plan = plan_stages(module, layers, pp=self.dims.pp, chunks=self.layout.virtual_pipeline_stages,
-                                          pp_rank=self.coords.pp,
-                                          layers_per_stage=_as_list(self.layout.pipeline_stage_layers))
-            self._chunks = prune_to(module, self.stage_plan)
-        if has_meta_tensors(module):
-            materialize(module, self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-        else:
-            module.to(self.root_device)
-
-    @override
     def describe(self) -> str:
         """``lp_pipeline (dp=1 x pp=2 x tp=1 = 2 ranks, 1f1b, m=4)``, plus v, ZeRO and recomputation when set."""
         text = super().describe()
@@ -206,21 +188,25 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     @override
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
-        """dp replicas made equal (a broadcast over ``dp``), then the runner for this rank's stages (kept across
-        fit / validate / test / predict)."""
+        """The composition (:mod:`lightning_parallel.parallel.compose`: this rank's stages kept, TP on them when
+        tp > 1, recomputation, dp replicas made equal), then the runner for the stages (kept across fit / validate
+        / test / predict)."""
         from lightning_parallel.parallel.pipeline import PipelineRunner
 
         if self.runner is not None:
             return model
         module = self.lightning_module
-        assert module is not None and self.stage_plan is not None
-        self.sync_replicas(model)
+        assert module is not None
+        composition = self.compose_module(model)
+        self.stage_plan = composition.stage_plan
+        assert self.stage_plan is not None
 
         def loss_fn(output: Tensor, target: Tensor) -> Tensor:
             return module.pipeline_loss(output, target)  # type: ignore[operator,no-any-return]
 
         self.runner = PipelineRunner(
-            list(zip(self.stage_plan.my_stages, self._chunks, strict=True)), num_stages=self.stage_plan.num_stages,
+            list(zip(self.stage_plan.my_stages, composition.chunks, strict=True)),
+            num_stages=self.stage_plan.num_stages,
             schedule=self.layout.pipeline_schedule, num_micro_batches=self.layout.micro_batches,
             group=self.mesh.get_group("pp"), group_ranks=self.dims.group_ranks("pp", self.global_rank),
             device=self.root_device, loss_fn=loss_fn)
@@ -242,8 +228,9 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             return
         from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
 
-        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"), tp_group=None, tp_size=1,
-                                                   norm_groups=[self.mesh.get_group("pp")],
+        tp_group = self.mesh.get_group("tp") if self.dims.tp > 1 else None
+        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"), tp_group=tp_group,
+                                                   tp_size=self.dims.tp, norm_groups=[self.mesh.get_group("pp")],
                                                    counter=self.comm_counter) for opt in self.optimizers]
 
     @override
@@ -278,7 +265,9 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         """The whole model's weights, joined from every stage (an all-gather of objects over ``pp``)."""
         if self.stage_plan is None or self.runner is None:
             return None
-        mine = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        from .tensor import full_model_state
+
+        mine = {k: v.cpu() for k, v in full_model_state(module).items()}  # DTensors gathered over tp
         parts: list[Any] = [None] * self.dims.pp
         dist.all_gather_object(parts, mine, group=self.runner.group)  # the mesh is gone after teardown
         return {k: v for part in parts for k, v in part.items()}
@@ -307,7 +296,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             for zero_grad in self._zero_grads:
                 zero_grad()
             self._grads_fresh = True
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._tp_loss():
             loss = self.runner.train_step(inputs, target, accumulate=self._accumulate)
         loss = self._mean_over_dp(loss)
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=False)
@@ -318,7 +307,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(batch)
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), self._tp_loss():
             loss, _ = self.runner.eval_loss(inputs, target)
         self.lightning_module.log(name, loss, prog_bar=prog_bar, sync_dist=True)
         return loss
@@ -338,9 +327,17 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         assert self.runner is not None
         batch = args[0] if args else kwargs["batch"]
         inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
-        with self.precision_plugin.predict_step_context():
+        with self.precision_plugin.predict_step_context(), self._tp_loss():
             out = self.runner.forward_only(inputs)
-        return self.runner.outputs_everywhere(out)
+            return self.runner.outputs_everywhere(out)
+
+    def _tp_loss(self) -> contextlib.AbstractContextManager[Any]:
+        """With tp > 1 the head's logits are split by vocabulary: the loss is torch's ``loss_parallel``."""
+        if self.dims.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def _mean_over_dp(self, value: Tensor) -> Tensor:
         if self.dims.dp > 1:
@@ -380,6 +377,10 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         if self._accumulating:
             return
         assert self.model is not None
+        if self.dims.tp > 1:
+            from lightning_parallel.parallel.tensor.sync import settle_gradients
+
+            settle_gradients(self.model.parameters())  # sequence-parallel partial gradients summed over tp
         if self.zero_stage == 0 and self.dims.dp > 1:
             allreduce_gradients(self.model.parameters(), group=self.mesh.get_group("dp"), counter=self.comm_counter)
         for opt in self.optimizers:
@@ -397,14 +398,24 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     @override
     def checkpoint_layout(self) -> dict[str, Any]:
         plan = self.stage_plan
-        return {"dp": self.dims.dp, "pp": self.dims.pp, "virtual_pipeline_stages": self.layout.virtual_pipeline_stages,
-                "zero_stage": self.zero_stage, "pipeline_schedule": self.layout.pipeline_schedule,
+        return {"dp": self.dims.dp, "pp": self.dims.pp, "tp": self.dims.tp,
+                "virtual_pipeline_stages": self.layout.virtual_pipeline_stages, "zero_stage": self.zero_stage,
+                "pipeline_schedule": self.layout.pipeline_schedule,
+                "sequence_parallel": self.layout.sequence_parallel,
                 "stages": [list(plan.names[a:b]) for a, b in plan.ranges] if plan is not None else None}
 
     @override
     def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
         """Everything is stored under the whole model's parameter names, so any cut resumes: another ``pp``,
-        ``virtual_pipeline_stages``, schedule, ``dp`` or ZeRO stage reads the tensors this rank now holds."""
+        ``virtual_pipeline_stages``, schedule, ``dp`` or ZeRO stage reads the tensors this rank now holds. A
+        different ``tp`` is refused (as ``lp_tensor`` does)."""
+        saved_tp = int(saved.get("tp", 1))
+        if saved_tp != self.dims.tp:
+            raise LayoutError(
+                f"the checkpoint {str(path)!r} was saved with tensor_parallel_size={saved_tp}; this run has "
+                f"{self.dims.tp}. Fix: resume with tensor_parallel_size={saved_tp}, or convert it with "
+                f"`lightning-parallel consolidate {path} OUT.ckpt` and resume from the one-device file."
+            )
 
     @override
     def merge_saved_param_groups(self, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -454,6 +465,9 @@ def _clip_by_global_norm(strategy: LPPipelineStrategy) -> contextlib.AbstractCon
             raw.clip_grad_norm_(clip_val)
             return
         params = [p for g in raw.param_groups for p in g["params"]]
-        clip_grad_norm_(params, clip_val, tp_size=1, groups=[strategy.mesh.get_group("pp")])
+        groups = [strategy.mesh.get_group("pp")]
+        if strategy.dims.tp > 1:
+            groups.append(strategy.mesh.get_group("tp"))
+        clip_grad_norm_(params, clip_val, tp_size=strategy.dims.tp, groups=groups)
 
     return clip_by_norm_replaced(strategy.precision_plugin, clip)

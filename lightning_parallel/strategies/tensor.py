@@ -40,13 +40,14 @@ from typing_extensions import override
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import require_hook
 from lightning_parallel.parallel.tensor import PlanError, expand_plan
-from lightning_parallel.parallel.zero import CommCounter, apply_zero3
+from lightning_parallel.parallel.zero import CommCounter
 
 from .base import LayoutStrategy
+from .composed import ComposedMixin
 from .dcp import DCPCheckpointMixin
 from .layout import clip_by_norm_replaced
 
-__all__ = ["LPTensorStrategy", "full_model_state"]
+__all__ = ["LPTensorStrategy", "check_tensor_plan", "full_model_state", "require_plan_hook"]
 
 _MINIMAL_PLAN = ('def tensor_parallel_plan(self):\n'
                  '    return {"layers.*.fc1": "column", "layers.*.fc2": "row"}   # fc1 -> act -> fc2 per layer')
@@ -85,7 +86,43 @@ def full_model_state(module: nn.Module) -> dict[str, Tensor]:
             for k, v in module.state_dict().items()}
 
 
-class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
+def require_plan_hook(module: nn.Module, strategy: str) -> None:
+    """Refuse a module without ``tensor_parallel_plan()``, showing a minimal plan."""
+    try:
+        require_hook(module, "tensor_parallel_plan", strategy=strategy)
+    except LayoutError as err:
+        raise LayoutError(f"{err} A minimal plan for a module with layers.<i>.fc1/fc2 linears:\n"
+                          f"{_MINIMAL_PLAN}") from None
+
+
+def check_tensor_plan(module: nn.Module, t: int) -> None:
+    """Before spawning: every key of the module's ``tensor_parallel_plan()`` names a submodule, and each dimension
+    its style splits is divisible by ``t`` (:class:`LayoutError` with the arithmetic and the fix)."""
+    try:
+        plan = expand_plan(module, module.tensor_parallel_plan())  # type: ignore[operator]
+    except PlanError as err:
+        raise LayoutError(str(err)) from None
+    for name, style in plan.items():
+        sub = module.get_submodule(name)
+        split = {("column", "Linear"): ("out_features", "output features"),
+                 ("row", "Linear"): ("in_features", "input features"),
+                 ("vocab", "Linear"): ("out_features", "vocabulary (output features)"),
+                 ("vocab", "Embedding"): ("num_embeddings", "vocabulary (rows)")}.get(
+                     (style if isinstance(style, str) else "", type(sub).__name__))
+        if split is None or not isinstance(sub, (nn.Linear, nn.Embedding)):
+            continue
+        size = int(getattr(sub, split[0]))
+        if size % t:
+            fix = (f"pad the vocabulary to {-(-size // t) * t} (a multiple of {t}; the extra rows are never "
+                   "targets)" if style == "vocab" else
+                   f"make the hidden size a multiple of {t}, or tensor_parallel_size a divisor of {size}")
+            raise LayoutError(
+                f"parallel.tensor_parallel_size={t} does not divide {name}.{split[0]}={size} ({split[1]} split "
+                f"by the '{style}' style): {size} % {t} = {size % t}. Fix: {fix}."
+            )
+
+
+class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
     """Tensor parallelism over ``tp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1 or 3).
 
     Args:
@@ -122,34 +159,8 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
         """Before spawning: the layout's model rules, the plan hook (named, with a minimal plan), every plan key
         against the module, and each split dimension divisible by ``t``."""
         super().check_module(module)
-        try:
-            require_hook(module, "tensor_parallel_plan", strategy=self.strategy_name)
-        except LayoutError as err:
-            raise LayoutError(f"{err} A minimal plan for a module with layers.<i>.fc1/fc2 linears:\n"
-                              f"{_MINIMAL_PLAN}") from None
-        t = self.layout.tensor_parallel_size
-        try:
-            plan = expand_plan(module, module.tensor_parallel_plan())  # type: ignore[operator]
-        except PlanError as err:
-            raise LayoutError(str(err)) from None
-        for name, style in plan.items():
-            sub = module.get_submodule(name)
-            split = {("column", "Linear"): ("out_features", "output features"),
-                     ("row", "Linear"): ("in_features", "input features"),
-                     ("vocab", "Linear"): ("out_features", "vocabulary (output features)"),
-                     ("vocab", "Embedding"): ("num_embeddings", "vocabulary (rows)")}.get(
-                         (style if isinstance(style, str) else "", type(sub).__name__))
-            if split is None or not isinstance(sub, (nn.Linear, nn.Embedding)):
-                continue
-            size = int(getattr(sub, split[0]))
-            if size % t:
-                fix = (f"pad the vocabulary to {-(-size // t) * t} (a multiple of {t}; the extra rows are never "
-                       "targets)" if style == "vocab" else
-                       f"make the hidden size a multiple of {t}, or tensor_parallel_size a divisor of {size}")
-                raise LayoutError(
-                    f"parallel.tensor_parallel_size={t} does not divide {name}.{split[0]}={size} ({split[1]} split "
-                    f"by the '{style}' style): {size} % {t} = {size % t}. Fix: {fix}."
-                )
+        require_plan_hook(module, self.strategy_name)
+        check_tensor_plan(module, self.layout.tensor_parallel_size)
 
     @override
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
@@ -162,22 +173,10 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     @override
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
-        """TP over ``tp`` as the module's plan says (kept if an earlier ``fit`` already split it), dp replicas made
-        equal by a broadcast of the local tensors over ``dp``, then FSDP2 over ``dp`` at zero_stage 3."""
-        from lightning_parallel.parallel.tensor import apply_tensor_parallel
-        from lightning_parallel.parallel.tensor.sync import broadcast_local_states
-
-        if _is_parallelized(model):
-            return model
-        module = self.lightning_module
-        assert module is not None
-        self.applied_plan = apply_tensor_parallel(model, module.tensor_parallel_plan(),  # type: ignore[operator]
-                                                  mesh=self.mesh["tp"],
-                                                  sequence_parallel=self.layout.sequence_parallel)
-        src = self.dims.group_ranks("dp", self.global_rank)[0]
-        broadcast_local_states(model, group=self.mesh.get_group("dp"), src_rank=src)
-        if self.zero_stage == 3:
-            apply_zero3(model, mesh=self.mesh["dp"])
+        """The composition without a pipeline split: TP over ``tp`` as the module's plan says, recomputation, dp
+        replicas made equal by a broadcast of the local tensors over ``dp``, then FSDP2 over ``dp`` at zero_stage 3
+        (kept if an earlier ``fit`` of this process already did it)."""
+        self.applied_plan = self.compose_module(model).tensor_plan
         return model
 
     @override

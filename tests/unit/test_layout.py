@@ -97,8 +97,7 @@ def test_lp_ddp_refuses_non_data_parallel_layouts() -> None:
 
 def test_one_table_from_layout_to_strategy() -> None:
     """The layout table: plain ZeRO-3 is lp_sharded's (not the offload engine's); offload is lp_zero_offload's;
-    tp layouts are lp_tensor's, pp layouts (with ZeRO 0 or 1) lp_pipeline's; pp x tp layouts name the planned
-    lp_hybrid, which the table marks unavailable (never recommended, never a fix)."""
+    tp layouts are lp_tensor's, pp layouts (with ZeRO 0 or 1) lp_pipeline's, pp x tp layouts lp_hybrid's."""
     from lightning_parallel.layouts import available_strategies, strategy_for, strategy_for_key
 
     def name(**keys: Any) -> str:
@@ -109,9 +108,10 @@ def test_one_table_from_layout_to_strategy() -> None:
     assert name(zero_stage=2, offload="cpu") == name(zero_stage=3, offload="nvme", nvme_path="/x") == "lp_zero_offload"
     assert name(pipeline_parallel_size=2) == "lp_pipeline" and name(tensor_parallel_size=2) == "lp_tensor"
     assert name(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1) == "lp_hybrid"
-    assert available_strategies() == ["lp_ddp", "lp_sharded", "lp_zero_offload", "lp_pipeline", "lp_tensor"]
+    assert available_strategies() == ["lp_ddp", "lp_sharded", "lp_zero_offload", "lp_pipeline", "lp_tensor",
+                                      "lp_hybrid"]
     assert name(pipeline_parallel_size=2, zero_stage=1) == "lp_pipeline"
-    assert strategy_for_key("pipeline_parallel_size") == "or use strategy lp_pipeline"  # not the planned lp_hybrid
+    assert strategy_for_key("pipeline_parallel_size") == "or use strategy lp_pipeline or lp_hybrid"
     assert strategy_for_key("offload") == "or use strategy lp_zero_offload"
 
 

@@ -14,7 +14,9 @@ the whole batch does, and gradient accumulation over batches adds up like Lightn
 
 Evaluation runs forward only (``torch.no_grad``) under GPipe (one stage per rank) or looped BFS (several) with as
 many micro-batches as divide the batch (at most ``num_micro_batches``); the last stage's output -- the whole batch's,
-concatenated along dim 0 -- is where the loss is computed. No Lightning import.
+concatenated along dim 0 -- is where the loss is computed. Stages may be tensor-parallel (DTensor parameters, a
+vocab-parallel head whose loss runs under ``loss_parallel``): losses and outputs handed on are made plain first
+(:func:`plain`). No Lightning import.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ from torch import Tensor, nn
 
 from .partition import SCHEDULES
 
-__all__ = ["PipelineRunner", "largest_divisor_at_most"]
+__all__ = ["PipelineRunner", "largest_divisor_at_most", "plain"]
+
+
+def plain(t: Tensor) -> Tensor:
+    """A tensor-parallel stage's output or loss as a plain tensor: a replicated DTensor's local value, a sharded one
+    gathered (a collective over ``tp``: every tp rank of the stage calls it); plain tensors pass through."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return t.to_local()
+    return t.full_tensor()
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -82,7 +96,7 @@ class PipelineRunner:
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)
-        self._losses.append(loss.detach())
+        self._losses.append(plain(loss.detach()))
         return loss * self._scale
 
     def _train_schedule(self, key: Any) -> Any:
@@ -147,14 +161,14 @@ class PipelineRunner:
         if self.last:
             assert out is not None
             with torch.no_grad():
-                loss = self.loss_fn(out, target.to(self.device)).detach().float()
+                loss = plain(self.loss_fn(out, target.to(self.device)).detach()).float()
         else:
             loss = torch.zeros((), device=self.device)
         return self._from_last(loss), out
 
     def outputs_everywhere(self, out: Tensor | None) -> Tensor:
         """The last stage's output on every pipeline rank (a broadcast of shape, dtype and data over ``pp``)."""
-        box = [None if out is None else out.detach().cpu()]
+        box = [None if out is None else plain(out.detach()).cpu()]
         dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
         value = box[0]
         assert isinstance(value, Tensor)

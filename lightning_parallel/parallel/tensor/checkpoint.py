@@ -190,6 +190,7 @@ def read_full_checkpoint(folder: str | Path) -> dict[str, Any]:
     groups_by_opt = checkpoint.pop("optimizer_param_groups", [])
     checkpoint.pop(TENSOR_KEY, None)
     checkpoint.pop(PIPELINE_KEY, None)
+    checkpoint.pop("lp_hybrid_checkpoint", None)
     checkpoint["state_dict"] = dict(tensors["model"])
     optimizer_states = []
     for i, groups in enumerate(groups_by_opt):
