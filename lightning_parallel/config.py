@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 __all__ = [
     "ActivationCheckpointing",
     "LayoutError",
+    "MeshOrder",
     "Offload",
     "ParallelConfig",
     "PipelineSchedule",
@@ -32,6 +33,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
+MeshOrder = Literal["dp-pp-tp", "pp-dp-tp"]
 
 _SIZE_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 
@@ -101,6 +103,11 @@ class ParallelConfig:
     """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward: none, selective (attention core) or full (every block)."""
+    mesh_order: MeshOrder = "dp-pp-tp"
+    """Order of the mesh axes, outermost first; tp is always innermost (inside a node). dp-pp-tp: data-parallel
+    replicas outermost (across nodes); pp-dp-tp: pipeline stages outermost, so that on several nodes only the
+    point-to-point activations cross nodes and the dp gradient exchange stays inside a node (Megatron, torchtitan).
+    The rank arithmetic of both: :mod:`lightning_parallel.parallel.dims`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_stage_layers, list):  # a recipe's YAML list
@@ -172,6 +179,13 @@ class ParallelConfig:
         _check_choice("pipeline_schedule", self.pipeline_schedule, get_args(PipelineSchedule))
         _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
         _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
+        if self.mesh_order not in get_args(MeshOrder):
+            raise LayoutError(
+                f"parallel.mesh_order={self.mesh_order!r} is not a mesh order: tp is always innermost (tensor-parallel "
+                "peers share a node), so the orders are 'dp-pp-tp' (dp outermost, the default) and 'pp-dp-tp' (pp "
+                "outermost: on several nodes only pipeline activations cross nodes). Fix: mesh_order='dp-pp-tp' or "
+                "mesh_order='pp-dp-tp'."
+            )
         self._validate_zero()
         self._validate_pipeline()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -267,6 +281,8 @@ class ParallelConfig:
             text += f" offload={self.offload}"
         if self.activation_checkpointing != "none":
             text += f" recompute={self.activation_checkpointing}"
+        if self.mesh_order != "dp-pp-tp":
+            text += f" order={self.mesh_order}"
         return text
 
 
