@@ -80,7 +80,7 @@ class StagePlan:
         parts = []
         for s, (a, b) in enumerate(self.ranges):
             span = self.names[a] if b - a == 1 else f"{self.names[a]} .. {self.names[b - 1]}"
-            parts.append(f"stage {s} (rank {s % self.pp}): {span} ({b - a} layer{'s' if b - a != 1 else ''})")
+            parts.append(f"stage {s} (pp rank {s % self.pp}): {span} ({b - a} layer{'s' if b - a != 1 else ''})")
         return "; ".join(parts)
 
 
