@@ -178,7 +178,7 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
 
     def describe_cut(self, module: nn.Module) -> str:
         """Which layers each stage of ``module`` (whole, meta device fine) gets under this layout, e.g.
-        ``stage 0 (rank 0): embed .. blocks.1 (3 layers); stage 1 (rank 1): blocks.2 .. head (3 layers)``."""
+        ``stage 0 (pp rank 0): embed .. blocks.1 (3 layers); stage 1 (pp rank 1): blocks.2 .. head (3 layers)``."""
         from lightning_parallel.parallel.pipeline import plan_stages
 
         plan = plan_stages(module, module.pipeline_layers(), pp=self.layout.pipeline_parallel_size,  # type: ignore[operator]
