@@ -93,6 +93,22 @@ def test_dp2_pp2_tp2_zero1_equals_one_device(reference: GPT, extra: dict[str, An
     assert diff < 2e-5
 
 
+def test_schedules_recomputation_and_tp_only_equal_one_device(reference: GPT) -> None:
+    """The composition under other settings: zero bubble with sequence parallelism, interleaved 1F1B with full
+    recomputation (applied after the TP plan), and the full section with pp=1 (tensor parallelism alone)."""
+    for layout, devices in (
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True,
+          "pipeline_schedule": "zero_bubble", "num_micro_batches": 2}, 4),
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "virtual_pipeline_stages": 2,
+          "pipeline_schedule": "interleaved_1f1b", "num_micro_batches": 2, "activation_checkpointing": "full"}, 4),
+        ({"tensor_parallel_size": 2}, 2),
+    ):
+        model, _ = fit(_hy(**layout), devices, 1, model=_gpt())
+        diff = weight_diff(model, reference)
+        print(f"lp_hybrid {layout} on {devices} ranks: max |w - w_1dev| = {diff:.2e}")
+        assert diff < 2e-5
+
+
 def test_non_gpt_module_with_its_own_plan_and_hooks_equals_one_device() -> None:
     torch.manual_seed(0)
     ref, _ = fit("auto", 1, 1, model=PlanMLP())
