@@ -1,15 +1,44 @@
-"""``ParallelDims``: the single owner of the parallel degrees and the named DeviceMesh.
+"""``ParallelDims``: the single owner of the parallel degrees, the rank arithmetic and the named DeviceMesh.
 
-The world of ``W`` ranks is arranged as a 3-D mesh with named axes ``("dp", "pp", "tp")`` in that order, so ``tp``
-is innermost: ranks ``r`` and ``r + 1`` differ in their tp coordinate first, which puts tensor-parallel peers (two
-all-reduces per layer in forward and two in backward) on the same node and its fast links, then pipeline
-neighbours (point-to-point activations), and data-parallel replicas (one gradient all-reduce or reduce-scatter per
-step) outermost, across nodes::
+The world of ``W = dp x pp x tp`` ranks is arranged as a 3-D mesh with the named axes ``dp``, ``pp`` and ``tp``.
+``tp`` is always innermost: ranks ``r`` and ``r + 1`` differ in their tp coordinate first, which puts
+tensor-parallel peers (two all-reduces per layer in forward and two in backward) on the same node and its fast links.
+The order of the two outer axes is ``parallel.mesh_order`` (:attr:`ParallelDims.order`, outermost first):
 
-    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+* ``dp-pp-tp`` (the default): pipeline neighbours next, data-parallel replicas outermost::
 
-Nothing else in the library creates process groups: strategies ask this object for the mesh and its sub-groups.
-No Lightning import here.
+      rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+* ``pp-dp-tp`` (Megatron-LM, torchtitan): data-parallel replicas next, pipeline stages outermost::
+
+      rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+In general an axis's *stride* is the product of the sizes of the axes inside it (``tp``: 1; the middle axis:
+``tp``; the outer axis: ``tp x`` the middle size); ``rank = sum(coord[a] * stride[a])`` and
+``coord[a] = (rank // stride[a]) % size[a]``. An axis group (:meth:`ParallelDims.group_ranks`) is the ranks that
+share every other coordinate: ``stride`` apart, in the order of the axis coordinate.
+
+Launchers fill nodes in rank order (rank ``r`` runs on node ``r // devices_per_node``), so an axis group stays
+inside one node when ``stride x size`` divides the devices of a node. On several nodes the order decides which traffic
+crosses the slow inter-node links: with ``dp-pp-tp`` the dp gradient exchange (about twice the rank's parameters per
+step) does, with ``pp-dp-tp`` only the pipeline's point-to-point activations do (what the planner weighs, see
+:func:`lightning_parallel.planner.cost.cross_node_bytes`).
+
+Worked example, ``dp=2 x pp=2 x tp=2`` on 2 nodes of 4 devices (node 0: ranks 0-3, node 1: ranks 4-7)::
+
+    rank                   0    1    2    3  |  4    5    6    7
+    dp-pp-tp (dp,pp,tp)   000  001  010  011 | 100  101  110  111
+    pp-dp-tp (dp,pp,tp)   000  001  100  101 | 010  011  110  111
+
+    dp-pp-tp   tp groups [0,1] [2,3] [4,5] [6,7]   inside a node
+               pp groups [0,2] [1,3] [4,6] [5,7]   inside a node
+               dp groups [0,4] [1,5] [2,6] [3,7]   every one crosses nodes (the gradient all-reduce)
+    pp-dp-tp   tp groups [0,1] [2,3] [4,5] [6,7]   inside a node
+               dp groups [0,2] [1,3] [4,6] [5,7]   inside a node
+               pp groups [0,4] [1,5] [2,6] [3,7]   every one crosses nodes (activations, point to point)
+
+Nothing else in the library creates process groups: strategies ask this object for the mesh and address its
+sub-groups by name (``mesh["dp"]``, ``mesh.get_group("pp")``), never by position. No Lightning import here.
 """
 
 from __future__ import annotations
@@ -22,13 +51,16 @@ from lightning_parallel.config import LayoutError, ParallelConfig
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "ParallelDims", "RankCoords"]
+__all__ = ["MESH_AXES", "MESH_ORDERS", "ParallelDims", "RankCoords"]
 
 MESH_AXES: tuple[str, str, str] = ("dp", "pp", "tp")
+"""The axis names, in the field order of :class:`RankCoords`; also the default mesh order (``dp-pp-tp``)."""
+MESH_ORDERS: dict[str, tuple[str, str, str]] = {"dp-pp-tp": ("dp", "pp", "tp"), "pp-dp-tp": ("pp", "dp", "tp")}
+"""``parallel.mesh_order`` (:data:`lightning_parallel.config.MeshOrder`) -> the mesh's axes, outermost first."""
 
 
 class RankCoords(NamedTuple):
-    """A rank's coordinates in the ``(dp, pp, tp)`` mesh."""
+    """A rank's coordinates by axis name, always in the field order ``(dp, pp, tp)`` whatever the mesh order."""
 
     dp: int
     pp: int
@@ -40,18 +72,28 @@ class ParallelDims:
     """Resolved degrees of a layout for a given world size: ``dp * pp * tp == world_size``.
 
     Build it with :meth:`from_config`, which resolves ``data_parallel_size='auto'`` and checks the product; the mesh
-    is created once per process by :meth:`build_mesh` after the default process group exists.
+    is created once per process by :meth:`build_mesh` after the default process group exists. :attr:`order` is the
+    mesh's axes, outermost first (``parallel.mesh_order``; the module docstring has the arithmetic of both).
     """
 
     dp: int
     pp: int
     tp: int
     world_size: int
+    order: tuple[str, str, str] = MESH_AXES
+    """The mesh axes, outermost first: ``("dp", "pp", "tp")`` or ``("pp", "dp", "tp")``; tp is always innermost."""
 
     def __post_init__(self) -> None:
         for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("world_size", self.world_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r} must be a positive integer.")
+        if tuple(self.order) not in MESH_ORDERS.values():
+            raise LayoutError(
+                f"ParallelDims order={self.order!r} is not a mesh order; tp is always innermost. "
+                f"Fix: order={MESH_ORDERS['dp-pp-tp']} or {MESH_ORDERS['pp-dp-tp']} (parallel.mesh_order "
+                "'dp-pp-tp' or 'pp-dp-tp')."
+            )
+        object.__setattr__(self, "order", tuple(self.order))
         if self.dp * self.pp * self.tp != self.world_size:
             raise LayoutError(
                 f"data_parallel_size ({self.dp}) x pipeline_parallel_size ({self.pp}) x tensor_parallel_size "
@@ -96,39 +138,64 @@ class ParallelDims:
                 "peers exchange activations twice per layer and must share a node's fast links. "
                 f"Fix: tensor_parallel_size <= {devices_per_node}; use pipeline_parallel_size across nodes."
             )
-        return cls(dp=dp, pp=pp, tp=tp, world_size=world_size)
+        return cls(dp=dp, pp=pp, tp=tp, world_size=world_size, order=MESH_ORDERS[config.mesh_order])
 
     # ------------------------------------------------------------------ pure arithmetic
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
+    def mesh_order(self) -> str:
+        """:attr:`order` as ``parallel.mesh_order`` spells it, e.g. ``pp-dp-tp``."""
+        return "-".join(self.order)
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis`` (``dp``, ``pp`` or ``tp``)."""
+        return int(getattr(self, _check_axis(axis)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's shape: the axis sizes in :attr:`order` (``(dp, pp, tp)`` for the default order)."""
+        return tuple(self.size(axis) for axis in self.order)
+
+    def stride(self, axis: str) -> int:
+        """How far apart in rank two neighbours along ``axis`` are: the product of the sizes inside it."""
+        inner = self.order[self.order.index(_check_axis(axis)) + 1:]
+        out = 1
+        for a in inner:
+            out *= self.size(a)
+        return out
 
     def coords(self, rank: int) -> RankCoords:
-        """The ``(dp, pp, tp)`` coordinates of a global rank (tp innermost)."""
+        """The coordinates of a global rank: ``coord[a] = (rank // stride[a]) % size[a]``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks.")
-        tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp
-        dp_rank = rank // (self.tp * self.pp)
-        return RankCoords(dp=dp_rank, pp=pp_rank, tp=tp_rank)
+        return RankCoords(*((rank // self.stride(a)) % self.size(a) for a in MESH_AXES))
 
     def rank_of(self, coords: RankCoords | tuple[int, int, int]) -> int:
-        """The global rank at ``(dp, pp, tp)``; inverse of :meth:`coords`."""
-        dp_rank, pp_rank, tp_rank = coords
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+        """The global rank at ``(dp, pp, tp)`` (field order, whatever the mesh order); inverse of :meth:`coords`."""
+        return sum(int(c) * self.stride(a) for a, c in zip(MESH_AXES, coords, strict=True))
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
-        """The global ranks that share every coordinate with ``rank`` except along ``axis``."""
-        c = self.coords(rank)._asdict()
-        size = dict(zip(MESH_AXES, self.shape, strict=True))[_check_axis(axis)]
-        return [self.rank_of(tuple({**c, axis: i}.values())) for i in range(size)]  # type: ignore[arg-type]
+        """The global ranks that share every coordinate with ``rank`` except along ``axis``, in the order of the axis
+        coordinate (``stride(axis)`` apart)."""
+        stride, size = self.stride(axis), self.size(axis)
+        base = rank - getattr(self.coords(rank), axis) * stride
+        return [base + i * stride for i in range(size)]
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` (``world_size / size(axis)`` of them, each as :meth:`group_ranks` lists it),
+        ordered by their first rank."""
+        stride, size = self.stride(axis), self.size(axis)
+        return [[base + i * stride for i in range(size)]
+                for base in range(self.world_size) if (base // stride) % size == 0]
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks"
+        """``dp=2 x pp=2 x tp=2 = 8 ranks``, axes outermost first, the mesh order named when not the default."""
+        text = " x ".join(f"{a}={self.size(a)}" for a in self.order) + f" = {self.world_size} ranks"
+        return text if self.order == MESH_AXES else f"{text} (mesh_order {self.mesh_order})"
 
     # ------------------------------------------------------------------ the mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the named ``("dp", "pp", "tp")`` DeviceMesh over the default process group.
+        """Create the DeviceMesh of shape :attr:`shape` with the dims named :attr:`order` over the default process
+        group; address its dims by name (``mesh["dp"]``, ``mesh.get_group("pp")``), never by position.
 
         Collective: creates one sub-group per axis line (``new_group`` on every rank). Call once per process, after
         ``torch.distributed.init_process_group``; the result is the only mesh strategies use.
@@ -143,7 +210,7 @@ class ParallelDims:
                 f"the layout was resolved for {self.world_size} ranks ({self.describe()}), but the process group "
                 f"has {dist.get_world_size()}. Fix: launch {self.world_size} processes."
             )
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
 
 
 def _check_axis(axis: str) -> str:
