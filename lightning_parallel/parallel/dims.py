@@ -188,9 +188,9 @@ class ParallelDims:
                 for base in range(self.world_size) if (base // stride) % size == 0]
 
     def describe(self) -> str:
-        """``dp=2 x pp=2 x tp=2 = 8 ranks``, axes outermost first, the mesh order named when not the default."""
+        """``dp=2 x pp=2 x tp=2 = 8 ranks``: axes outermost first, ``, mesh_order pp-dp-tp`` when not the default."""
         text = " x ".join(f"{a}={self.size(a)}" for a in self.order) + f" = {self.world_size} ranks"
-        return text if self.order == MESH_AXES else f"{text} (mesh_order {self.mesh_order})"
+        return text if self.order == MESH_AXES else f"{text}, mesh_order {self.mesh_order}"
 
     # ------------------------------------------------------------------ the mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:

@@ -3,6 +3,8 @@
 Pure computation, no process group. :func:`make_plan` takes a :class:`ModelSpec`, :class:`TrainingSettings` and
 :class:`Hardware`; ``lightning-parallel plan`` (:func:`lightning_parallel.planner.cli.main`) is its command line.
 Formulas: :mod:`.memory` (ZeRO paper), :mod:`.activations` (Korthikanti et al. 2022); the guide: :mod:`.guide`.
+On several nodes each layout also gets its mesh order (``parallel.mesh_order``) from the bytes each axis moves between
+nodes per step (:func:`.cost.cross_node_bytes`).
 """
 
 from lightning_parallel.planner.activations import activation_bytes, layer_activation_bytes

@@ -1,5 +1,8 @@
 """``lightning-parallel plan``: estimate memory for every layout, recommend one, optionally write its recipe.
 
+On several nodes the table has an ``order`` column (each layout's mesh order) and the recommendation is followed by
+the bytes each axis moves between nodes per step in both orders (``dp-pp-tp``, ``pp-dp-tp``), the chosen one marked.
+
 Examples::
 
     lightning-parallel plan --params 7.5e9 --nodes 8 --gpus-per-node 8 --gpu-memory 32GB

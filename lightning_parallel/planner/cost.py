@@ -9,23 +9,43 @@ Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches 
   under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
 * tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
   ``2 (t - 1) / t``, on the intra-node link (6 with full recompute);
-* pp: one activation ``e s b h`` forward and one gradient backward per micro-batch and stage boundary;
+* pp: one activation ``e s b h`` forward and one gradient backward per micro-batch and stage boundary (``/ t``
+  with sequence parallelism);
 * offload: 16-bit gradients out and weights back over PCIe (``2 g P / N_d``; ZeRO-3 fetches weights in forward and
   backward, ``+ 2 p P / N_d``), the host optimizer at 2.5e8 parameters/s per rank, NVMe reading and writing the
   optimizer state once per step.
+
+Each axis's traffic goes over the link its groups span (:func:`axis_links`), which follows ``parallel.mesh_order``:
+with ``dp-pp-tp`` on several nodes the dp gradient exchange crosses nodes, with ``pp-dp-tp`` it stays inside a node
+when ``dp x tp`` devices fit one. :func:`cross_node_bytes` counts what each axis moves between nodes in one step,
+the figure the planner chooses the mesh order by.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDims
 from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 
-__all__ = ["HOST_OPTIMIZER_PARAMS_PER_S", "MFU", "RECOMPUTE_FLOPS", "StepCost", "axis_links", "estimate_step"]
+__all__ = [
+    "HOST_OPTIMIZER_PARAMS_PER_S",
+    "MFU",
+    "RECOMPUTE_FLOPS",
+    "StepCost",
+    "axis_bytes_per_rank",
+    "axis_links",
+    "cross_node_bytes",
+    "cross_node_bytes_by_order",
+    "estimate_step",
+    "layout_dims",
+]
 
 MFU = 0.5
 """Share of peak FLOP/s a step is taken to reach."""
@@ -62,18 +82,75 @@ class StepCost:
         return f"{self.links.get(axis, axis)} ({axis})"
 
 
+def layout_dims(layout: ParallelConfig, hardware: Hardware) -> ParallelDims:
+    """The layout's degrees and mesh order on all of ``hardware``'s devices (``data_parallel_size`` resolved)."""
+    return ParallelDims.from_config(layout, world_size=hardware.world_size)
+
+
+def _nodes_spanned(group: list[int], gpus_per_node: int) -> int:
+    return len({rank // gpus_per_node for rank in group})
+
+
 def axis_links(layout: ParallelConfig, hardware: Hardware) -> dict[str, str]:
-    """Which link each mesh axis spans; tp innermost, then pp, then dp (the mesh order of ``docs/architecture.md``)."""
-    dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
+    """Which link each mesh axis spans in ``layout.mesh_order``: inter-node when any of its groups has ranks on two
+    nodes (rank ``r`` on node ``r // gpus_per_node``), else intra-node."""
     intra, inter = f"intra-node {hardware.intra_node}", f"inter-node {hardware.inter_node}"
     g = hardware.gpus_per_node
-    return {
-        "tp": intra if tp <= g else inter,
-        "pp": intra if pp * tp <= g else inter,
-        "dp": intra if dp * pp * tp <= g else inter,
-        "offload": "host PCIe",
-        "nvme": "NVMe",
-    }
+    out = {axis: intra for axis in MESH_AXES}
+    if hardware.nodes > 1:
+        dims = layout_dims(layout, hardware)
+        for axis in MESH_AXES:
+            if any(_nodes_spanned(group, g) > 1 for group in dims.axis_groups(axis)):
+                out[axis] = inter
+    return {**out, "offload": "host PCIe", "nvme": "NVMe"}
+
+
+def cross_node_bytes(
+    dims: ParallelDims, *, gpus_per_node: int, bytes_per_rank: Mapping[str, float], virtual_stages: int = 1
+) -> dict[str, float]:
+    """Bytes each mesh axis moves between nodes in one step, summed over the whole world, in ``dims.order``.
+
+    Rank ``r`` runs on node ``r // G`` (``G = gpus_per_node``; launchers fill nodes in rank order).
+    ``B_a = bytes_per_rank[a]`` is what one rank sends on axis ``a`` per step (:func:`axis_bytes_per_rank`; a missing
+    axis sends nothing):
+
+    * ``dp``, ``tp`` (rings: all-reduce, or reduce-scatter + all-gather): each member sends ``B_a`` to the next
+      member of its group in rank order (``B_dp = 2 g P (d - 1) / d`` for ``P`` parameters per rank of ``g`` bytes,
+      ``3 g P (d - 1) / d`` under ZeRO-3). A group's ranks on one node are consecutive in that order, so a ring over
+      ``k`` nodes has ``k`` edges between nodes when ``k > 1`` and none when ``k = 1``::
+
+          cross[a] = B_a * sum over the groups of a of (k if k > 1 else 0)
+
+    * ``pp`` (point to point): ``B_pp = 2 m e b s h`` (``/ t`` with sequence parallelism) is one activation forward
+      and one gradient backward per micro-batch over one stage boundary. A pp group is the chain of its ``p`` stages
+      in rank order; with ``v`` model chunks per rank (``virtual_stages``) the chain is walked ``v`` times and wraps
+      from the last rank back to the first ``v - 1`` times::
+
+          cross[pp] = B_pp * sum over the pp groups of (v * c + (v - 1) * w)
+
+      with ``c`` the boundaries ``i -> i + 1`` between two nodes and ``w = 1`` when the last and first stage are on
+      different nodes (else 0).
+
+    Example, ``dp = pp = tp = 2`` on 2 nodes of 4: ``dp-pp-tp`` has 4 dp groups ``[0, 4] ... [3, 7]`` of ``k = 2``
+    (``cross[dp] = 8 B_dp``) and pp groups inside a node (``cross[pp] = 0``); ``pp-dp-tp`` has dp inside a node and
+    4 pp groups ``[0, 4] ... [3, 7]`` with one boundary each (``cross[pp] = 4 B_pp``).
+    """
+    if gpus_per_node < 1 or virtual_stages < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} and virtual_stages={virtual_stages} must be >= 1.")
+    out: dict[str, float] = {}
+    for axis in MESH_AXES:
+        per_rank = float(bytes_per_rank.get(axis, 0.0))
+        edges = 0
+        for group in dims.axis_groups(axis) if per_rank and dims.size(axis) > 1 else []:
+            if axis == "pp":
+                nodes = [rank // gpus_per_node for rank in group]
+                chain = sum(a != b for a, b in itertools.pairwise(nodes))
+                edges += virtual_stages * chain + (virtual_stages - 1) * (nodes[-1] != nodes[0])
+            else:
+                k = _nodes_spanned(group, gpus_per_node)
+                edges += k if k > 1 else 0
+        out[axis] = per_rank * edges
+    return out
 
 
 def _bandwidth(link: str) -> float:
@@ -99,6 +176,32 @@ def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardwa
     if "host_optimizer" in traffic:
         comm["offload"] = comm.get("offload", 0.0) + traffic["host_optimizer"] / HOST_OPTIMIZER_PARAMS_PER_S
     return StepCost(compute_s=compute, comm_s=comm, tokens=dp * m * b * s, links=links)
+
+
+def axis_bytes_per_rank(
+    model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, hardware: Hardware
+) -> dict[str, float]:
+    """Bytes one rank sends per step on each mesh axis (dp, tp, pp; the module docstring's formulas), the same in
+    every mesh order; absent axes move nothing."""
+    pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
+    s = training.sequence_length(model.shape.block_size if model.shape else 2048)
+    traffic = _traffic(model, training, layout, hardware, local=model.params_per_device(pp=pp, tp=tp), seq_len=s)
+    return {axis: traffic[axis] for axis in MESH_AXES if axis in traffic}
+
+
+def cross_node_bytes_by_order(
+    model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig
+) -> dict[str, dict[str, float]]:
+    """For each mesh order (``dp-pp-tp``, ``pp-dp-tp``): :func:`cross_node_bytes` of ``layout`` on ``hardware``, per
+    axis, plus ``total``. All zero on one node."""
+    per_rank = axis_bytes_per_rank(model, training, layout, hardware)
+    out: dict[str, dict[str, float]] = {}
+    for order in MESH_ORDERS:
+        dims = layout_dims(layout.replace(mesh_order=order), hardware)
+        axes = cross_node_bytes(dims, gpus_per_node=hardware.gpus_per_node, bytes_per_rank=per_rank,
+                                virtual_stages=layout.virtual_pipeline_stages)
+        out[order] = {**axes, "total": sum(axes.values())}
+    return out
 
 
 def _traffic(

@@ -14,17 +14,24 @@ Branches::
 Within the branch's first family that has a layout that fits, the layout with the best estimated throughput
 (:mod:`.cost`) wins; ties go to the smaller model-parallel degree, then the lower ZeRO stage. Every layout that
 fits is ranked the same way, family by family.
+
+Mesh order (``parallel.mesh_order``): on several nodes each layout gets the order that moves fewer bytes between
+nodes per step (:func:`.cost.cross_node_bytes`) when the inter-node link is slower than the intra-node one -- with
+pp > 1 across nodes that is ``pp-dp-tp`` (only pipeline activations cross nodes) -- and its step is estimated in
+that order; on one node, on a tie (dp = 1 or pp = 1: both orders place the ranks alike) or when crossing nodes costs
+no more than staying inside one, the default ``dp-pp-tp`` is kept.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.layouts import entry, strategy_for
-from lightning_parallel.planner.cost import StepCost, estimate_step
-from lightning_parallel.planner.hardware import Hardware
+from lightning_parallel.planner.cost import StepCost, cross_node_bytes_by_order, estimate_step
+from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
 from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
@@ -37,6 +44,7 @@ __all__ = [
     "Situation",
     "assess",
     "choose_branch",
+    "choose_mesh_order",
     "enumerate_layouts",
     "evaluate",
     "family_of",
@@ -78,6 +86,10 @@ class Candidate:
     tiled_layers: bool = False
     available: bool = True
     """Its strategy exists in this version (:mod:`lightning_parallel.layouts`); only such layouts are recommended."""
+    cross_node_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """On several nodes: for each mesh order, the bytes each axis (and ``total``) moves between nodes per step,
+    summed over all ranks (:func:`lightning_parallel.planner.cost.cross_node_bytes`); empty on one node.
+    ``layout.mesh_order`` is the order chosen from it (:func:`choose_mesh_order`)."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +191,40 @@ def _layer_bytes(model: ModelSpec, training: TrainingSettings, *, tp: int) -> in
     return (state.param + state.grad) * model.largest_layer_per_device(tp=tp)
 
 
-def evaluate(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig) -> Candidate:
-    """Memory, cost and feasibility of one layout; ZeRO-3 layouts tile the largest layer when it does not fit."""
+DEFAULT_MESH_ORDER = "dp-pp-tp"
+
+
+def choose_mesh_order(cross: Mapping[str, Mapping[str, float]], hardware: Hardware) -> str:
+    """The mesh order for a layout whose cross-node bytes per order are ``cross``
+    (:func:`lightning_parallel.planner.cost.cross_node_bytes_by_order`): the one with the fewer ``total`` bytes
+    between nodes when the inter-node link is slower than the intra-node one; the default ``dp-pp-tp`` on one node, on
+    a tie, or when crossing nodes costs no more than staying inside one (pcie inside, a fast fabric between)."""
+    if hardware.nodes == 1 or not cross:
+        return DEFAULT_MESH_ORDER
+    if LINK_BANDWIDTH[hardware.inter_node] >= LINK_BANDWIDTH[hardware.intra_node]:
+        return DEFAULT_MESH_ORDER
+    return min(cross, key=lambda order: (cross[order]["total"], order != DEFAULT_MESH_ORDER))
+
+
+def evaluate(
+    model: ModelSpec,
+    training: TrainingSettings,
+    hardware: Hardware,
+    layout: ParallelConfig,
+    *,
+    choose_order: bool = True,
+) -> Candidate:
+    """Memory, cost and feasibility of one layout; ZeRO-3 layouts tile the largest layer when it does not fit.
+
+    On several nodes the cross-node bytes of both mesh orders are counted and, with ``choose_order``, the layout
+    takes the order :func:`choose_mesh_order` picks before its step is estimated (else its own order is kept).
+    """
     world = hardware.world_size
+    cross = cross_node_bytes_by_order(model, training, hardware, layout) if hardware.nodes > 1 else {}
+    if choose_order and cross:
+        order = choose_mesh_order(cross, hardware)
+        if order != layout.mesh_order:
+            layout = layout.replace(mesh_order=order)
     limit = hardware.gpu_memory
     layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size) or 0
     layer_fits = layer + hardware.reserved_memory <= limit
@@ -203,6 +246,7 @@ def evaluate(model: ModelSpec, training: TrainingSettings, hardware: Hardware, l
         why_not=why,
         tiled_layers=tiles > 1,
         available=strategy == "single_device" or entry(strategy).available,
+        cross_node_bytes=cross,
     )
 
 

@@ -24,7 +24,7 @@ from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import format_bytes
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["Plan", "make_plan", "mesh_order_sentence"]
 
 _BRANCH_TEXT: dict[str, str] = {
     "one-gpu/fits": "one GPU, the model fits: train normally",
@@ -170,6 +170,7 @@ def _reason(
         f" Chosen: {chosen.strategy} {chosen.layout.describe()}: {format_bytes(mem.total)} per device "
         f"({format_bytes(mem.model_states)} model states) of {format_bytes(hardware.gpu_memory)}."
     )
+    text += mesh_order_sentence(chosen, hardware)
     if chosen.tiled_layers:
         text += " The largest layer runs tiled (Memory Centric Tiling) so that ZeRO-3 gathers one tile at a time."
     if mem.host_per_node:
@@ -177,6 +178,28 @@ def _reason(
         text += f" Host memory per node: {host} of {limit}."
     text += _cheaper_not_fitting(chosen, ranked)
     return text
+
+
+def mesh_order_sentence(chosen: Candidate, hardware: Hardware) -> str:
+    """On several nodes: the chosen mesh order and what each order moves between nodes per step (empty on one
+    node)."""
+    cross = chosen.cross_node_bytes
+    if not cross:
+        return ""
+    order = chosen.layout.mesh_order
+    mine = cross[order]["total"]
+    others = [(o, v["total"]) for o, v in cross.items() if o != order]
+    if all(total == mine for _, total in others):
+        return (f" Mesh order {order}: both orders move {format_bytes(mine)} between nodes per step "
+                "(they place these ranks alike or cross nodes equally).")
+    compare = ", ".join(f"{format_bytes(total)} with {o}" for o, total in others)
+    text = f" Mesh order {order}: {format_bytes(mine)} between nodes per step instead of {compare}"
+    if mine > min(total for _, total in others):
+        return text + (f" (kept: the inter-node link, {hardware.inter_node}, is no slower than the intra-node one, "
+                       f"{hardware.intra_node}, so crossing nodes costs nothing extra in this estimate).")
+    if order == "pp-dp-tp" and cross[order]["dp"] == 0:
+        return text + " (only pipeline activations cross nodes; the dp gradient exchange stays inside a node)."
+    return text + "."
 
 
 def _cheaper_not_fitting(chosen: Candidate, ranked: list[Candidate]) -> str:

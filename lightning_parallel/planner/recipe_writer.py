@@ -1,5 +1,11 @@
 """Writing the planner's recommended layout as a recipe that ``lightning-parallel fit --config`` runs
-(``lightning-parallel plan --write-recipe PATH``)."""
+(``lightning-parallel plan --write-recipe PATH``).
+
+The ``parallel`` section holds the sizes, ``zero_stage`` and ``offload`` always, other keys when they differ from
+their defaults, and ``mesh_order`` always on several nodes (the order the plan's cross-node bytes were counted in,
+written even when it is the default ``dp-pp-tp`` so that the recipe says which axis crosses nodes); a header comment
+gives the bytes each order moves between nodes per step.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 import yaml
 
 from lightning_parallel.config import ParallelConfig, check_model_compat
+from lightning_parallel.parallel.dims import MESH_AXES
 from lightning_parallel.planner.plan import Plan
 from lightning_parallel.planner.units import format_bytes
 
@@ -18,10 +25,12 @@ __all__ = ["recipe_dict", "recipe_text", "write_recipe"]
 _PARALLEL_ALWAYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload")
 
 
-def _parallel_section(layout: ParallelConfig) -> dict[str, Any]:
+def _parallel_section(layout: ParallelConfig, *, multi_node: bool = False) -> dict[str, Any]:
+    """The layout's keys: :data:`_PARALLEL_ALWAYS`, ``mesh_order`` on several nodes, the rest when not default."""
     defaults = ParallelConfig().to_dict()
     values = layout.to_dict()
-    return {k: v for k, v in values.items() if k in _PARALLEL_ALWAYS or v != defaults[k]}
+    always = (*_PARALLEL_ALWAYS, "mesh_order") if multi_node else _PARALLEL_ALWAYS
+    return {k: v for k, v in values.items() if k in always or v != defaults[k]}
 
 
 def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = None) -> dict[str, Any]:
@@ -43,7 +52,7 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     # layout: lp_ddp on one process does that (no collective moves anything with one rank).
     recompute = layout.activation_checkpointing != "none"
     strategy = ("lp_ddp" if recompute else "auto") if single else chosen.strategy
-    parallel = _parallel_section(layout) if not single else (
+    parallel = _parallel_section(layout, multi_node=hw.nodes > 1) if not single else (
         {"activation_checkpointing": layout.activation_checkpointing} if recompute else {})
     recipe: dict[str, Any] = {
         "seed_everything": 1234,
@@ -98,6 +107,12 @@ def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: s
     if pipelined and plan.model.shape is not None and plan.model.shape.tie_embeddings:
         notes.append("tie_embeddings: false -- the first and last pipeline stages cannot share the embedding; the head "
                      "gets its own weight (counted in the estimate)")
+    if chosen.cross_node_bytes:
+        notes.append(f"mesh_order: {chosen.layout.mesh_order}; bytes between nodes per step (all ranks):")
+        for order, axes in chosen.cross_node_bytes.items():
+            per_axis = ", ".join(f"{a} {format_bytes(axes[a])}" for a in MESH_AXES)
+            mark = " <- chosen" if order == chosen.layout.mesh_order else ""
+            notes.append(f"  {order}: {per_axis}; total {format_bytes(axes['total'])}{mark}")
     if chosen.tiled_layers:
         notes.append("tiled_layers: the largest layer must run tiled (Memory Centric Tiling, e.g. a tiled nn.Linear);")
         notes.append("the parallel section has no key for it: tile the model's largest layer yourself.")

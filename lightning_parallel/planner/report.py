@@ -1,5 +1,10 @@
 """The planner's output: a readable table and reasoning (:func:`format_plan`), or a JSON object (:func:`plan_json`).
 
+On several nodes both also give the mesh order of each layout (``order`` column, ``mesh_order`` key) and, for the
+recommended layout, the bytes each axis moves between nodes per step in both orders (the table after the
+recommendation, ``recommendation.cross_node_bytes_per_step``), summed over all ranks
+(:func:`lightning_parallel.planner.cost.cross_node_bytes`).
+
 The dependency goes one way: this module reads a :class:`~lightning_parallel.planner.plan.Plan`; ``plan.py`` does not
 import it.
 """
@@ -8,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_parallel.parallel.dims import MESH_AXES
 from lightning_parallel.planner.guide import Candidate
 from lightning_parallel.planner.plan import Plan
 from lightning_parallel.planner.units import format_bytes, format_count
 
-__all__ = ["candidate_json", "format_plan", "plan_json", "recommendation_json"]
+__all__ = ["candidate_json", "cross_node_json", "format_cross_node", "format_plan", "plan_json",
+           "recommendation_json"]
 
 _COLUMNS = (
     "#",
@@ -34,6 +41,16 @@ _COLUMNS = (
     "stresses",
     "tokens/s",
 )
+_LEFT = {"strategy", "order", "offload", "recompute", "stresses"}
+"""Columns aligned left (names); the numbers are aligned right."""
+
+
+def _columns(plan: Plan) -> tuple[str, ...]:
+    """The table's columns; ``order`` (the mesh order) after ``tp`` on several nodes only."""
+    if plan.hardware.nodes == 1:
+        return _COLUMNS
+    i = _COLUMNS.index("tp") + 1
+    return (*_COLUMNS[:i], "order", *_COLUMNS[i:])
 
 
 def _unit(candidates: list[Candidate]) -> tuple[str, float]:
@@ -42,14 +59,14 @@ def _unit(candidates: list[Candidate]) -> tuple[str, float]:
     return ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)
 
 
-def _row(rank: str, c: Candidate, scale: float) -> list[str]:
+def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> list[str]:
     lay, mem = c.layout, c.memory
 
     def _gb(num: int | None) -> str:
         return "n/a" if num is None else f"{num / scale:.1f}" if num >= 0.05 * scale else f"{num / scale:.2f}"
 
     offload = lay.offload_device + ("+tiled" if c.tiled_layers else "")
-    return [
+    cells = [
         rank,
         c.strategy + ("" if c.available else " (n/a)"),
         str(lay.data_parallel_size),
@@ -69,14 +86,18 @@ def _row(rank: str, c: Candidate, scale: float) -> list[str]:
         c.cost.stressed_link(),
         f"{c.cost.tokens_per_s:,.0f}",
     ]
+    if "order" in columns:
+        cells.insert(columns.index("order"), lay.mesh_order)
+    return cells
 
 
 def _table(rows: list[list[str]]) -> str:
+    """``rows[0]`` is the header: the columns named in :data:`_LEFT` are aligned left, the others right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    left = [name in _LEFT for name in rows[0]]
     lines = [
         "  ".join(
-            cell.rjust(w) if i not in (1, 6, 7, 16) else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            cell.ljust(w) if left[i] else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in rows
     ]
@@ -102,7 +123,10 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     ]
     shown = _select(plan.candidates, top)
     unit, scale = _unit(plan.candidates)
-    rows = [list(_COLUMNS)] + [_row(str(i + 1) if c.fits and c.available else "-", c, scale) for i, c in shown]
+    columns = _columns(plan)
+    rows = [list(columns)] + [
+        _row(str(i + 1) if c.fits and c.available else "-", c, scale, columns) for i, c in shown
+    ]
     lines.append(f"Candidate layouts ({unit} per device; tokens/s is a rough no-overlap estimate, for ranking only):")
     lines.append(_table(rows))
     if len(shown) < len(plan.candidates):
@@ -110,7 +134,36 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     if any(not c.available for _, c in shown):
         lines.append("(n/a): the guide's strategy for that layout is not available in this version; never recommended")
     lines += ["", _recommendation_text(plan)]
+    chosen = plan.recommended or (plan.candidates[0] if plan.candidates else None)
+    if chosen is not None and chosen.cross_node_bytes:
+        lines += ["", format_cross_node(chosen)]
     return "\n".join(lines)
+
+
+def format_cross_node(c: Candidate) -> str:
+    """The bytes each axis of ``c``'s layout moves between nodes per step in each mesh order, the chosen one marked.
+
+    Example (gpt3-175b, dp=2 x pp=16 x tp=4 on 16 nodes of 8)::
+
+        Bytes between nodes per step (dp=2 pp=16 tp=4 zero=1, all ranks; rank r on node r // 8):
+          order         dp        pp   tp     total
+          dp-pp-tp  741.9 GB   90.2 GB  0 B  832.1 GB
+          pp-dp-tp       0 B  193.3 GB  0 B  193.3 GB  <- chosen
+    """
+    lay = c.layout
+    head = ["order", *MESH_AXES, "total", ""]
+    rows = [head] + [
+        [order, *(format_bytes(axes[a]) for a in MESH_AXES), format_bytes(axes["total"]),
+         "<- chosen" if order == lay.mesh_order else ""]
+        for order, axes in c.cross_node_bytes.items()
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  " + "  ".join(cell.ljust(w) if i in (0, len(head) - 1) else cell.rjust(w)
+                              for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+             for row in rows]
+    base = lay.replace(mesh_order="dp-pp-tp").describe()
+    return "\n".join([f"Bytes between nodes per step ({base}, all ranks together; ranks fill nodes in order):",
+                      *lines])
 
 
 def _select(candidates: list[Candidate], top: int) -> list[tuple[int, Candidate]]:
@@ -144,7 +197,8 @@ def _recommendation_text(plan: Plan) -> str:
             f"Recommendation: {rec['strategy']} (data_parallel_size={rec['data_parallel_size']}, "
             f"pipeline_parallel_size={rec['pipeline_parallel_size']}, tensor_parallel_size="
             f"{rec['tensor_parallel_size']}, zero_stage={rec['zero_stage']}, offload={rec['offload']}, "
-            f"tiled_layers={rec['tiled_layers']})"
+            f"tiled_layers={rec['tiled_layers']}"
+            + (f", mesh_order={rec['mesh_order']})" if plan.hardware.nodes > 1 else ")")
         )
     return f"{head}\nBranch: {plan.branch}\nWhy: {plan.reason}"
 
@@ -161,6 +215,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "zero_stage": lay.zero_stage,
         "offload": lay.offload,
         "sequence_parallel": lay.sequence_parallel,
+        "mesh_order": lay.mesh_order,
         "tiled_layers": c.tiled_layers,
         "memory_bytes": {
             "params": mem.params,
@@ -197,9 +252,19 @@ def recommendation_json(plan: Plan) -> dict[str, Any]:
         "tiled_layers": chosen.tiled_layers,
         "sequence_parallel": lay.sequence_parallel,
         "num_micro_batches": lay.num_micro_batches,
+        "mesh_order": lay.mesh_order,
+        "cross_node_bytes_per_step": cross_node_json(chosen),
         "memory_bytes": candidate_json(chosen)["memory_bytes"],
         **base,
     }
+
+
+def cross_node_json(c: Candidate) -> dict[str, dict[str, int]] | None:
+    """``{order: {dp, pp, tp, total}}``: bytes moved between nodes per step, all ranks together, in each mesh order
+    (``layout.mesh_order`` is the chosen one); None on one node."""
+    if not c.cross_node_bytes:
+        return None
+    return {order: {k: round(v) for k, v in axes.items()} for order, axes in c.cross_node_bytes.items()}
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel  # noqa: F401  (registers the strategies)
@@ -88,6 +89,17 @@ def test_recommended_recipe_passes_the_dry_run_of_fit(branch: str, tmp_path: Pat
     if chosen.strategy != "single_device":
         assert f"strategy {expected} (" in line, line
     assert "recipe OK" in line and "nothing was started" in line
+    # the mesh order: written on several nodes (and read back by the dry run), pp-dp-tp where pp and dp > 1
+    section = yaml.safe_load(path.read_text()).get("parallel", {})
+    lay = chosen.layout
+    assert ("mesh_order" in section) == (plan.hardware.nodes > 1), section
+    if plan.hardware.nodes > 1:
+        assert section["mesh_order"] == lay.mesh_order and chosen.cross_node_bytes
+        pp_and_dp = lay.pipeline_parallel_size > 1 and int(lay.data_parallel_size) > 1
+        assert lay.mesh_order == ("pp-dp-tp" if pp_and_dp else "dp-pp-tp"), (lay.describe(), chosen.cross_node_bytes)
+        assert ("mesh_order pp-dp-tp" in line) == (lay.mesh_order == "pp-dp-tp"), line
+    if branch == "several-nodes/does-not-fit/slow":  # gpt3-175b on 16 nodes: only activations cross nodes
+        assert lay.mesh_order == "pp-dp-tp" and chosen.cross_node_bytes["pp-dp-tp"]["dp"] == 0
 
 
 def test_check_refuses_a_bad_layout_with_the_arithmetic(capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,7 +76,7 @@ def test_example_layout_dp2_pp2_tp2_pp_outermost() -> None:
     assert dims.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # only the pipeline crosses
     assert [dims.stride(a) for a in ("pp", "dp", "tp")] == [4, 2, 1]
     assert dims.shape == (2, 2, 2) and dims.mesh_order == "pp-dp-tp"
-    assert dims.describe() == "pp=2 x dp=2 x tp=2 = 8 ranks (mesh_order pp-dp-tp)"
+    assert dims.describe() == "pp=2 x dp=2 x tp=2 = 8 ranks, mesh_order pp-dp-tp"
 
 
 def test_orders_differ_only_with_dp_and_pp_above_one() -> None:
