@@ -83,7 +83,7 @@ HYBRID = {"data_parallel_size": 2, "pipeline_parallel_size": 2, "tensor_parallel
           "sequence_parallel": True, "pipeline_schedule": "1f1b", "num_micro_batches": 2}
 
 
-@pytest.mark.parametrize("extra", [{}], ids=["dp-pp-tp"])
+@pytest.mark.parametrize("extra", [{}, {"mesh_order": "pp-dp-tp"}], ids=["dp-pp-tp", "pp-dp-tp"])
 def test_dp2_pp2_tp2_zero1_equals_one_device(reference: GPT, extra: dict[str, Any]) -> None:
     layout = {**HYBRID, **extra}
     model, _trainer = fit(_hy(**layout), 8, 2, model=_gpt())
