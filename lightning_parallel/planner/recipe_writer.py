@@ -89,8 +89,11 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     return recipe
 
 
-def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: str | None = None) -> str:
-    """The recipe as YAML, headed by comments that say where it came from and why."""
+def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: str | None = None,
+                path: str | None = None) -> str:
+    """The recipe as YAML, headed by comments that say where it came from and why (memory per device, the
+    pipeline's bubble, bytes between nodes per mesh order, and -- on several nodes -- the launch commands for
+    ``path``)."""
     body = recipe_dict(plan, max_steps=max_steps, accelerator=accelerator)
     chosen = plan.recommended
     assert chosen is not None  # recipe_dict raised otherwise
@@ -113,6 +116,22 @@ def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: s
             per_axis = ", ".join(f"{a} {format_bytes(axes[a])}" for a in MESH_AXES)
             mark = " <- chosen" if order == chosen.layout.mesh_order else ""
             notes.append(f"  {order}: {per_axis}; total {format_bytes(axes['total'])}{mark}")
+    if pipelined:
+        layout = chosen.layout
+        p, v = layout.pipeline_parallel_size, layout.virtual_pipeline_stages
+        m = plan.training.micro_batches(p)
+        chunks = v if layout.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        notes.append(f"bubble: {layout.pipeline_schedule} over p={p} stages, m={m} micro-batches: "
+                     f"(p-1)/({'v m' if chunks > 1 else 'm'}+p-1) = {(p - 1) / (chunks * m + p - 1):.1%} of each "
+                     "step idle per stage")
+    nodes, per_node = plan.hardware.nodes, plan.hardware.gpus_per_node
+    if nodes > 1:
+        recipe_path = path or "<this recipe>"
+        notes.append(f"launch on {nodes} nodes x {per_node} GPUs, either on every node (NODE_RANK 0..{nodes - 1}):")
+        notes.append(f"  NNODES={nodes} NODE_RANK=<n> MASTER_ADDR=<node 0> GPUS_PER_NODE={per_node} "
+                     f"scripts/launch/torchrun.sh {recipe_path}")
+        notes.append(f"or under SLURM: sbatch --nodes {nodes} --gpus-per-node {per_node} --ntasks-per-node {per_node} "
+                     f"scripts/launch/slurm.sbatch {recipe_path}")
     if chosen.tiled_layers:
         notes.append("tiled_layers: the largest layer must run tiled (Memory Centric Tiling, e.g. a tiled nn.Linear);")
         notes.append("the parallel section has no key for it: tile the model's largest layer yourself.")
@@ -124,7 +143,7 @@ def write_recipe(
     plan: Plan, path: str | Path, *, command: str, max_steps: int = 20, accelerator: str | None = None
 ) -> Path:
     """Write the recipe to ``path`` (folders created) and return the path."""
-    text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator)
+    text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator, path=str(path))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

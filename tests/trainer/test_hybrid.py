@@ -177,3 +177,19 @@ def test_refusals_before_spawn() -> None:
                      pipeline_schedule="interleaved_1f1b", num_micro_batches=4), _gpt(), 8)
     with pytest.raises(LayoutError, match=r"lp_pipeline .*parallel\.tensor_parallel_size=2\. Fix: .*lp_hybrid"):
         LPPipelineStrategy({"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
+
+
+def test_planner_written_cluster_recipes_pass_the_dry_run() -> None:
+    """The committed cluster recipes (written by `lightning-parallel plan --write-recipe`) are lp_hybrid layouts
+    that the dry run of fit accepts, and their headers quote memory, bubble, cross-node bytes and the launch."""
+    from lightning_parallel.cli import check_recipe
+
+    root = Path(__file__).resolve().parents[2]
+    for recipe, ranks in (("gpt3_13b_2x8.yaml", 16), ("gpt3_175b_16x8.yaml", 128)):
+        path = root / "recipes" / "cluster" / recipe
+        header = path.read_text().split("seed_everything")[0]
+        for quoted in ("predicted per device", "bubble:", "bytes between nodes per step", "<- chosen",
+                       "scripts/launch/torchrun.sh", "scripts/launch/slurm.sbatch"):
+            assert quoted in header, (recipe, quoted)
+        line = check_recipe(["--config", str(path), "--trainer.accelerator", "cpu", "--trainer.logger", "false"])
+        assert "lp_hybrid (pp=" in line and f"= {ranks} ranks, mesh_order pp-dp-tp" in line, line
