@@ -72,7 +72,8 @@ class ParallelConfig:
     """A parallel layout: how the world of ranks is split, and how each rank holds the model.
 
     World = ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size`` ranks, arranged in the mesh
-    ``("dp", "pp", "tp")`` with ``tp`` innermost (neighbouring ranks, inside a node) and ``dp`` outermost.
+    ``("dp", "pp", "tp")`` with ``tp`` innermost (neighbouring ranks, inside a node) and ``dp`` or ``pp`` outermost
+    as ``mesh_order`` says.
     """
 
     data_parallel_size: int | Literal["auto"] = "auto"
