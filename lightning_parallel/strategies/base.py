@@ -52,6 +52,7 @@ from typing_extensions import override
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.zero.comm import broadcast_module_states
 
+from . import watchdog
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
 __all__ = ["LayoutStrategy", "StartMethod"]
@@ -174,6 +175,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         # interpreter finalizes, so the backend's threads are joined in order rather than destroyed at exit.
         atexit.unregister(_destroy_process_group_at_exit)
         atexit.register(_destroy_process_group_at_exit)
+        watchdog.start(rank=self.global_rank, world_size=self.world_size)  # heartbeat: names a lost rank on failure
 
     @property
     @override
@@ -229,6 +231,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
+        watchdog.stop()
         if self._fit_patches is not None:
             self._fit_patches.close()
             self._fit_patches = None
@@ -241,6 +244,12 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
         self._mesh = None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed collective: print which rank is gone (:mod:`~lightning_parallel.strategies.watchdog`)."""
+        watchdog.on_exception(exception)
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -1,0 +1,335 @@
+"""Name the rank that is gone when a collective fails, so a killed rank does not end a run with a bare socket error.
+
+When one rank dies (``kill -9``, out of memory, a lost node), the others fail in their next collective: gloo raises
+``Connection reset by peer [10.0.0.2]:43121`` at once when the peer's sockets close, or the collective times out
+(the strategy's ``timeout``) when its host vanished. Neither says which rank it was. This module keeps the little
+state needed to say it, in the job's rendezvous store (the TCPStore at ``MASTER_ADDR:MASTER_PORT`` that the process
+group was built on: rank 0's under Lightning's launcher, the agent's on node 0 under torchrun):
+
+* :func:`start` (each rank, after the process group exists; world size > 1): writes this rank's host, pid and pid
+  namespace, and starts a daemon thread that adds 1 to this rank's heartbeat counter every
+  ``LP_WATCHDOG_INTERVAL`` seconds (default 1; ``LP_WATCHDOG=0`` turns all of this off): one store operation per
+  rank and interval, nothing else.
+* :func:`on_exception` (each rank, from the strategy's ``on_exception``: Lightning calls it for any exception in
+  fit/validate/test/predict): records this rank's own exit (order and reason), then looks for the rank to blame:
+  a peer on this machine whose process no longer exists (a pid look-up, same boot and pid namespace); a peer that
+  stopped with an error before this rank did; or, when this rank's error looks like a failed collective, a peer
+  whose heartbeat stopped (two reads ``max(2 s, 3 x interval)`` apart, polling the pids meanwhile; works across
+  hosts). It prints one line, e.g.::
+
+      lightning-parallel: rank 1 (pid 4242 on node-b) is gone (its process no longer exists): rank 0 got
+      RuntimeError: [...] Connection reset by peer; this rank (0) stops
+
+  and returns it; Lightning then tears down and re-raises, so the rank exits (non-zero) as it would have, with the
+  culprit named. When the store itself is unreachable, its host is the one gone (rank 0, or torchrun's agent).
+* :func:`stop` (the strategy's teardown): ends the heartbeat and marks this rank finished.
+
+It names ranks; it does not shorten anything: how long a rank waits for a peer that vanished without closing its
+sockets is the collective timeout (``--trainer.strategy.init_args.timeout 0:05:00`` with a strategy class path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["RankWatchdog", "active", "on_exception", "start", "stop"]
+
+_PREFIX = "lightning_parallel/watchdog"
+_STORE_TIMEOUT = timedelta(seconds=10)
+_PEER_FAILURE_TEXT = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout",
+                      "nccl", "gloo", "pair.cc", "socket", "connection refused", "eof")
+
+
+def _interval() -> float:
+    try:
+        return max(0.05, float(os.environ.get("LP_WATCHDOG_INTERVAL", "1")))
+    except ValueError:
+        return 1.0
+
+
+def _enabled() -> bool:
+    return os.environ.get("LP_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text and text[0] else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _looks_like_peer_failure(exc: BaseException) -> bool:
+    """A failed collective or a launcher's signal, rather than this rank's own bug (which needs no waiting)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (dist.DistError, ConnectionError, TimeoutError)):
+            return True
+        if type(current).__name__ == "SIGTERMException":  # Lightning's, after a launcher's SIGTERM
+            return True
+        text = str(current).lower()
+        if isinstance(current, RuntimeError) and any(p in text for p in _PEER_FAILURE_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _pid_namespace() -> str:
+    """This machine's boot id and pid namespace: two ranks whose pids may be looked up from each other agree on it
+    (a host name alone does not tell containers apart)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        parts.append("?")
+    return " ".join(parts)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie -- dead, not yet reaped by its parent -- counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+@dataclass
+class _Peer:
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    namespace: str | None = None
+    exit_seq: int | None = None
+    exit_reason: str | None = None
+    why: str = ""
+    verb: str = "is gone"
+
+    def name(self) -> str:
+        where = []
+        if self.pid is not None:
+            where.append(f"pid {self.pid}")
+        if self.host:
+            where.append(f"on {self.host}")
+        return f"rank {self.rank}" + (f" ({' '.join(where)})" if where else "")
+
+
+@dataclass
+class RankWatchdog:
+    """This rank's heartbeat in the rendezvous store and the look-up that names a lost peer (see the module)."""
+
+    rank: int
+    world_size: int
+    store: Any
+    prefix: str
+    interval: float
+    address: str
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    namespace: str = field(default_factory=_pid_namespace)
+    root: _Peer | None = None
+    store_error: BaseException | None = None
+    exited: bool = False
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *(str(p) for p in parts)])
+
+    # ------------------------------------------------------------------ life cycle
+    def begin(self) -> None:
+        info = {"host": self.host, "pid": self.pid, "namespace": self.namespace}
+        self.store.set(self.key("info", self.rank), json.dumps(info))
+        self.store.add(self.key("hb", self.rank), 1)
+        self._thread = threading.Thread(target=self._beat, name="lightning-parallel-watchdog", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                if self.root is None and self.rank != 0:  # rank 0's pid, for when its store is gone with it
+                    self.root = self._peer_info(0)
+                if self._stop.wait(self.interval):
+                    return
+                self.store.add(self.key("hb", self.rank), 1)
+            except Exception as err:  # the store's host is gone: stop quietly; on_exception reports it
+                self.store_error = err
+                return
+
+    def _halt_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def end(self) -> None:
+        self._halt_heartbeat()
+        if not self.exited and self.store_error is None:
+            try:
+                self._mark_exit("finished")
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ store reads
+    def _peer_info(self, rank: int) -> _Peer | None:
+        key = self.key("info", rank)
+        if not self.store.check([key]):
+            return None
+        info = json.loads(self.store.get(key))
+        return _Peer(rank, host=info.get("host"), pid=info.get("pid"), namespace=info.get("namespace"))
+
+    def _mark_exit(self, reason: str) -> int:
+        seq = int(self.store.add(self.key("exit_seq"), 1))
+        self.store.set(self.key("exit", self.rank), json.dumps({"seq": seq, "reason": reason}))
+        self.exited = True
+        return seq
+
+    def _exit_marker(self, rank: int) -> tuple[int, str] | None:
+        key = self.key("exit", rank)
+        if not self.store.check([key]):
+            return None
+        marker = json.loads(self.store.get(key))
+        return int(marker["seq"]), str(marker["reason"])
+
+    def _dead_here(self, peers: list[_Peer]) -> list[_Peer]:
+        """Peers on this host whose process no longer exists (no waiting: a pid look-up)."""
+        dead = [p for p in peers
+                if p.namespace == self.namespace and p.pid is not None and not _process_alive(p.pid)]
+        for p in dead:
+            p.why = "its process no longer exists" + (
+                f"; it had stopped with {p.exit_reason}" if p.exit_reason and p.exit_reason != "finished" else "")
+        return dead
+
+    def _heartbeats(self, ranks: list[int]) -> dict[int, int]:
+        return {r: int(self.store.add(self.key("hb", r), 0)) for r in ranks}  # add 0: read without blocking
+
+    # ------------------------------------------------------------------ the diagnosis
+    def diagnose(self, exception: BaseException) -> str | None:
+        """The line naming the rank(s) to blame for ``exception`` on this rank, or None (this rank is the first to
+        fail, or no peer could be blamed)."""
+        own = _first_line(exception)
+        if self.store_error is not None:  # the heartbeat already found the store gone: no more failing calls
+            return self._store_gone_line(own, self.store_error)
+        try:
+            my_seq = self._mark_exit(own)  # first: peers now know this rank stopped by itself, not vanished
+            self._halt_heartbeat()  # then one user of the store client at a time
+            peers = [self._peer_info(r) or _Peer(r) for r in range(self.world_size) if r != self.rank]
+            for peer in peers:
+                marker = self._exit_marker(peer.rank)
+                if marker is not None:
+                    peer.exit_seq, peer.exit_reason = marker
+            gone = self._dead_here(peers)
+            if not gone:
+                earlier = sorted((p for p in peers if p.exit_seq is not None and p.exit_seq < my_seq
+                                  and p.exit_reason != "finished"), key=lambda p: p.exit_seq or 0)
+                if earlier:
+                    for p in earlier:
+                        p.verb, p.why = "failed first", f"with {p.exit_reason}"
+                    gone = earlier
+            if not gone and _looks_like_peer_failure(exception):
+                silent = [p for p in peers if p.exit_seq is None]
+                wait = max(2.0, 3 * self.interval)
+                before = self._heartbeats([p.rank for p in silent])
+                deadline = time.monotonic() + wait
+                while not gone and time.monotonic() < deadline:  # a peer on this host may still be exiting
+                    time.sleep(0.2)
+                    gone = self._dead_here(peers)
+                after = {} if gone else self._heartbeats([p.rank for p in silent])
+                for p in [] if gone else silent:
+                    if after[p.rank] == before[p.rank] and self._exit_marker(p.rank) is None:
+                        p.why = f"no heartbeat for {wait:.0f}s and no error reported"
+                        gone.append(p)
+        except Exception as err:  # the store is unreachable: its host went down
+            self.store_error = err
+            return self._store_gone_line(own, err)
+        if not gone:
+            return None
+        if len(gone) == 1:
+            head = f"{gone[0].name()} {gone[0].verb} ({gone[0].why})"
+        else:
+            verb = "failed first" if all(p.verb == "failed first" for p in gone) else "are gone"
+            head = (f"ranks {', '.join(str(p.rank) for p in gone)} {verb} "
+                    f"({'; '.join(f'{p.name()}: {p.why}' for p in gone)})")
+        return f"lightning-parallel: {head}: rank {self.rank} got {own}; this rank ({self.rank}) stops"
+
+    def _store_gone_line(self, own: str, err: BaseException) -> str:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            host = "torchrun's agent on node 0 (it hosts the store)"
+        elif self.rank == 0:
+            host = "the store's host"
+        elif self.root is not None:
+            host = f"{self.root.name()}, which hosts the store,"
+        else:
+            host = "rank 0, which hosts the store,"
+        return (f"lightning-parallel: {host} is gone (the rendezvous store at {self.address} is unreachable: "
+                f"{_first_line(err, 120)}): rank {self.rank} got {own}; this rank ({self.rank}) stops")
+
+
+_ACTIVE: RankWatchdog | None = None
+_GENERATION = 0
+
+
+def active() -> RankWatchdog | None:
+    """This process's running watchdog, if any."""
+    return _ACTIVE
+
+
+def start(*, rank: int, world_size: int) -> RankWatchdog | None:
+    """Start this rank's heartbeat (idempotent; needs the process group and ``MASTER_ADDR``/``MASTER_PORT``).
+
+    Returns None, and does nothing, for one rank, with ``LP_WATCHDOG=0``, or when the store cannot be reached."""
+    global _ACTIVE, _GENERATION
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if world_size < 2 or not _enabled() or not (dist.is_available() and dist.is_initialized()):
+        return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    _GENERATION += 1  # every rank starts (fit, then test, ...) as often as the others: the same keys everywhere
+    prefix = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_GENERATION}"
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+        watchdog = RankWatchdog(rank=rank, world_size=world_size, store=store, prefix=prefix, interval=_interval(),
+                                address=f"{addr}:{port}")
+        watchdog.begin()
+    except Exception:  # no TCP store there (another rendezvous): run without
+        return None
+    _ACTIVE = watchdog
+    return watchdog
+
+
+def stop() -> None:
+    """End this rank's heartbeat and mark it finished (the strategy's teardown)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.end()
+        _ACTIVE = None
+
+
+def on_exception(exception: BaseException) -> str | None:
+    """Print (stderr) and return the line naming the lost rank for this rank's ``exception``, or None."""
+    if _ACTIVE is None or isinstance(exception, KeyboardInterrupt) or _ACTIVE.exited:
+        return None
+    line = _ACTIVE.diagnose(exception)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return line

@@ -1,0 +1,210 @@
+"""A rank lost mid-run does not hang the others, and they say which rank it was.
+
+``lightning-parallel fit`` with ``lp_ddp`` on 2 CPU ranks (Lightning's popen launcher, as the CLI runs it), a short
+collective timeout given the documented way (``--trainer.strategy lightning_parallel.LPDDPStrategy
+--trainer.strategy.init_args.timeout 0:00:20``). A callback writes each rank's pid once training is under way; the
+test then
+
+* ``kill -9``s rank 1: rank 0's next collective fails at once (gloo: the peer's sockets closed), and the watchdog
+  (:mod:`lightning_parallel.strategies.watchdog`) names rank 1 from its pid;
+* freezes rank 1 (``SIGSTOP``: alive but silent, as a node that dropped off the network): rank 0's collective
+  times out after the collective timeout, and the watchdog names rank 1 from its stopped heartbeat.
+
+Both bound rank 0's exit generously (the machine is shared): 120 s, against a 20 s timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_parallel.strategies.watchdog import RankWatchdog
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND_S = 120.0
+TIMEOUT = "0:00:20"
+
+RECIPE = """\
+seed_everything: 1234
+model:
+  class_path: lightning_parallel.models.GPT
+  init_args: {{n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab_size: 256, lr: 1.0e-3, warmup_steps: 2}}
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_steps: 100000
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: tests.trainer.test_rank_failure.PidFile
+      init_args: {{folder: {folder}}}
+data:
+  class_path: lightning_parallel.data.TextDataModule
+  init_args: {{block_size: 16, batch_size: 4}}
+"""
+
+
+class PidFile(Callback):
+    """Writes ``rank<R>.pid`` (this process's pid) once, after step ``after``: training is under way."""
+
+    def __init__(self, folder: str, after: int = 3) -> None:
+        self.folder, self.after = Path(folder), after
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.after:
+            tmp = self.folder / f"rank{trainer.global_rank}.pid.tmp"
+            tmp.write_text(str(os.getpid()))
+            tmp.rename(self.folder / f"rank{trainer.global_rank}.pid")
+
+
+def _run_and_lose_rank_1(tmp_path: Path, sig: signal.Signals) -> tuple[int, float, str, int]:
+    """Start the 2-rank run, send ``sig`` to rank 1 once both ranks train; (rank 0's exit code, seconds from the
+    signal to rank 0's exit, rank 0's output, rank 1's pid)."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(folder=tmp_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "lightning_parallel", "fit", "--config", str(tmp_path / "recipe.yaml"),
+           "--trainer.strategy", "lightning_parallel.LPDDPStrategy",
+           "--trainer.strategy.init_args.timeout", TIMEOUT]
+    log = tmp_path / "rank0.log"
+    pid1 = 0
+    # output to a file, not a pipe: a frozen rank 1 inherits it and would hold a pipe open after rank 0 exits
+    with open(log, "w") as out:
+        rank0 = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"rank{r}.pid").is_file() for r in (0, 1)):
+            assert rank0.poll() is None, f"the run ended before training:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no training step after 180 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        pid1 = int((tmp_path / "rank1.pid").read_text())
+        os.kill(pid1, sig)
+        lost_at = time.monotonic()
+        try:
+            code = rank0.wait(timeout=BOUND_S + 60)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - lost_at
+    finally:
+        rank0.kill()
+        rank0.wait()
+        if pid1:
+            _end_process(pid1)
+    assert code is not None, f"rank 0 still ran {BOUND_S + 60:.0f}s after rank 1 was lost:\n{log.read_text()[-3000:]}"
+    return code, elapsed, log.read_text(), pid1
+
+
+def _end_process(pid: int) -> None:
+    for sig in (signal.SIGKILL, signal.SIGCONT):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+
+
+def _message(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("lightning-parallel: rank 1 ")]
+    assert lines, f"no line names rank 1:\n{output[-4000:]}"
+    return lines[0]
+
+
+def test_rank_killed_mid_run_is_named_and_rank_0_stops(tmp_path: Path) -> None:
+    code, elapsed, output, pid1 = _run_and_lose_rank_1(tmp_path, signal.SIGKILL)
+    line = _message(output)
+    print(f"rank 1 (pid {pid1}) killed -> rank 0 exited with code {code} after {elapsed:.1f}s:\n{line}")
+    assert code != 0
+    assert elapsed < BOUND_S
+    assert f"rank 1 (pid {pid1} " in line and "is gone (" in line
+    assert line.endswith("this rank (0) stops")
+
+
+def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(tmp_path: Path) -> None:
+    code, elapsed, output, pid1 = _run_and_lose_rank_1(tmp_path, signal.SIGSTOP)
+    line = _message(output)
+    print(f"rank 1 (pid {pid1}) frozen -> rank 0 exited with code {code} after {elapsed:.1f}s "
+          f"(collective timeout {TIMEOUT}):\n{line}")
+    assert code != 0
+    assert elapsed < BOUND_S
+    assert f"rank 1 (pid {pid1} " in line and "no heartbeat for" in line
+    assert "Timed out" in line or "timeout" in line.lower()
+    assert line.endswith("this rank (0) stops")
+
+
+# ---------------------------------------------------------------------- the look-up alone, in this process (fast)
+def _watchdog(rank: int = 0) -> tuple[RankWatchdog, Any]:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    dog = RankWatchdog(rank=rank, world_size=2, store=client, prefix="t", interval=0.05,
+                       address=f"127.0.0.1:{server.port}")
+    dog.begin()
+    return dog, server
+
+
+def _pretend_rank_1(dog: RankWatchdog, pid: int) -> None:
+    dog.store.set(dog.key("info", 1), json.dumps({"host": dog.host, "pid": pid, "namespace": dog.namespace}))
+
+
+def test_lookup_names_a_dead_pid_an_earlier_failure_and_a_silent_peer() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dog, _server = _watchdog()
+    try:
+        _pretend_rank_1(dog, dead.pid)
+        line = dog.diagnose(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+        assert line is not None and line.startswith(f"lightning-parallel: rank 1 (pid {dead.pid} on ")
+        assert "is gone (its process no longer exists): rank 0 got RuntimeError: Connection closed" in line
+        assert line.endswith("; this rank (0) stops")
+    finally:
+        dog.end()
+
+    dog, _server = _watchdog()  # rank 1 alive (this process) but it reported its error first
+    try:
+        _pretend_rank_1(dog, os.getpid())
+        dog.store.set(dog.key("exit", 1), json.dumps({"seq": 0, "reason": "ValueError: boom"}))
+        line = dog.diagnose(RuntimeError("Connection reset by peer"))
+        assert line is not None and "rank 1 (pid" in line and "failed first (with ValueError: boom)" in line
+    finally:
+        dog.end()
+
+    dog, _server = _watchdog()  # rank 1 alive, but no heartbeat: a frozen rank or a host that dropped off
+    try:
+        _pretend_rank_1(dog, os.getpid())
+        line = dog.diagnose(RuntimeError("Timed out waiting 20000ms for recv operation to complete"))
+        assert line is not None and "no heartbeat for 2s and no error reported" in line
+    finally:
+        dog.end()
+
+    dog, _server = _watchdog()  # this rank's own bug (not a failed collective): no waiting, nobody blamed
+    try:
+        _pretend_rank_1(dog, os.getpid())
+        assert dog.diagnose(ValueError("my own bug")) is None
+    finally:
+        dog.end()
+
+
+def test_lookup_when_the_store_host_is_gone() -> None:
+    dog, server = _watchdog(rank=1)
+    dog.root = None
+    del server  # the store's host goes away
+    gc.collect()
+    line = dog.diagnose(RuntimeError("Connection reset by peer"))
+    dog.end()
+    assert line is not None and line.startswith("lightning-parallel: rank 0, which hosts the store, is gone")
+    assert line.endswith("this rank (1) stops")
