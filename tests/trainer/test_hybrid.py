@@ -20,21 +20,12 @@ from lightning_parallel import ParallelModuleMixin
 from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import LPHybridStrategy, LPPipelineStrategy
-from tests.trainer.token_data import GLOBAL_BATCH, STEPS, T, TokenData, fit, weight_diff
+from tests.trainer.token_data import GLOBAL_BATCH, STEPS, Residual, T, TokenData, fit, weight_diff
 
 
 def _gpt(seed: int = 0, n_layer: int = 2) -> GPT:
     torch.manual_seed(seed)
     return GPT(n_layer=n_layer, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
-
-
-class _Residual(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 class PlanMLP(ParallelModuleMixin, pl.LightningModule):
@@ -43,7 +34,7 @@ class PlanMLP(ParallelModuleMixin, pl.LightningModule):
     def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(_Residual(hidden) for _ in range(2))
+        self.layers = nn.ModuleList(Residual(hidden) for _ in range(2))
         self.out = nn.Linear(hidden, vocab, bias=False)
 
     def pipeline_layers(self) -> list[nn.Module]:

@@ -20,7 +20,7 @@ from lightning_parallel import ParallelModuleMixin
 from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import LPPipelineStrategy
-from tests.trainer.token_data import GLOBAL_BATCH, STEPS, SavePredictions, T, TokenData, fit, weight_diff
+from tests.trainer.token_data import GLOBAL_BATCH, STEPS, Residual, SavePredictions, T, TokenData, fit, weight_diff
 
 
 def _gpt(seed: int = 0, n_layer: int = 6) -> GPT:
@@ -34,7 +34,7 @@ class DictMLP(ParallelModuleMixin, pl.LightningModule):
     def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(_Residual(hidden) for _ in range(3))
+        self.layers = nn.ModuleList(Residual(hidden) for _ in range(3))
         self.out = nn.Linear(hidden, vocab)
 
     def pipeline_layers(self) -> list[nn.Module]:
@@ -60,15 +60,6 @@ class DictMLP(ParallelModuleMixin, pl.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)}
-
-
-class _Residual(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,17 @@ def weight_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((v - sb[k]).abs().max()) for k, v in a.state_dict().items())
 
 
+class Residual(nn.Module):
+    """A residual MLP layer (``up`` -> ReLU -> ``down``) for the small non-GPT test modules."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
 class SavePredictions(pl.Callback):
     """Fork workers return no predictions to the main process: each rank saves its first batch's output."""
 
