@@ -39,15 +39,19 @@ class ConsolidateResult:
     parameters: int
     bytes: int
     dropped: tuple[str, ...]
+    resumable: bool = False
 
     def summary(self) -> str:
         """One line: what was read, what was written."""
+        tail = ("optimizer state (one-device form), LR schedulers and loop position kept: Trainer.fit(ckpt_path=OUT) "
+                "resumes on one device or under any strategy" if self.resumable
+                else "optimizer and LR-scheduler states dropped (weights-only checkpoint)")
         return (f"consolidated {self.source.path} [{self.source.describe()}] -> {self.output}: {self.tensors} tensors, "
-                f"{self.parameters:,} parameters, {self.bytes:,} bytes; optimizer and LR-scheduler states dropped "
-                "(weights-only checkpoint)")
+                f"{self.parameters:,} parameters, {self.bytes:,} bytes; {tail}")
 
 
-def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> ConsolidateResult:
+def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resumable: bool = False
+                ) -> ConsolidateResult:
     """Write the one-file, single-device Lightning checkpoint of ``src`` (any supported format) to ``dst``.
 
     The file holds ``state_dict`` with the LightningModule's own names (full tensors, as trained; DeepSpeed: fp32
@@ -56,6 +60,11 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> C
     LR-scheduler states are dropped** (``optimizer_states``, ``lr_schedulers``): the result is a weights-only
     checkpoint, like Lightning's ``save_weights_only`` (``Trainer.fit(ckpt_path=dst)`` refuses to resume from it).
     Everything in it loads with ``torch.load(weights_only=True)``.
+
+    ``resumable=True`` keeps what a fit needs to continue: the optimizer state joined into the one-device per-index
+    form, the LR schedulers and the loops (:func:`~lightning_parallel.checkpoint.resume.read_resumable`), so
+    ``Trainer.fit(ckpt_path=dst)`` resumes on one device with any Lightning strategy, or under any of the library's
+    layouts (a one-file checkpoint from a one-device run is also the starting point of a sharded one as it is).
 
     ``dst`` is written atomically (a temporary file in its folder, then renamed); missing parent folders are
     created; ``dst`` may not be ``src`` itself or an existing folder. ``trusted``: see :func:`full_state_dict`.
@@ -66,9 +75,22 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> C
         raise IsADirectoryError(f"{out}: the output is an existing folder; expected a file path for the checkpoint.")
     if source.exists() and out.exists() and out.resolve() == source.resolve():
         raise CheckpointFormatError(f"{out}: the output is the input checkpoint itself; write it to another file.")
-    state, rest, info = read_checkpoint(source, trusted=trusted)
-    checkpoint = {k: v for k, v in rest.items() if k not in DROPPED_KEYS}
-    checkpoint["state_dict"] = {k: _own_storage(v) for k, v in state.items()}
+    if resumable:
+        from .formats import detect_format
+        from .resume import RESUMED_FROM_KEY, read_resumable
+
+        checkpoint = read_resumable(source, trusted=trusted)
+        checkpoint.pop(RESUMED_FROM_KEY, None)
+        info = detect_format(source, trusted=trusted)
+        if not checkpoint.get("optimizer_states"):
+            raise CheckpointFormatError(f"{source}: holds no optimizer state (a weights-only checkpoint); there is "
+                                        "nothing to resume. Drop --resumable to write its weights.")
+        checkpoint["state_dict"] = {k: _own_storage(v) for k, v in checkpoint["state_dict"].items()}
+        rest = checkpoint
+    else:
+        state, rest, info = read_checkpoint(source, trusted=trusted)
+        checkpoint = {k: v for k, v in rest.items() if k not in DROPPED_KEYS}
+        checkpoint["state_dict"] = {k: _own_storage(v) for k, v in state.items()}
     tensors = [v for v in checkpoint["state_dict"].values() if isinstance(v, Tensor)]
     blocking = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
     if blocking is not None:
@@ -84,7 +106,7 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False) -> C
     return ConsolidateResult(
         source=info, output=out, tensors=len(tensors), parameters=sum(t.numel() for t in tensors),
         bytes=sum(t.numel() * t.element_size() for t in tensors),
-        dropped=tuple(k for k in DROPPED_KEYS if k in rest),
+        dropped=() if resumable else tuple(k for k in DROPPED_KEYS if k in rest), resumable=resumable,
     )
 
 
@@ -117,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="load a Lightning file or an lp_sharded folder with torch.load(weights_only=False), "
                              "which runs code stored in the files: only for files you trust (needed when they hold "
                              "pickled objects; DeepSpeed folders are always read that way)")
+    parser.add_argument("--resumable", action="store_true",
+                        help="keep the optimizer state (joined into the one-device form), LR schedulers and loop "
+                             "position, so that Trainer.fit(ckpt_path=OUT) resumes on one device or under any "
+                             "layout (DeepSpeed folders excepted)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():  # DeepSpeed's own choice without a GPU, minus the warning it prints on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        result = consolidate(args.input, args.output, trusted=args.trust)
+        result = consolidate(args.input, args.output, trusted=args.trust, resumable=args.resumable)
     except CheckpointFormatError as err:
         print(f"lightning-parallel consolidate: error: {err}", file=sys.stderr)
         return 1

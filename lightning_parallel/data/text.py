@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_parallel.data.resumable import ResumableDataModuleMixin
+
 __all__ = ["DEFAULT_CORPUS", "TextDataModule", "TokenWindows", "load_text", "tokenize"]
 
 DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "python_docs.txt.gz"
@@ -66,8 +68,12 @@ class TokenWindows(Dataset[tuple[Tensor, Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
     """Next-token prediction data from text.
+
+    The training order depends on ``seed`` and the epoch only, and global batch ``s`` holds the same samples for
+    every data-parallel size (:class:`~lightning_parallel.data.resumable.ResumableSampler`); a run resumed from a
+    mid-epoch checkpoint continues with the remaining batches of that epoch.
 
     Args:
         path: a text file (``.gz`` ok), a folder of text files, or None for the embedded corpus.
@@ -128,8 +134,8 @@ class TextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        g = torch.Generator().manual_seed(self._hp.seed)
-        return DataLoader(self.train_set, batch_size=self._hp.batch_size, shuffle=True, generator=g,
+        sampler = self.resumable_sampler(self.train_set, self._hp.batch_size, shuffle=True, seed=self._hp.seed)
+        return DataLoader(self.train_set, batch_size=self._hp.batch_size, sampler=sampler,
                           num_workers=self._hp.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -224,6 +224,22 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         broadcast_module_states(model, group=self.mesh.get_group("dp"), src_rank=src)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Any checkpoint the library writes, under any layout: read into the one-device form (whole weights,
+        per-index optimizer state, loops) by :func:`~lightning_parallel.checkpoint.resume.read_resumable`, with
+        ``torch.load(weights_only=True)``; the strategy's ``load_*_state_dict`` re-shard it for this layout."""
+        from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
+
+        path = self.broadcast(str(checkpoint_path))
+        checkpoint = load_for_resume(path, strategy=self.strategy_name)
+        if self.lightning_module is not None:
+            check_fits(checkpoint, module=self.lightning_module, optimizers=self.optimizers, path=path)
+        note = resume_note(checkpoint, strategy=self.strategy_name, layout=self.describe())
+        if note and self.is_global_zero:
+            print(note, flush=True)
+        return checkpoint
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)

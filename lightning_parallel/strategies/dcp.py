@@ -56,12 +56,16 @@ class DCPCheckpointMixin:
 
         def barrier(self, name: str | None = None) -> None: ...
 
+        def describe(self) -> str: ...
+
     def checkpoint_layout(self) -> dict[str, Any]:
         """What ``meta.pt`` and ``layout.json`` record about the layout (subclasses)."""
         return {}
 
-    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
-        """Refuse (``LayoutError`` with the fix) a folder whose saved layout this run cannot resume."""
+    def can_read_saved_layout(self, saved: dict[str, Any]) -> bool:
+        """Whether each rank can read its own tensors of a folder with this saved layout straight from the DCP files
+        (True) or the folder is joined into the one-device form first (False)."""
+        return True
 
     def merge_saved_param_groups(self, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """One optimizer's ``param_groups`` (parameter names) from every rank, joined into the whole model's: each
@@ -99,14 +103,13 @@ class DCPCheckpointMixin:
         """A folder: DCP shards of the module and optimizer states from every rank, ``meta.pt`` and ``layout.json``
         from rank 0. Written next to the target and renamed into place, so a failed save never leaves a half folder
         under the checkpoint's name."""
+        from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
         from lightning_parallel.parallel.tensor.checkpoint import LAYOUT_FILE, save_sharded
 
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + ".partial")
+        partial = partial_path(path)
         if self.is_global_zero:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
+            fresh_partial(path)
         self.barrier("lp_dcp_mkdir")
         model_state = checkpoint.pop("state_dict")
         optim_states = checkpoint.pop("optimizer_states", [])
@@ -122,11 +125,7 @@ class DCPCheckpointMixin:
         self.barrier("lp_dcp_saved")
         if self.is_global_zero:
             (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
-            if path.is_file():
-                path.unlink()
-            elif path.is_dir():  # a checkpoint saved again under one name (last.ckpt): no stale shard files
-                shutil.rmtree(path)
-            partial.rename(path)
+            replace_with(partial, path)  # a checkpoint saved again under one name (last.ckpt): no stale shard files
         self.barrier("lp_dcp_renamed")
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -136,28 +135,31 @@ class DCPCheckpointMixin:
             Path(filepath).unlink()
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A DCP folder of this strategy (its layout checked by :meth:`check_saved_layout`) or a one-device file
-        (whole tensors, placed in :meth:`load_model_state_dict`)."""
+        """A DCP folder of this strategy whose layout :meth:`check_saved_layout` accepts: each rank reads its own
+        shards from the files (in :meth:`load_model_state_dict` / :meth:`load_optimizer_state_dict`). Anything else
+        -- a one-device file, another strategy's folder, a folder of another tensor-parallel size -- is joined into
+        the one-device form (:func:`~lightning_parallel.checkpoint.resume.read_resumable`) and each rank takes the
+        tensors it holds, cut like its parameters."""
+        from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
         from lightning_parallel.parallel.tensor.checkpoint import META_FILE, is_tensor_checkpoint
 
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-            return loaded
-        if not is_tensor_checkpoint(path):
-            raise LayoutError(f"{str(path)!r} is a folder but not a {self.strategy_name} checkpoint (meta.pt + DCP "
-                              "files).")
-        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint", "lp_hybrid_checkpoint")
-                       if k in checkpoint), None)
-        if saved is None or checkpoint.get(self.checkpoint_key) is None:
-            other = saved.get("strategy", "another strategy") if isinstance(saved, dict) else "another strategy"
-            raise LayoutError(
-                f"the checkpoint {str(path)!r} was written by {other}, not {self.strategy_name}. Fix: resume it "
-                f"with {other}, or turn it into a one-device file with `lightning-parallel consolidate "
-                f"{path} OUT.ckpt` and resume from that."
-            )
-        self.check_saved_layout(saved, path)
+        checkpoint: dict[str, Any] | None = None
+        if is_tensor_checkpoint(path):
+            checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+            saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint",
+                                                  "lp_hybrid_checkpoint") if k in checkpoint), None)
+            if saved is None or checkpoint.get(self.checkpoint_key) is None or not self.can_read_saved_layout(saved):
+                checkpoint = None
+        if checkpoint is None:
+            full = load_for_resume(path, strategy=self.strategy_name)
+            if self.lightning_module is not None:  # this rank's tensors; the optimizer is matched by name later
+                check_fits(full, module=self.lightning_module, optimizers=self.optimizers, path=path,
+                           whole_module=False)
+            note = resume_note(full, strategy=self.strategy_name, layout=self.describe())
+            if note and self.is_global_zero:
+                print(note, flush=True)
+            return full
         checkpoint[FOLDER_KEY] = str(path)
         # the tensors stay in the DCP files until load_model_state_dict / load_optimizer_state_dict read them
         checkpoint["state_dict"] = {}
@@ -196,14 +198,57 @@ class DCPCheckpointMixin:
         module = self.lightning_module
         assert module is not None
         folder = checkpoint.get(FOLDER_KEY)
-        if folder is None:
-            raise LayoutError(f"{self.strategy_name} resumes the optimizer from its own checkpoint folders only. "
-                              "Fix: resume from a checkpoint this strategy wrote, or load the weights alone "
-                              "(load_from_checkpoint).")
+        saved_states = checkpoint.get("optimizer_states", [])
+        if folder is None and len(saved_states) != len(self.optimizers):
+            raise LayoutError(f"the checkpoint holds {len(saved_states)} optimizer state(s), this run has "
+                              f"{len(self.optimizers)} optimizer(s). Fix: resume with the same configure_optimizers.")
         for i, optimizer in enumerate(self.optimizers):
-            by_name = load_optimizer(folder, i, module)
             raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if folder is not None:
+                by_name = load_optimizer(folder, i, module)
+            else:
+                by_name = self._place_full_optimizer_state(raw, saved_states[i])
             if isinstance(raw, LocalShardZeroOptimizer):
                 raw.load_state_by_name(module, by_name)
             else:
                 apply_optimizer_state(module, raw, by_name)
+
+    def _place_full_optimizer_state(self, raw: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """A one-device (per-index) optimizer state -> by name, only the parameters this rank holds, each state
+        tensor cut like its parameter (a DTensor for tp-sharded ones; cut locally, no collective).
+
+        The indices are matched to names by the one-device numbering: every rank's param-group names, gathered
+        and joined as :meth:`merge_saved_param_groups` joins them when saving (one ``all_gather_object``)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from lightning_parallel.checkpoint.resume import check_state_shapes, optimizer_by_name
+        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+        module = self.lightning_module
+        assert module is not None
+        name_of = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        own_groups = raw.original_params if isinstance(raw, LocalShardZeroOptimizer) else [
+            list(g["params"]) for g in raw.param_groups]
+        live = [{"params": [name_of[id(p)] for p in group]} for group in own_groups]
+        gathered: list[Any] = [live]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, live)
+        names = [g["params"] for g in self.merge_saved_param_groups(gathered)]
+        by_name = optimizer_by_name(saved, names, where="the checkpoint")
+        params = dict(module.named_parameters())
+        check_state_shapes(by_name, {n: p.shape for n, p in params.items()}, where="the checkpoint")
+        state: dict[str, Any] = {}
+        for name, slot in by_name["state"].items():
+            p = params.get(name)
+            if p is None:
+                continue  # held by another pipeline stage
+            placed: dict[str, Any] = {}
+            for key, value in slot.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value = value.to(device=p.device)
+                    if isinstance(p, DTensor):
+                        value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+                placed[key] = value
+            state[name] = placed
+        return {"state": state, "param_groups": by_name["param_groups"]}

@@ -322,6 +322,18 @@ class LPDPStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Any:
         yield None
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Any checkpoint the library writes, joined into the one-device form (what this one process holds)."""
+        from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
+
+        checkpoint = load_for_resume(checkpoint_path, strategy=self.strategy_name)
+        if self.lightning_module is not None:
+            check_fits(checkpoint, module=self.lightning_module, optimizers=self.optimizers, path=checkpoint_path)
+        note = resume_note(checkpoint, strategy=self.strategy_name, layout=self.describe())
+        if note:
+            print(note, flush=True)
+        return checkpoint
+
     def describe(self) -> str:
         kind = self.root_device.type
         return f"{self.strategy_name} (1 process, {self.num_replicas} {kind} replicas in threads)"

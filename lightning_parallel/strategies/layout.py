@@ -264,12 +264,34 @@ def oversubscription_warning(*, processes: int, device_type: str, cores: int | N
     )
 
 
+def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
+    """Before spawning: a ``ckpt_path`` given as a path must exist, and the strategy must be able to resume its kind
+    (``check_resume_source(path)`` where the strategy defines it). Lightning's keywords (``last``, ``best``, ...)
+    are resolved later, in the ranks."""
+    from lightning_parallel.checkpoint.formats import CheckpointFormatError
+
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    text = str(ckpt_path)
+    if text in ("last", "best", "hpc") or text.startswith("registry"):
+        return
+    if "://" not in text and not os.path.exists(text):
+        raise CheckpointFormatError(f"--ckpt_path {text}: no such file or folder. Fix: give the path of a checkpoint "
+                                    "(a .ckpt file or folder trainer.save_checkpoint wrote), or 'last'.")
+    check = getattr(strategy, "check_resume_source", None)
+    if callable(check) and "://" not in text:
+        check(text)
+
+
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     if trainer is not None and trainer.lightning_module is not None:
         strategy.check_module(trainer.lightning_module)
     check_data = getattr(strategy, "check_data", None)
-    if callable(check_data) and trainer is not None and trainer.state.fn == "fit":
+    fitting = trainer is not None and trainer.state.fn == "fit"
+    if callable(check_data) and fitting:
         check_data(args)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
+    if fitting and len(args) > 4:
+        check_ckpt_path(strategy, args[4])
     devices = getattr(strategy, "parallel_devices", None) or []
     warning = oversubscription_warning(processes=len(devices), device_type=devices[0].type if devices else "cpu",
                                        cores=os.cpu_count())

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -405,17 +404,11 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
                 "stages": [list(plan.names[a:b]) for a, b in plan.ranges] if plan is not None else None}
 
     @override
-    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
-        """Everything is stored under the whole model's parameter names, so any cut resumes: another ``pp``,
-        ``virtual_pipeline_stages``, schedule, ``dp`` or ZeRO stage reads the tensors this rank now holds. A
-        different ``tp`` is refused (as ``lp_tensor`` does)."""
-        saved_tp = int(saved.get("tp", 1))
-        if saved_tp != self.dims.tp:
-            raise LayoutError(
-                f"the checkpoint {str(path)!r} was saved with tensor_parallel_size={saved_tp}; this run has "
-                f"{self.dims.tp}. Fix: resume with tensor_parallel_size={saved_tp}, or convert it with "
-                f"`lightning-parallel consolidate {path} OUT.ckpt` and resume from the one-device file."
-            )
+    def can_read_saved_layout(self, saved: dict[str, Any]) -> bool:
+        """Everything is stored under the whole model's parameter names, so any cut reads its own tensors from the
+        files: another ``pp``, ``virtual_pipeline_stages``, schedule, ``dp`` or ZeRO stage. A folder of another
+        ``tp`` is joined into the one-device form first."""
+        return int(saved.get("tp", 1)) == self.dims.tp
 
     @override
     def merge_saved_param_groups(self, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -310,15 +310,18 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """``full``: rank 0 writes one file. ``sharded``: a folder, ``meta.pt`` from rank 0 and one file per rank."""
+        """``full``: rank 0 writes one file. ``sharded``: a folder, ``meta.pt`` from rank 0 and one file per rank,
+        written into ``<path>.partial`` and renamed into place once every rank is done (never a half folder under
+        the checkpoint's name)."""
+        from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
+
         if self._checkpoint_kind == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        path = Path(self.broadcast(str(filepath)))
+        target = Path(self.broadcast(str(filepath)))
+        path = partial_path(target)
         if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
+            fresh_partial(target)
         self.barrier("lp_sharded_mkdir")
         own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
         if self.zero_stage == 3:
@@ -327,7 +330,10 @@ class LPShardedStrategy(LayoutStrategy):
         if self.is_global_zero:
             checkpoint[SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size,
                                        "sharded_shapes": self._sharded_shapes()}
+        self.barrier("lp_sharded_rank_files")
+        if self.is_global_zero:  # metadata last, then the rename
             torch.save(checkpoint, path / META_FILE)
+            replace_with(path, target)
         self.barrier("lp_sharded_saved")
 
     def _sharded_shapes(self) -> dict[str, list[int]]:
@@ -350,21 +356,19 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """A file (any layout), or a sharded folder: ``meta.pt`` + this rank's file (the same layout only)."""
+        """A sharded folder written on this layout: ``meta.pt`` + this rank's file, as saved. Anything else -- a
+        file, a sharded folder of another world size or stage, another strategy's folder -- is joined into the
+        one-device form and re-sharded (:meth:`LayoutStrategy.load_checkpoint`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=False)
-        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        saved = checkpoint[SHARDED_KEY]
-        if saved["world_size"] != self.world_size or saved["zero_stage"] != self.zero_stage:
-            raise LayoutError(
-                f"the sharded checkpoint {str(path)!r} was saved by {saved['world_size']} ranks at zero_stage="
-                f"{saved['zero_stage']}; this run has {self.world_size} ranks at zero_stage={self.zero_stage}. A "
-                "sharded checkpoint resumes on the same layout only. Fix: resume with that layout, or save with "
-                "checkpoint='full' (loads under any layout)."
-            )
-        checkpoint.update(torch.load(path / rank_file(self.global_rank), map_location="cpu", weights_only=False))
-        return checkpoint
+        meta_file = path / META_FILE
+        if path.is_dir() and meta_file.is_file() and not (path / ".metadata").exists():
+            checkpoint: dict[str, Any] = torch.load(meta_file, map_location="cpu", weights_only=True)
+            saved = checkpoint.get(SHARDED_KEY) or {}
+            if saved.get("world_size") == self.world_size and saved.get("zero_stage") == self.zero_stage:
+                checkpoint.update(torch.load(path / rank_file(self.global_rank), map_location="cpu",
+                                             weights_only=True))
+                return checkpoint
+        return super().load_checkpoint(path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -298,13 +297,10 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
                 "sequence_parallel": self.layout.sequence_parallel}
 
     @override
-    def check_saved_layout(self, saved: dict[str, Any], path: Path) -> None:
-        if saved["tp"] != self.dims.tp:
-            raise LayoutError(
-                f"the checkpoint {str(path)!r} was saved with tensor_parallel_size={saved['tp']}; this run has "
-                f"{self.dims.tp}. Fix: resume with tensor_parallel_size={saved['tp']}, or convert it with "
-                "lightning_parallel.parallel.tensor.read_full_checkpoint and resume from the one-device file."
-            )
+    def can_read_saved_layout(self, saved: dict[str, Any]) -> bool:
+        """A folder of the same ``tp`` is read shard by shard (DCP re-shards over another ``dp``); one of another
+        ``tp`` is joined into the one-device form first."""
+        return int(saved.get("tp", 1)) == self.dims.tp
 
 
 def _clip_by_global_norm(strategy: LPTensorStrategy) -> contextlib.AbstractContextManager[None]:

@@ -27,7 +27,6 @@ dict that loads on one device.
 from __future__ import annotations
 
 import logging
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -325,19 +324,32 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.offloads_to_nvme:  # DeepSpeed copies the swap folder with copytree, which refuses an existing target
-            target = Path(self.broadcast(str(filepath)))
-            if self.is_global_zero and target.is_dir():
-                shutil.rmtree(target)
-            self.barrier("lp_zero_offload_nvme_overwrite")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        """DeepSpeed's folder (and, with NVMe offload, each rank's state under ``lp_offload_state/``), written into
+        ``<path>.partial`` and renamed into place once every rank is done: a crash mid-save leaves the previous
+        checkpoint of that name whole."""
+        from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
+
+        target = Path(self.broadcast(str(filepath)))
+        partial = partial_path(target)
+        if self.is_global_zero:
+            fresh_partial(target)  # DeepSpeed copies the NVMe swap folder with copytree: the target must be new
+            partial.rmdir()
+        self.barrier("lp_zero_offload_partial")
+        super().save_checkpoint(checkpoint, str(partial), storage_options)
         if self.offloads_to_nvme:
-            folder = Path(self.broadcast(str(filepath))) / OFFLOAD_STATE_DIR
-            save_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
-            self.barrier("lp_zero_offload_nvme_state_saved")
+            save_local_state(self.deepspeed_engine, partial / OFFLOAD_STATE_DIR, rank=self.global_rank)
+        self.barrier("lp_zero_offload_saved")
+        if self.is_global_zero:
+            replace_with(partial, target)
+        self.barrier("lp_zero_offload_renamed")
+
+    def check_resume_source(self, path: _PATH) -> None:
+        """Before spawning (``--ckpt_path``) and when loading: a DeepSpeed folder only (:func:`check_resume_source`)."""
+        check_resume_source(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        check_resume_source(checkpoint_path)
         client_state = super().load_checkpoint(checkpoint_path, weights_only)
         if self.offloads_to_nvme and self.lightning_module is not None:
             folder = Path(checkpoint_path) / OFFLOAD_STATE_DIR
@@ -385,6 +397,26 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
             self._final_state = self.consolidated_state_dict()
         super().teardown()
 
+
+
+def check_resume_source(path: _PATH) -> None:
+    """``lp_zero_offload`` resumes DeepSpeed folders only: refuse anything else with the reason and the fix."""
+    from lightning_parallel.checkpoint.formats import DEEPSPEED_LATEST_FILE
+    from lightning_parallel.checkpoint.resume import ResumeError
+
+    folder = Path(path)
+    if folder.is_dir() and (folder / DEEPSPEED_LATEST_FILE).is_file():
+        return
+    kind = "a file" if folder.is_file() else ("a folder without DeepSpeed's 'latest'" if folder.is_dir()
+                                               else "missing")
+    raise ResumeError(
+        f"lp_zero_offload cannot resume from {path} ({kind}): it resumes DeepSpeed folders written by lp_zero_offload "
+        "only, because DeepSpeed keeps the optimizer state as partitions of its own flat buffers and this library "
+        "does not write them. Fix: resume this checkpoint under lp_ddp, lp_sharded (zero_stage 1-3: the same "
+        "sharding without CPU offload), lp_tensor, lp_pipeline or lp_hybrid, which resume any of the library's "
+        "checkpoints; or start a new lp_zero_offload fit from its weights (`lightning-parallel consolidate` gives "
+        "the one-device file, `Module.load_from_checkpoint` loads it)."
+    )
 
 
 def _select_deepspeed_accelerator(kind: str) -> None:

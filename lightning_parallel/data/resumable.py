@@ -1,0 +1,110 @@
+"""Data that resumes mid-epoch: the same remaining batches after a restart, under any data-parallel size.
+
+Lightning restores the loops' counters from a checkpoint but restarts the DataLoader at the start of the epoch, so a
+run resumed from a mid-epoch checkpoint sees batches again (and others never) -- unless the loader is stateful. Two
+pieces fix that for map-style datasets, without a stateful DataLoader:
+
+* :class:`ResumableSampler` -- a ``DistributedSampler`` whose order depends on ``(seed, epoch)`` only, and which can
+  start an epoch after its first ``k`` batches. Rank ``r`` of ``n`` takes items ``r, r + n, ...`` of the epoch's
+  order, so the ``b * n`` items of global batch ``s`` are the same for every ``n`` (with per-rank batch ``b`` and the
+  same global batch ``b * n``): one device and any dp size see the same global batches, which is what lets a
+  checkpoint resume exactly under another layout. Lightning keeps a ``DistributedSampler`` it is given.
+* :class:`ResumableDataModuleMixin` -- for a ``LightningDataModule``: its ``state_dict`` records the epoch and the
+  batches the training loop has run in it (read from the loop, so Lightning's one-batch prefetch does not count);
+  ``load_state_dict`` (called when Lightning restores the checkpoint, before the training DataLoader is built) keeps
+  it, and :meth:`~ResumableDataModuleMixin.resumable_sampler` skips those batches in that epoch only.
+
+The skipped batches are skipped as indices (no sample is loaded). ``drop_last=True`` in the DataLoader keeps every
+global batch full, as one device would see it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["ResumableDataModuleMixin", "ResumableSampler"]
+
+
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """The epoch's order from ``(seed, epoch)`` (shuffled) or ``0..N-1``; rank ``rank`` of ``num_replicas`` takes every
+    ``num_replicas``-th item starting at ``rank``; the first ``skip`` items of this rank are left out in epoch
+    ``skip_epoch`` only (a resumed epoch). The tail that does not fill ``num_replicas`` is dropped, so every rank has
+    the same number of items."""
+
+    def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
+                 skip: int = 0, skip_epoch: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,  # type: ignore[arg-type]
+                         drop_last=True)
+        self.skip, self.skip_epoch = skip, skip_epoch
+
+    def _order(self) -> list[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            return torch.randperm(n, generator=g).tolist()
+        return list(range(n))
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()
+        per_rank = len(order) // self.num_replicas
+        mine = order[self.rank:per_rank * self.num_replicas:self.num_replicas]
+        if self.skip and self.epoch == self.skip_epoch:
+            mine = mine[self.skip:]
+        return iter(mine)
+
+    def __len__(self) -> int:
+        per_rank = len(self.dataset) // self.num_replicas  # type: ignore[arg-type]
+        if self.skip and self.epoch == self.skip_epoch:
+            return max(0, per_rank - self.skip)
+        return per_rank
+
+
+class ResumableDataModuleMixin:
+    """Mix into a ``LightningDataModule`` (before it) to resume mid-epoch exactly: build the training DataLoader
+    with ``sampler=self.resumable_sampler(dataset, batch_size)`` and ``drop_last=True``."""
+
+    trainer: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches"}``: the epoch and how many of its training batches have run (Lightning saves it in
+        the checkpoint under the data module's class name)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": int(trainer.current_epoch), "batches": int(progress.processed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._lp_resume = (int(state_dict.get("epoch", 0)), int(state_dict.get("batches", 0)))
+
+    def resumable_sampler(self, dataset: Sized, batch_size: int, *, shuffle: bool = True,
+                          seed: int = 0) -> ResumableSampler:
+        """The sampler for the training DataLoader: rank and size from the strategy's ``distributed_sampler_kwargs``
+        (the dp axis under model-parallel layouts), and after a restore the batches already run in the saved epoch
+        skipped."""
+        trainer = getattr(self, "trainer", None)
+        kwargs: dict[str, Any] = {}
+        if trainer is not None and trainer.world_size > 1:
+            kwargs = dict(trainer.strategy.distributed_sampler_kwargs or {})
+        replicas, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        epoch, batches = getattr(self, "_lp_resume", (0, 0))
+        per_rank = len(dataset) // replicas
+        full_batches = per_rank // batch_size
+        skip = batches * batch_size if 0 < batches < full_batches else 0
+        self._lp_resume = (0, 0)  # once: a later epoch or a reloaded loader starts from the beginning
+        sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
+                                   skip=skip, skip_epoch=epoch)
+        # Lightning creates (and prefetches from) the first iterator before it calls set_epoch: start at the
+        # restored epoch so a resumed run's first epoch has that epoch's order
+        sampler.set_epoch(int(trainer.current_epoch) if trainer is not None else 0)
+        return sampler
+
+
+def global_batches(n_items: int, batch_size: int, replicas: int) -> int:
+    """How many full global batches of ``batch_size * replicas`` items one epoch of :class:`ResumableSampler` has."""
+    return math.floor(n_items / replicas) // batch_size

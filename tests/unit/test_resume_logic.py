@@ -1,0 +1,112 @@
+"""Pure logic of resuming under another layout: the resumable sampler, by-name/by-index optimizer state, the checks
+that refuse a checkpoint of another model or optimizer, atomic replacement, the ckpt_path check before spawn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
+from lightning_parallel.checkpoint.formats import CheckpointFormatError
+from lightning_parallel.checkpoint.resume import (
+    ResumeError,
+    check_fits,
+    optimizer_by_index,
+    optimizer_by_name,
+    read_resumable,
+)
+from lightning_parallel.data.resumable import ResumableSampler
+from lightning_parallel.strategies.layout import check_ckpt_path
+
+
+def _global_batches(n: int, replicas: int, batch: int, *, epoch: int = 0, skip: int = 0) -> list[set[int]]:
+    per_rank = []
+    for r in range(replicas):
+        s = ResumableSampler(range(n), num_replicas=replicas, rank=r, shuffle=True, seed=3, skip=skip,
+                             skip_epoch=epoch)
+        s.set_epoch(epoch)
+        per_rank.append(list(s))
+    steps = len(per_rank[0]) // batch
+    return [set().union(*(set(p[i * batch:(i + 1) * batch]) for p in per_rank)) for i in range(steps)]
+
+
+def test_global_batches_are_the_same_for_every_dp_size() -> None:
+    one = _global_batches(48, 1, 8)
+    assert _global_batches(48, 2, 4) == one
+    assert _global_batches(48, 4, 2) == one
+    assert _global_batches(48, 1, 8, epoch=1) != one  # another epoch, another order
+
+
+def test_a_resumed_epoch_skips_the_batches_already_run_in_that_epoch_only() -> None:
+    full = _global_batches(48, 2, 4, epoch=1)
+    assert _global_batches(48, 2, 4, epoch=1, skip=3 * 4) == full[3:]
+    s = ResumableSampler(range(48), num_replicas=2, rank=0, skip=12, skip_epoch=1)
+    s.set_epoch(2)
+    assert len(list(s)) == len(s) == 24  # not in another epoch
+
+
+def test_optimizer_state_by_name_and_back() -> None:
+    saved = {"state": {0: {"exp_avg": torch.ones(2)}, 2: {"exp_avg": torch.zeros(3)}},
+             "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]}
+    by_name = optimizer_by_name(saved, [["a", "b"], ["c"]])
+    assert set(by_name["state"]) == {"a", "c"} and by_name["param_groups"][1] == {"lr": 0.2, "params": ["c"]}
+    back = optimizer_by_index(by_name)
+    assert back["param_groups"] == saved["param_groups"] and set(back["state"]) == {0, 2}
+    with pytest.raises(ResumeError, match=r"param groups of sizes \[2, 1\], this run's optimizer \[1, 2\]"):
+        optimizer_by_name(saved, [["a"], ["b", "c"]])
+
+
+class _Tiny(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, 2)
+        self.hparams = {"width": width}
+
+
+def test_check_fits_names_the_file_the_tensor_and_the_hyper_parameters() -> None:
+    saved = {"state_dict": _Tiny(4).state_dict(), "hyper_parameters": {"width": 4},
+             "optimizer_states": [{"state": {}, "param_groups": [{"params": [0, 1]}]}]}
+    model = _Tiny(8)
+    with pytest.raises(ResumeError, match=r"x\.ckpt: lin\.weight has shape \[2, 4\] in the checkpoint but \[2, 8\] "
+                                          r"in this model .*width 4 in the checkpoint, 8 here"):
+        check_fits(saved, module=model, optimizers=[], path="x.ckpt")
+    same = _Tiny(4)
+    one_group = torch.optim.SGD([{"params": [same.lin.weight]}, {"params": [same.lin.bias]}], lr=0.1)
+    with pytest.raises(ResumeError, match=r"optimizer 0 was saved with param groups of \[2\] parameters; this "
+                                          r"run's has \[1, 1\]"):
+        check_fits(saved, module=same, optimizers=[one_group], path="x.ckpt")
+    check_fits(saved, module=same, optimizers=[torch.optim.SGD(same.parameters(), lr=0.1)], path="x.ckpt")
+
+
+def test_replace_with_swaps_a_folder_for_a_file_and_back(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    target.write_text("old file")
+    partial = fresh_partial(target)
+    assert partial == partial_path(target) and partial.is_dir()
+    (partial / "meta.pt").write_text("new")
+    replace_with(partial, target)
+    assert (target / "meta.pt").read_text() == "new" and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_read_resumable_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    bad = tmp_path / "x.ckpt"
+    bad.write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointFormatError, match=r"x\.ckpt"):
+        read_resumable(bad)
+
+
+def test_ckpt_path_is_checked_before_spawn(tmp_path: Path) -> None:
+    class Strategy:
+        def check_resume_source(self, path: str) -> None:
+            raise ResumeError(f"refused {path}")
+
+    with pytest.raises(CheckpointFormatError, match=r"--ckpt_path .*nothing\.ckpt: no such file or folder"):
+        check_ckpt_path(object(), str(tmp_path / "nothing.ckpt"))
+    check_ckpt_path(object(), "last")  # Lightning's keyword: resolved in the ranks
+    (tmp_path / "a.ckpt").write_text("x")
+    with pytest.raises(ResumeError, match="refused"):
+        check_ckpt_path(Strategy(), str(tmp_path / "a.ckpt"))
