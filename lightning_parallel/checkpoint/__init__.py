@@ -54,9 +54,14 @@ Names: wrapper path components (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_
 anywhere in a key; for DeepSpeed folders also a leading ``_forward_module.`` / ``module.`` shared by every key. Values
 are CPU tensors in the dtype the module was trained in (Lightning files, sharded folders) or fp32 (DeepSpeed).
 
+:func:`read_resumable` reads any of them (DeepSpeed NVMe folders excepted) into the one-device checkpoint *with* its
+optimizer state, LR schedulers and loops -- what every strategy resumes from when the layout differs
+(:mod:`lightning_parallel.checkpoint.resume`).
+
 :func:`consolidate` writes ``state_dict`` plus the source's other top-level Lightning keys (``hyper_parameters``,
 ``epoch``, ``global_step``, ``loops``, ``callbacks``, ...) into one file; **optimizer and LR-scheduler states are
-dropped** (a weights-only checkpoint: ``load_from_checkpoint`` works, resuming a fit from it does not).
+dropped** (a weights-only checkpoint: ``load_from_checkpoint`` works, resuming a fit from it does not), unless
+``resumable=True`` (``--resumable``): then it writes :func:`read_resumable`'s dict, which a one-device fit resumes.
 """
 
 from .consolidate import ConsolidateResult, consolidate, main
@@ -69,6 +74,7 @@ from .read import (
     read_checkpoint,
     strip_wrapper_prefixes,
 )
+from .resume import ResumeError, read_resumable
 
 __all__ = [
     "DROPPED_KEYS",
@@ -76,6 +82,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointInfo",
     "ConsolidateResult",
+    "ResumeError",
     "consolidate",
     "detect_format",
     "full_checkpoint",
@@ -83,5 +90,6 @@ __all__ = [
     "join_zero3_shards",
     "main",
     "read_checkpoint",
+    "read_resumable",
     "strip_wrapper_prefixes",
 ]

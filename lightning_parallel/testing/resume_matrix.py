@@ -50,6 +50,7 @@ class Layout:
 def _layouts() -> dict[str, Layout]:
     from lightning_parallel.strategies import (
         LPDDPStrategy,
+        LPDPStrategy,
         LPHybridStrategy,
         LPPipelineStrategy,
         LPShardedStrategy,
@@ -60,6 +61,7 @@ def _layouts() -> dict[str, Layout]:
     pp = {"pipeline_parallel_size": 2, "num_micro_batches": 2, "pipeline_schedule": "1f1b"}
     items = [
         Layout("1 device", lambda: "auto", 1, 1),
+        Layout("lp_dp x2", lambda: LPDPStrategy(), 2, 1),  # one process, 2 replicas in threads: dp for data = 1
         Layout("lp_ddp x2", lambda: LPDDPStrategy(**fork), 2, 2),
         Layout("lp_sharded z1 x2", lambda: LPShardedStrategy({"zero_stage": 1}, checkpoint="sharded", **fork), 2, 2),
         Layout("lp_sharded z3 x2", lambda: LPShardedStrategy({"zero_stage": 3}, checkpoint="sharded", **fork), 2, 2),

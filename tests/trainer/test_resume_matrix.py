@@ -2,7 +2,7 @@
 
 Each cell: the resumed run's loss at the first step after the checkpoint vs the uninterrupted one-device run, and
 the largest weight difference after 3 more AdamW steps (:mod:`lightning_parallel.testing.resume_matrix`). The whole
-matrix runs here (64 cells of forked CPU ranks with DeepSpeed's ops built, 49 without; about 2 minutes);
+matrix runs here (81 cells of forked CPU ranks with DeepSpeed's ops built, 64 without; about 2.5 minutes);
 ``scripts/check_resume_matrix.py`` prints it. ``lp_zero_offload`` resumes DeepSpeed folders only: the other
 checkpoints are refused before any rank starts, with the reason and the strategies that resume them.
 """
