@@ -217,7 +217,8 @@ def _join_deepspeed_optimizer(info: CheckpointInfo) -> dict[str, Any]:
         else:  # one flat partition per sub-group, in the host optimizer's order
             flat3 = [[b["state"][i][key] for i in sorted(b["state"])] for b in base]
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                rebuilt = z._get_fp32_state_dict_from_zero3_checkpoint(len(parts), flat3, model_states, True)
+                rebuilt = z.to_torch_tensor(  # ZeRO-3 returns lazily gathered tensors
+                    z._get_fp32_state_dict_from_zero3_checkpoint(len(parts), flat3, model_states, True))
         per_key[key] = {k: v.detach().clone() for k, v in rebuilt.items()}
     state: dict[int, dict[str, Any]] = {}
     groups = []

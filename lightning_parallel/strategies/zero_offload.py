@@ -344,12 +344,29 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         self.barrier("lp_zero_offload_renamed")
 
     def check_resume_source(self, path: _PATH) -> None:
-        """Before spawning (``--ckpt_path``) and when loading: a DeepSpeed folder only (:func:`check_resume_source`)."""
-        check_resume_source(path)
+        """Before spawning (``--ckpt_path``) and when loading: a DeepSpeed folder, or -- at ZeRO-1/2 without NVMe
+        offload -- any other checkpoint of the library (:func:`check_resume_source`)."""
+        check_resume_source(path, zero_stage=int(self._layout.zero), offload=self._layout.offload_device)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        check_resume_source(checkpoint_path)
+        """A DeepSpeed folder: DeepSpeed's own load (plus the NVMe state). Any other checkpoint of the library
+        (ZeRO-1/2, CPU offload or none): read into the one-device form; each rank puts the fp32 masters and Adam's
+        moments into its partitions with DeepSpeed's ``safe_set_full_*``
+        (:mod:`lightning_parallel.parallel.offload.resume`)."""
+        from lightning_parallel.checkpoint.formats import DEEPSPEED_LATEST_FILE
+
+        self.check_resume_source(checkpoint_path)
+        path = Path(checkpoint_path)
+        if not (path.is_dir() and (path / DEEPSPEED_LATEST_FILE).is_file()):
+            return self._load_other_layout(path)
+        mismatch = self._deepspeed_layout_mismatch(path)
+        if mismatch is not None:
+            if int(self._layout.zero) in (1, 2) and not self.offloads_to_nvme:
+                return self._load_other_layout(path)  # through the one-device form
+            from lightning_parallel.checkpoint.resume import ResumeError
+
+            raise ResumeError(mismatch)
         client_state = super().load_checkpoint(checkpoint_path, weights_only)
         if self.offloads_to_nvme and self.lightning_module is not None:
             folder = Path(checkpoint_path) / OFFLOAD_STATE_DIR
@@ -368,6 +385,43 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
             load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
             self.barrier("lp_zero_offload_nvme_state_loaded")
         return client_state
+
+    def _deepspeed_layout_mismatch(self, path: Path) -> str | None:
+        """Why DeepSpeed's own load cannot resume this folder of another ZeRO stage or world size (it resumes on the
+        same ones only), or None."""
+        from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format
+
+        try:
+            info = detect_format(path)
+        except CheckpointFormatError:
+            return None  # DeepSpeed's own load says what is wrong with the folder
+        stage = int(self._layout.zero)
+        if info.zero_stage in (None, stage) and info.world_size in (None, self.world_size):
+            return None
+        return (
+            f"{path} was saved by lp_zero_offload at ZeRO-{info.zero_stage} on {info.world_size} ranks; this run is "
+            f"ZeRO-{stage} on {self.world_size} ranks, and DeepSpeed resumes its folders on the same stage and world "
+            "size only (ZeRO-1/2 runs read other layouts' state themselves; this one cannot). Fix: resume with that "
+            "layout, or at ZeRO-1/2 with CPU offload."
+        )
+
+    def _load_other_layout(self, path: Path) -> dict[str, Any]:
+        from lightning_parallel.checkpoint.resume import ResumeError, check_fits, load_for_resume, resume_note
+        from lightning_parallel.parallel.offload.resume import load_one_device_state
+
+        checkpoint = load_for_resume(path, strategy="lp_zero_offload")
+        module = self.lightning_module
+        assert module is not None and self.deepspeed_engine is not None
+        check_fits(checkpoint, module=module, optimizers=[], path=path)
+        try:
+            load_one_device_state(self.deepspeed_engine, checkpoint,
+                                  load_optimizer=module.trainer.state.fn == TrainerFn.FITTING)
+        except ValueError as err:
+            raise ResumeError(f"lp_zero_offload cannot resume from {path}: {err}") from None
+        note = resume_note(checkpoint, strategy="lp_zero_offload", layout=self.describe())
+        if note and self.is_global_zero:
+            print(note, flush=True)
+        return checkpoint
 
     @override
     def on_train_start(self) -> None:
@@ -399,23 +453,26 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
 
 
-def check_resume_source(path: _PATH) -> None:
-    """``lp_zero_offload`` resumes DeepSpeed folders only: refuse anything else with the reason and the fix."""
+def check_resume_source(path: _PATH, *, zero_stage: int, offload: str) -> None:
+    """What ``lp_zero_offload`` resumes: its DeepSpeed folders; at ZeRO-1/2 without NVMe offload also every other
+    checkpoint of the library (through the one-device form). Anything else is refused with the reason and the fix."""
     from lightning_parallel.checkpoint.formats import DEEPSPEED_LATEST_FILE
     from lightning_parallel.checkpoint.resume import ResumeError
 
     folder = Path(path)
     if folder.is_dir() and (folder / DEEPSPEED_LATEST_FILE).is_file():
         return
-    kind = "a file" if folder.is_file() else ("a folder without DeepSpeed's 'latest'" if folder.is_dir()
-                                               else "missing")
+    if not folder.exists():
+        raise ResumeError(f"lp_zero_offload cannot resume from {path}: no such file or folder.")
+    if zero_stage in (1, 2) and offload != "nvme":
+        return
+    why = "NVMe offload" if offload == "nvme" else "ZeRO-3"
     raise ResumeError(
-        f"lp_zero_offload cannot resume from {path} ({kind}): it resumes DeepSpeed folders written by lp_zero_offload "
-        "only, because DeepSpeed keeps the optimizer state as partitions of its own flat buffers and this library "
-        "does not write them. Fix: resume this checkpoint under lp_ddp, lp_sharded (zero_stage 1-3: the same "
-        "sharding without CPU offload), lp_tensor, lp_pipeline or lp_hybrid, which resume any of the library's "
-        "checkpoints; or start a new lp_zero_offload fit from its weights (`lightning-parallel consolidate` gives "
-        "the one-device file, `Module.load_from_checkpoint` loads it)."
+        f"lp_zero_offload with {why} resumes its own DeepSpeed folders only; {path} is another layout's checkpoint "
+        "(its state would have to be written into DeepSpeed's ZeRO-3 partitions or NVMe swap files, which the "
+        "library does not do). Fix: resume it under lp_zero_offload at zero_stage 1 or 2 with CPU offload (which "
+        "reads any of the library's checkpoints), or under lp_ddp, lp_sharded (zero_stage 1-3), lp_tensor, "
+        "lp_pipeline or lp_hybrid; save that run's checkpoint and resume it here."
     )
 
 

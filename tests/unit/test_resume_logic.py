@@ -110,3 +110,19 @@ def test_ckpt_path_is_checked_before_spawn(tmp_path: Path) -> None:
     (tmp_path / "a.ckpt").write_text("x")
     with pytest.raises(ResumeError, match="refused"):
         check_ckpt_path(Strategy(), str(tmp_path / "a.ckpt"))
+
+
+def test_lp_zero_offload_resumes_other_layouts_at_zero_1_2_only(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from lightning_parallel.strategies.zero_offload import check_resume_source
+
+    other = tmp_path / "model.ckpt"
+    other.write_text("x")
+    check_resume_source(other, zero_stage=2, offload="cpu")  # read into the one-device form when loading
+    with pytest.raises(ResumeError, match=r"with ZeRO-3 resumes its own DeepSpeed folders only.*zero_stage 1 or 2"):
+        check_resume_source(other, zero_stage=3, offload="cpu")
+    with pytest.raises(ResumeError, match="with NVMe offload resumes its own DeepSpeed folders only"):
+        check_resume_source(other, zero_stage=3, offload="nvme")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "latest").write_text("checkpoint")
+    check_resume_source(tmp_path / "ds", zero_stage=3, offload="nvme")
