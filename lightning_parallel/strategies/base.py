@@ -224,6 +224,23 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         broadcast_module_states(model, group=self.mesh.get_group("dp"), src_rank=src)
 
     @override
+    def on_train_start(self) -> None:
+        """The RNG states of a resumed checkpoint are set here, after the training iterator exists
+        (:func:`~lightning_parallel.checkpoint.rng.restore_rng_states`)."""
+        from lightning_parallel.checkpoint.rng import apply_restored_rng_states
+
+        super().on_train_start()
+        apply_restored_rng_states()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's one-file save (rank 0 writes), with every rank's RNG states added (a collective)."""
+        from lightning_parallel.checkpoint.rng import attach_rng_states
+
+        attach_rng_states(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Any checkpoint the library writes, under any layout: read into the one-device form (whole weights,
         per-index optimizer state, loops) by :func:`~lightning_parallel.checkpoint.resume.read_resumable`, with
@@ -231,9 +248,12 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
 
         path = self.broadcast(str(checkpoint_path))
+        from lightning_parallel.checkpoint.rng import restore_rng_states
+
         checkpoint = load_for_resume(path, strategy=self.strategy_name)
         if self.lightning_module is not None:
             check_fits(checkpoint, module=self.lightning_module, optimizers=self.optimizers, path=path)
+        restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
         note = resume_note(checkpoint, strategy=self.strategy_name, layout=self.describe())
         if note and self.is_global_zero:
             print(note, flush=True)

@@ -52,6 +52,9 @@ class DCPCheckpointMixin:
         @property
         def global_rank(self) -> int: ...
 
+        @property
+        def world_size(self) -> int: ...
+
         def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
         def barrier(self, name: str | None = None) -> None: ...
@@ -111,6 +114,9 @@ class DCPCheckpointMixin:
         if self.is_global_zero:
             fresh_partial(path)
         self.barrier("lp_dcp_mkdir")
+        from lightning_parallel.checkpoint.rng import attach_rng_states
+
+        attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
         model_state = checkpoint.pop("state_dict")
         optim_states = checkpoint.pop("optimizer_states", [])
         if dist.is_initialized() and dist.get_world_size() > 1 and optim_states:
@@ -141,6 +147,7 @@ class DCPCheckpointMixin:
         the one-device form (:func:`~lightning_parallel.checkpoint.resume.read_resumable`) and each rank takes the
         tensors it holds, cut like its parameters."""
         from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
+        from lightning_parallel.checkpoint.rng import restore_rng_states
         from lightning_parallel.parallel.tensor.checkpoint import META_FILE, is_tensor_checkpoint
 
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -159,7 +166,9 @@ class DCPCheckpointMixin:
             note = resume_note(full, strategy=self.strategy_name, layout=self.describe())
             if note and self.is_global_zero:
                 print(note, flush=True)
+            restore_rng_states(full, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
             return full
+        restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
         checkpoint[FOLDER_KEY] = str(path)
         # the tensors stay in the DCP files until load_model_state_dict / load_optimizer_state_dict read them
         checkpoint["state_dict"] = {}

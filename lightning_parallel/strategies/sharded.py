@@ -318,6 +318,9 @@ class LPShardedStrategy(LayoutStrategy):
         if self._checkpoint_kind == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        from lightning_parallel.checkpoint.rng import attach_rng_states
+
+        attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
         target = Path(self.broadcast(str(filepath)))
         path = partial_path(target)
         if self.is_global_zero:
@@ -367,6 +370,10 @@ class LPShardedStrategy(LayoutStrategy):
             if saved.get("world_size") == self.world_size and saved.get("zero_stage") == self.zero_stage:
                 checkpoint.update(torch.load(path / rank_file(self.global_rank), map_location="cpu",
                                              weights_only=True))
+                from lightning_parallel.checkpoint.rng import restore_rng_states
+
+                restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size,
+                                   module=self.lightning_module)
                 return checkpoint
         return super().load_checkpoint(path)
 

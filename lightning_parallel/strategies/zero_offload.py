@@ -328,7 +328,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         ``<path>.partial`` and renamed into place once every rank is done: a crash mid-save leaves the previous
         checkpoint of that name whole."""
         from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
+        from lightning_parallel.checkpoint.rng import attach_rng_states
 
+        attach_rng_states(checkpoint)  # every rank's, in the client state (a collective)
         target = Path(self.broadcast(str(filepath)))
         partial = partial_path(target)
         if self.is_global_zero:
@@ -384,6 +386,10 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
                 )
             load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
             self.barrier("lp_zero_offload_nvme_state_loaded")
+        from lightning_parallel.checkpoint.rng import restore_rng_states
+
+        restore_rng_states(client_state, rank=self.global_rank, world_size=self.world_size,
+                           module=self.lightning_module)
         return client_state
 
     def _deepspeed_layout_mismatch(self, path: Path) -> str | None:
@@ -421,14 +427,20 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         note = resume_note(checkpoint, strategy="lp_zero_offload", layout=self.describe())
         if note and self.is_global_zero:
             print(note, flush=True)
+        from lightning_parallel.checkpoint.rng import restore_rng_states
+
+        restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
         return checkpoint
 
     @override
     def on_train_start(self) -> None:
         """After a resume, give the host optimizer the learning rates of the restored schedulers: DeepSpeed's ZeRO
         checkpoint restores the optimizer *state* but not its param groups, so without this the first resumed step
-        would run at the scheduler's initial lr."""
+        would run at the scheduler's initial lr. Also the RNG states of a resumed checkpoint, now."""
+        from lightning_parallel.checkpoint.rng import apply_restored_rng_states
+
         super().on_train_start()
+        apply_restored_rng_states()
         for config in self.lr_scheduler_configs:
             last = getattr(config.scheduler, "_last_lr", None)
             optimizer = getattr(config.scheduler, "optimizer", None)

@@ -34,6 +34,7 @@ __all__ = ["EPOCH_STEPS", "GLOBAL_BATCH", "LAYOUTS", "MORE", "STOP", "Cell", "La
            "save"]
 
 T, VOCAB, GLOBAL_BATCH = 16, 64, 8
+DROPOUT = 0.0  # > 0 makes the RNG states part of what a resume must restore
 STOP, MORE, EPOCH_STEPS = 3, 3, 5
 
 
@@ -135,7 +136,8 @@ def _gpt() -> pl.LightningModule:
     from lightning_parallel.models import GPT
 
     torch.manual_seed(0)
-    return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=VOCAB, warmup_steps=2, bias=False)
+    return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=VOCAB, warmup_steps=2, bias=False,
+               dropout=DROPOUT)
 
 
 def _fit(layout: Layout, *, losses: Path, callbacks: list[Callback], ckpt_path: str | None = None) -> nn.Module:

@@ -24,7 +24,7 @@ from lightning_parallel.checkpoint.resume import read_resumable
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """\
-import os, signal, sys
+import io, os, signal, sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -47,7 +47,9 @@ class ArmAtStep2(Callback):  # runs before ModelCheckpoint (Lightning puts check
 
 def kill_midway(write):
     def wrapper(*args, **kwargs):
-        if ARMED["on"]:
+        target = args[1] if len(args) > 1 else kwargs.get("f")
+        in_memory = isinstance(target, io.BytesIO)  # torch.save into memory, e.g. inside all_gather_object
+        if ARMED["on"] and not in_memory:
             out = write(*args, **kwargs)  # some of the new checkpoint is on disk ...
             os.kill(os.getpid(), signal.SIGKILL)  # ... and the writer dies
         return write(*args, **kwargs)
