@@ -80,7 +80,12 @@ class ResumableDataModuleMixin:
         return {"epoch": int(trainer.current_epoch), "batches": int(progress.processed)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        import warnings
+
         self._lp_resume = (int(state_dict.get("epoch", 0)), int(state_dict.get("batches", 0)))
+        # Lightning looks for a stateful DataLoader and warns that a mid-epoch resume is unreliable; here the data
+        # module holds the position and the sampler skips what was run, so the warning would be wrong
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")
 
     def resumable_sampler(self, dataset: Sized, batch_size: int, *, shuffle: bool = True,
                           seed: int = 0) -> ResumableSampler:
