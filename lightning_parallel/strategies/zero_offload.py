@@ -480,11 +480,12 @@ def check_resume_source(path: _PATH, *, zero_stage: int, offload: str) -> None:
         return
     why = "NVMe offload" if offload == "nvme" else "ZeRO-3"
     raise ResumeError(
-        f"lp_zero_offload with {why} resumes its own DeepSpeed folders only; {path} is another layout's checkpoint "
-        "(its state would have to be written into DeepSpeed's ZeRO-3 partitions or NVMe swap files, which the "
-        "library does not do). Fix: resume it under lp_zero_offload at zero_stage 1 or 2 with CPU offload (which "
-        "reads any of the library's checkpoints), or under lp_ddp, lp_sharded (zero_stage 1-3), lp_tensor, "
-        "lp_pipeline or lp_hybrid; save that run's checkpoint and resume it here."
+        f"lp_zero_offload with {why} resumes only DeepSpeed folders it wrote itself (same stage and world size); "
+        f"{path} is another layout's checkpoint (its state would have to be written into DeepSpeed's ZeRO-3 "
+        "partitions or NVMe swap files, which the library does not do). Fix: resume it under lp_zero_offload at "
+        "zero_stage 1 or 2 with CPU offload, or under lp_ddp, lp_sharded (zero_stage 1-3), lp_tensor, lp_pipeline "
+        "or lp_hybrid, which read any of the library's checkpoints; or start a new run here from its weights only "
+        f"(`lightning-parallel consolidate {path} model.ckpt`, then Module.load_from_checkpoint)."
     )
 
 
