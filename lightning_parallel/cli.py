@@ -11,10 +11,14 @@ fix (exit code 2). ``lightning-parallel plan ...`` is the layout planner (``--he
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -23,18 +27,23 @@ from typing_extensions import override
 
 import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import RunSummary
-from lightning_parallel.config import LayoutError, ParallelConfig, unknown_key_message
-from lightning_parallel.recipe_files import compose_recipe, expand_config_args, written_batch_limits
+from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, unknown_key_message
+from lightning_parallel.planner.detect import PlannerOptions
+from lightning_parallel.recipe_files import compose_recipe, expand_config_args, read_yaml, written_batch_limits
 from lightning_parallel.strategies.base import LayoutStrategy
 
-__all__ = ["LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
+AUTO_STRATEGY = "lp_auto"
+"""The strategy name the CLI resolves with the planner (:mod:`lightning_parallel.auto`)."""
+
+__all__ = ["AUTO_STRATEGY", "LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
 
 _DESCRIPTION = (
-    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP), ZeRO-offload or tensor "
-    "parallelism (pipeline and hybrid parallelism are planned). Subcommands: fit, validate, test, predict "
-    "(Lightning's CLI, with a `parallel` layout section), plan (recommend a layout: `lightning-parallel plan "
-    "--help`), check (build everything `fit` would, start nothing: `lightning-parallel check --config RECIPE`) and "
-    "consolidate (any strategy's checkpoint -> one file for one device: `lightning-parallel consolidate IN OUT`)."
+    "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP), ZeRO-offload, pipeline, tensor or "
+    "hybrid DP x PP x TP parallelism, or let the planner choose (--trainer.strategy lp_auto, --planner.* keys). "
+    "Subcommands: fit, validate, test, predict (Lightning's CLI, with a `parallel` layout section), plan (recommend "
+    "a layout: `lightning-parallel plan --help`), check (build everything `fit` would, start nothing: "
+    "`lightning-parallel check --config RECIPE`) and consolidate (any strategy's checkpoint -> one file for one "
+    "device: `lightning-parallel consolidate IN OUT`)."
 )
 
 
@@ -59,6 +68,9 @@ def resolve_strategy(strategy: Any, layout: ParallelConfig | None) -> Any:
     """
     default = ParallelConfig()
     custom = layout is not None and layout != default
+    if strategy == AUTO_STRATEGY:
+        raise LayoutError("trainer.strategy=lp_auto is resolved by the CLI, which has the module; in a script use "
+                          "lightning_parallel.auto.plan_for_module(model, ...).make_strategy().")
     if isinstance(strategy, str) and strategy not in StrategyRegistry and strategy != "auto":
         raise LayoutError(unknown_strategy_message(strategy))
     if isinstance(strategy, str) and strategy in StrategyRegistry:
@@ -143,8 +155,62 @@ class LightningParallelCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads a checkpoint file's hyperparameters into the model's config here (with a bare
+        ``torch.load``, and silently over what the user set). Instead: the path is verified first (missing, empty,
+        truncated, not a checkpoint, failing its checksums: one message each), and the model's configured init
+        arguments must agree with the hyperparameters it was saved with; a disagreement is refused with both values.
+        Folders are checked for their format; their shapes are checked when the ranks load them."""
+        from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format, load_torch_file
+
+        if not self.config.get("subcommand"):
+            return
+        section = self.config[self.config.subcommand]
+        ckpt_path = section.get("ckpt_path")
+        if not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path \
+                or ckpt_path.startswith("registry"):
+            return
+        path = Path(ckpt_path)
+        if not path.exists():
+            raise CheckpointFormatError(f"--ckpt_path {ckpt_path}: no such file or folder. Fix: give the path of a "
+                                        "checkpoint (a .ckpt file or folder trainer.save_checkpoint wrote), or 'last'.")
+        if path.is_dir():
+            detect_format(path)
+            return
+        checkpoint = load_torch_file(path, what="a checkpoint written by trainer.save_checkpoint")
+        saved = dict(checkpoint.get("hyper_parameters") or {}) if isinstance(checkpoint, dict) else {}
+        model = section.get("model")
+        init = getattr(model, "init_args", None) if model is not None else None
+        if not saved or init is None:
+            return
+        differ = [(key, init[key], saved[key]) for key in sorted(saved)
+                  if key in init and _normalized(init[key]) != _normalized(saved[key])]
+        if differ:
+            listing = "; ".join(f"{key}: configured {mine!r}, saved {theirs!r}" for key, mine, theirs in differ)
+            raise LayoutError(
+                f"--ckpt_path {ckpt_path} was saved by a model with other hyperparameters than the one configured: "
+                f"{listing}. Fix: configure the model as it was saved (e.g. --model.init_args.{differ[0][0]} "
+                f"{differ[0][2]!r}), or start a new run without --ckpt_path."
+            )
+
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ParallelConfig, "parallel", fail_untyped=False)
+        parser.add_class_arguments(PlannerOptions, "planner", fail_untyped=False)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Lightning's, with a class's refusal of its configured arguments (a ``ValueError``/``TypeError`` from its
+        constructor, which jsonargparse wraps in its own message) turned into one line naming the error, not a
+        traceback. ``LP_TRACEBACK=1`` keeps the traceback."""
+        try:
+            super().instantiate_classes()
+        except UserInputError:
+            raise
+        except (ValueError, TypeError) as err:
+            if os.environ.get("LP_TRACEBACK"):
+                raise
+            raise LayoutError(_constructor_error(err)) from None
 
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
@@ -152,14 +218,122 @@ class LightningParallelCLI(LightningCLI):
         if layout is not None and not isinstance(layout, ParallelConfig):
             layout = ParallelConfig.from_dict(dict(layout))
         config = dict(config)
+        _check_devices(config)
         for key, value in self._written_limits.items():  # `1` means one batch, `1.0` all: keep what was written
             if isinstance(value, int) and config.get(key) == value:
                 config[key] = value
-        config["strategy"] = resolve_strategy(config.get("strategy", "auto"), layout)
+        strategy = config.get("strategy", "auto")
+        if strategy == AUTO_STRATEGY:
+            strategy, layout, callbacks = self._plan_auto(config, layout, callbacks)
+        config["strategy"] = resolve_strategy(strategy, layout)
         existing = list(config.get("callbacks") or []) + list(callbacks)
         if not any(isinstance(c, RunSummary) for c in existing):
             callbacks = [*callbacks, RunSummary()]
         return super()._instantiate_trainer(config, callbacks)
+
+
+    def _plan_auto(self, config: dict[str, Any], layout: ParallelConfig | None,
+                   callbacks: list[Callback]) -> tuple[Any, ParallelConfig | None, list[Callback]]:
+        """``lp_auto``: plan the instantiated module on the hardware found, print the decision (once, on the
+        launching process), and return the chosen strategy (instance, or ``"auto"``), no separate layout, and the
+        callbacks with the report that
+        compares model-state bytes after training and writes the decision and a recipe without lp_auto."""
+        from lightning_parallel.auto import plan_for_module
+        from lightning_parallel.callbacks.model_states import ModelStateReport
+
+        if layout is not None and layout != ParallelConfig():
+            raise LayoutError(
+                f"trainer.strategy=lp_auto chooses the layout itself, but the `parallel` section sets "
+                f"{layout.describe()}. Fix: remove the parallel section, or name a strategy (the plan's recipe does)."
+            )
+        options = PlannerOptions.from_any(self._get(self.config_init, "planner"))
+        batch, seq = _data_geometry(self.datamodule, self.model)
+        decision = plan_for_module(
+            self.model, accelerator=config.get("accelerator", "auto"), devices=config.get("devices", "auto"),
+            num_nodes=int(config.get("num_nodes") or 1), precision=config.get("precision"),
+            micro_batch_size=batch, seq_len=seq, options=options,
+        )
+        text = decision.text()
+        if _launching_process():
+            print(text, flush=True)
+        recipe = self._auto_recipe(decision, text)
+        report = ModelStateReport(decision.predicted_states(),
+                                  files={"lp_auto_decision.txt": text + "\n", "lp_auto_recipe.yaml": recipe})
+        extra = {"start_method": options.start_method} if options.start_method else {}
+        return decision.make_strategy(**extra), None, [*callbacks, report]
+
+    def _auto_recipe(self, decision: Any, text: str) -> str:
+        """This run's configuration with the chosen strategy and layout in place of lp_auto and the planner keys."""
+        from copy import deepcopy
+
+        cfg = deepcopy(self.config[self.subcommand] if self.subcommand else self.config)
+        cfg.trainer.strategy = decision.strategy_name
+        section = decision.parallel_section or ParallelConfig()
+        for key, value in section.to_dict().items():
+            cfg.parallel[key] = value
+        for key, value in vars(PlannerOptions()).items():
+            cfg.planner[key] = value
+        for key in ("ckpt_path", "weights_only"):  # how to resume belongs to the command line, not to the recipe
+            if key in cfg:
+                del cfg[key]
+        data = yaml.safe_load(self._parser(self.subcommand).dump(cfg, skip_none=False))
+        for key, value in self._written_limits.items():  # `8` batches as written, not the parser's 8.0 (a fraction)
+            if isinstance(value, int) and isinstance(data.get("trainer"), dict):
+                data["trainer"][key] = value
+        body = yaml.safe_dump(data, sort_keys=False)
+        header = "\n".join(f"# {line}" for line in (
+            "written by lp_auto: this run's configuration with the strategy and layout it chose,",
+            "so that `lightning-parallel fit --config THIS_FILE` reproduces the run without lp_auto.",
+            *text.splitlines()))
+        return f"{header}\n{body}"
+
+
+def _constructor_error(err: Exception) -> str:
+    """The useful lines of a constructor's refusal: jsonargparse lists one error per type it tried (``- ...``); the
+    ones that are not "Expected a <class 'NoneType'>" are the class's own words."""
+    lines = [line.strip()[2:] for line in str(err).splitlines() if line.strip().startswith("- ")]
+    own = [line for line in lines if not line.startswith("Expected a <class 'NoneType'>")]
+    text = "; ".join(own) if own else str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{text} (building the configured classes; set LP_TRACEBACK=1 to see where)"
+
+
+def _check_devices(config: dict[str, Any]) -> None:
+    """``trainer.devices`` and ``trainer.num_nodes`` before Lightning reads them (its own check is a TypeError)."""
+    devices, nodes = config.get("devices", "auto"), config.get("num_nodes", 1)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices != -1 and devices < 1:
+        raise LayoutError(f"trainer.devices={devices}: give a positive number of devices per node, -1 (all), 'auto', "
+                          "or a list of device indices.")
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes < 1:
+        raise LayoutError(f"trainer.num_nodes={nodes} must be at least 1.")
+
+
+def _normalized(value: Any) -> Any:
+    """Tuples and lists alike (a YAML list against a saved tuple), for comparing hyperparameters."""
+    if isinstance(value, tuple | list):
+        return [_normalized(v) for v in value]
+    return value
+
+
+def _launching_process() -> bool:
+    """True on the process the user started (not a rank Lightning or torchrun re-ran): prints go there once."""
+    import os
+
+    return all(os.environ.get(key, "0") == "0" for key in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK"))
+
+
+def _data_geometry(datamodule: Any, model: Any) -> tuple[int | None, int | None]:
+    """(batch size per rank, sequence length) read from the data module (``batch_size``, ``block_size``), the
+    sequence length falling back to the model's ``block_size`` hyperparameter."""
+    def read(obj: Any, key: str) -> int | None:
+        value = getattr(obj, key, None)
+        if value is None:
+            hp = getattr(obj, "hparams", None)
+            value = hp.get(key) if hp is not None and hasattr(hp, "get") else None
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    batch = read(datamodule, "batch_size") if datamodule is not None else None
+    seq = (read(datamodule, "block_size") if datamodule is not None else None) or read(model, "block_size")
+    return batch, seq
 
 
 class _CheckCLI(LightningParallelCLI):
@@ -207,6 +381,54 @@ def check_recipe(args: list[str]) -> str:
     )
 
 
+def auto_parallel_args(args: list[str]) -> list[str]:
+    """``parallel: auto`` (in a ``--config`` file) and ``--parallel auto`` mean ``trainer.strategy: lp_auto``: rewrite
+    them so (a temporary copy of the recipe without the ``parallel`` key); a strategy named beside them is refused."""
+    import tempfile
+
+    out: list[str] = []
+    auto = False
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--parallel" and i + 1 < len(args) and args[i + 1] == "auto":
+            auto, i = True, i + 2
+            continue
+        if arg == "--parallel=auto":
+            auto, i = True, i + 1
+            continue
+        path = args[i + 1] if arg in ("--config", "-c") and i + 1 < len(args) else None
+        if path is not None and path.endswith((".yaml", ".yml")) and os.path.isfile(path):
+            data = read_yaml(path) or {}
+            if isinstance(data, dict) and data.get("parallel") == "auto":
+                auto = True
+                del data["parallel"]
+                trainer = data.setdefault("trainer", {}) or {}
+                named = trainer.get("strategy")
+                if named not in (None, "auto", AUTO_STRATEGY):
+                    raise LayoutError(f"{path}: `parallel: auto` lets the planner choose the strategy, but "
+                                      f"trainer.strategy is {named!r}. Fix: remove one of the two.")
+                trainer["strategy"] = AUTO_STRATEGY
+                data["trainer"] = trainer
+                tmp = tempfile.NamedTemporaryFile("w", prefix="auto.", suffix=".yaml", delete=False)
+                with tmp:
+                    tmp.write(f"# {path} with `parallel: auto` read as trainer.strategy: lp_auto\n")
+                    tmp.write(yaml.safe_dump(data, sort_keys=False))
+                out += [arg, tmp.name]
+                i += 2
+                continue
+        out.append(arg)
+        i += 1
+    if auto:
+        named = [args[j + 1] for j, a in enumerate(args[:-1]) if a == "--trainer.strategy"]
+        named += [a.split("=", 1)[1] for a in args if a.startswith("--trainer.strategy=")]
+        if any(n not in ("auto", AUTO_STRATEGY) for n in named):
+            raise LayoutError(f"`parallel: auto` lets the planner choose the strategy, but --trainer.strategy "
+                              f"{named[-1]} names one. Fix: remove one of the two.")
+        out += ["--trainer.strategy", AUTO_STRATEGY]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lightning-parallel`` command."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -222,11 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-                refusal = unknown_parallel_keys(args[1:]) or check_recipe_parallel(args[1:])
+                check_args = auto_parallel_args(expand_config_args(args[1:]))
+                refusal = unknown_parallel_keys(check_args) or check_recipe_parallel(args[1:])
                 if refusal:
                     raise LayoutError(refusal)
-                print(check_recipe(args[1:]), flush=True)
-        except LayoutError as err:
+                print(check_recipe(check_args), flush=True)
+        except UserInputError as err:
             print(f"lightning-parallel: error: {err}", file=sys.stderr)
             return 2
         return 0
@@ -234,12 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too
             warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-            expanded = expand_config_args(args)
+            expanded = auto_parallel_args(expand_config_args(args))
             refusal = unknown_parallel_keys(expanded) or check_recipe_parallel(args)
             if refusal:
                 raise LayoutError(refusal)
             LightningParallelCLI(args=expanded, written_limits=written_batch_limits(expanded))
-    except LayoutError as err:
+    except (UserInputError, MisconfigurationException) as err:
         print(f"lightning-parallel: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -24,6 +24,7 @@ __all__ = [
     "Offload",
     "ParallelConfig",
     "PipelineSchedule",
+    "UserInputError",
     "ZeroStage",
     "check_model_compat",
     "unknown_key_message",
@@ -38,7 +39,12 @@ MeshOrder = Literal["dp-pp-tp", "pp-dp-tp"]
 _SIZE_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 
 
-class LayoutError(ValueError):
+class UserInputError(ValueError):
+    """A bad input from the user -- a layout, recipe, module, data path, checkpoint or planner value -- refused before
+    any process starts; the command line prints its message alone (no traceback) and exits with code 2."""
+
+
+class LayoutError(UserInputError):
     """A parallel layout, recipe or module that cannot run; raised before any process starts."""
 
 

@@ -21,10 +21,27 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_parallel.config import LayoutError
 
-__all__ = ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "written_batch_limits"]
+__all__ = ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "read_yaml", "written_batch_limits"]
 
 BATCH_LIMIT_KEYS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
                     "overfit_batches")
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML file at ``path``; a syntax error becomes a :class:`LayoutError` with the file, line and column."""
+    file = Path(path)
+    try:
+        return yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        detail = f"{problem}" + (f" ({context})" if context else "")
+        raise LayoutError(f"recipe {str(file)!r}: YAML syntax error at {where}: {detail}. Fix the file there "
+                          "(a missing bracket, quote or colon, or an indentation that does not line up).") from None
+    except OSError as err:
+        raise LayoutError(f"recipe {str(file)!r} cannot be read: {err.strerror or err}.") from None
 
 
 def _load(path: Path, seen: tuple[Path, ...]) -> DictConfig:
@@ -34,6 +51,9 @@ def _load(path: Path, seen: tuple[Path, ...]) -> DictConfig:
     if not path.is_file():
         where = f" (named in {seen[-1]})" if seen else ""
         raise LayoutError(f"recipe file {str(path)!r}{where} does not exist.")
+    if not isinstance(read_yaml(path), dict | None):
+        raise LayoutError(f"recipe {str(path)!r} must be a mapping at the top level (trainer:, model:, ...), not a "
+                          f"{type(read_yaml(path)).__name__}.")
     node = OmegaConf.load(path)
     if not isinstance(node, DictConfig):
         raise LayoutError(f"recipe {str(path)!r} must be a mapping at the top level.")
@@ -103,7 +123,11 @@ def _expanded(path: str, overrides: dict[str, Any]) -> str:
     p = Path(path)
     if p.suffix not in (".yaml", ".yml") or not p.is_file():
         return path
-    if "defaults" not in (OmegaConf.load(p) or {}):
+    content = read_yaml(p)
+    if not isinstance(content, dict):
+        raise LayoutError(f"recipe {str(p)!r} must be a mapping at the top level (trainer:, model:, ...), not a "
+                          f"{type(content).__name__}.")
+    if "defaults" not in content:
         return path
     composed = OmegaConf.create(compose_recipe(p))
     for key, value in overrides.items():

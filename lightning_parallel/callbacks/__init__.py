@@ -1,13 +1,15 @@
 """Lightning callbacks of the library.
 
+* :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
   (recipes name it as ``lightning_parallel.callbacks.TileLinearLayers``);
 * :class:`ZeroStats` -- logs ``lp_sharded``'s measured per-rank model-state bytes and per-step traffic.
 """
 
+from lightning_parallel.callbacks.model_states import ModelStateReport
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import ZeroStats
 
-__all__ = ["RunSummary", "TileLinearLayers", "ZeroStats"]
+__all__ = ["ModelStateReport", "RunSummary", "TileLinearLayers", "ZeroStats"]

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_parallel.config import UserInputError
+
 __all__ = [
     "DEEPSPEED_LATEST_FILE",
     "NVME_STATE_DIR",
@@ -43,7 +45,7 @@ NVME_STATE_DIR = "lp_offload_state"
 _RANK_FILE = "rank_{rank:05d}.pt"
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(UserInputError):
     """The path is missing, is not a checkpoint of a known format, or is incomplete or corrupt."""
 
 
@@ -89,9 +91,10 @@ class CheckpointInfo:
 def load_torch_file(file: Path, *, trusted: bool = False, what: str = "a checkpoint file") -> Any:
     """``torch.load`` on CPU with ``weights_only=True`` (``trusted``: ``weights_only=False``, which runs code stored
     in the file); any failure becomes a :class:`CheckpointFormatError` naming the file and what was expected."""
-    if not trusted and not zipfile.is_zipfile(file):
-        raise CheckpointFormatError(f"{file}: not a torch checkpoint (torch.save writes a zip archive; this file is "
-                                    f"not one); expected {what}.")
+    from lightning_parallel.checkpoint.verify import verify_torch_file
+
+    if not trusted or zipfile.is_zipfile(file):  # empty, truncated, foreign, or failing its records' checksums
+        verify_torch_file(file, expected=what)
     try:
         return torch.load(file, map_location="cpu", weights_only=not trusted)
     except pickle.UnpicklingError as err:

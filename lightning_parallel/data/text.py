@@ -17,24 +17,30 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_parallel.config import UserInputError
 from lightning_parallel.data.resumable import ResumableDataModuleMixin
 
-__all__ = ["DEFAULT_CORPUS", "TextDataModule", "TokenWindows", "load_text", "tokenize"]
+__all__ = ["DEFAULT_CORPUS", "DataError", "TextDataModule", "TokenWindows", "load_text", "tokenize"]
 
 DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "python_docs.txt.gz"
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".gz"}
+
+
+class DataError(UserInputError):
+    """A data path or data setting that cannot train (missing, empty, too small); raised before any rank starts."""
 
 
 def load_text(path: str | Path | None = None) -> str:
     """The text of a file, of every text file under a folder (sorted, joined by blank lines), or of the corpus."""
     p = DEFAULT_CORPUS if path is None else Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data path {str(p)!r} does not exist. Fix: pass a text file or folder, or None "
-                                "for the embedded corpus.")
+        raise DataError(f"data path {str(p)!r} does not exist. Fix: pass a text file or folder, or None for the "
+                        "embedded corpus.")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in _TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"folder {str(p)!r} holds no text files ({sorted(_TEXT_SUFFIXES)}).")
+            raise DataError(f"data path {str(p)!r}: the folder holds no text files ({sorted(_TEXT_SUFFIXES)}). Fix: "
+                            "point it at a text file or a folder of them.")
         return "\n\n".join(load_text(f) for f in files)
     raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     return raw.decode("utf-8", errors="replace")
@@ -96,9 +102,11 @@ class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction} must be in (0, 1).")
-        if block_size < 1 or batch_size < 1:
-            raise ValueError(f"block_size={block_size} and batch_size={batch_size} must be >= 1.")
+            raise DataError(f"data val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
+        for key, value in (("block_size", block_size), ("batch_size", batch_size)):
+            if value < 1:
+                raise DataError(f"data {key}={value} must be >= 1 (tokens per sample / samples per batch per "
+                                "data-parallel rank).")
         self.save_hyperparameters()
         self.vocab: list[str] | None = None
         self.train_set: TokenWindows | None = None
@@ -127,10 +135,46 @@ class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
         model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         model_vocab = getattr(getattr(model, "hparams", None), "vocab_size", None)
         if model_vocab is not None and model_vocab < self.vocab_size:
-            raise ValueError(
+            raise DataError(
                 f"the data has {self.vocab_size} distinct tokens ({self._hp.level}-level) but the model's "
                 f"vocab_size={model_vocab}. Fix: model vocab_size >= {self.vocab_size}."
             )
+
+    def check_before_launch(self, *, data_parallel_size: int = 1, model: Any = None) -> None:
+        """Before any rank starts: the text exists and is not empty, the model's context holds ``block_size``, and
+        both splits give at least one batch per data-parallel rank (else training would run 0 steps). Raises
+        :class:`DataError` with the numbers and the fix. The tokens are kept for :meth:`setup`."""
+        hp = self._hp
+        model_block = getattr(getattr(model, "hparams", None), "get", lambda *_: None)("block_size")
+        if isinstance(model_block, int) and hp.block_size > model_block:
+            raise DataError(f"data block_size={hp.block_size} is longer than the model's block_size={model_block} "
+                            f"(its position table). Fix: data block_size <= {model_block}, or a model with "
+                            f"block_size >= {hp.block_size}.")
+        text = load_text(hp.path)
+        where = "the embedded corpus" if hp.path is None else f"data path {hp.path!r}"
+        if not text:
+            raise DataError(f"{where} is empty (0 bytes of text). Fix: point it at a file with text.")
+        tokens, vocab = tokenize(text, hp.level)
+        distinct = 256 if vocab is None else len(vocab)
+        model_vocab = getattr(getattr(model, "hparams", None), "get", lambda *_: None)("vocab_size")
+        if isinstance(model_vocab, int) and model_vocab < distinct:
+            raise DataError(f"the data has {distinct} distinct tokens ({hp.level}-level) but the model's vocab_size="
+                            f"{model_vocab}. Fix: model vocab_size >= {distinct}.")
+        n_val = max(hp.block_size + 1, int(tokens.numel() * hp.val_fraction))
+        train_windows = max(0, (tokens.numel() - n_val - 1) // hp.block_size)
+        val_windows = max(0, (n_val - 1) // hp.block_size)
+        need = hp.batch_size * data_parallel_size
+        if train_windows < need:
+            raise DataError(
+                f"{where} is too small for one batch per data-parallel rank: {tokens.numel():,} tokens give "
+                f"{train_windows} training samples of block_size={hp.block_size} (after {n_val:,} held out for "
+                f"validation), but one step needs batch_size {hp.batch_size} x dp {data_parallel_size} = {need}. "
+                f"Fix: more text (at least {(need * hp.block_size + n_val + 1):,} tokens), a smaller batch_size or "
+                "block_size, or fewer data-parallel ranks."
+            )
+        if val_windows < 1:
+            raise DataError(f"{where}: the validation split ({n_val:,} tokens) holds no sample of block_size="
+                            f"{hp.block_size}. Fix: a larger val_fraction or a smaller block_size.")
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--inter-node", choices=["fast", "slow"])
     hw.add_argument("--cpu-memory", help="host memory per node, e.g. 512GB")
     hw.add_argument("--nvme", action=argparse.BooleanOptionalAction, default=None, help="a local NVMe disk")
+    hw.add_argument("--reserved-memory", help="memory per device the runtime takes before training (CUDA context, "
+                    "workspaces); default min(1GiB, 5%% of --gpu-memory), 0 on CPU")
     hw.add_argument("--accelerator", choices=["gpu", "cpu", "auto"], help="trainer.accelerator of the recipe")
     tr = parser.add_argument_group("training")
     tr.add_argument("--precision", default=None, help="bf16-mixed (default), fp16-mixed or fp32")
@@ -142,6 +144,7 @@ def _hardware(args: argparse.Namespace) -> Hardware:
         "inter_node": args.inter_node,
         "cpu_memory_per_node": args.cpu_memory,
         "nvme": args.nvme,
+        "reserved_memory": args.reserved_memory,
         "accelerator": args.accelerator,
     }
     if args.hardware:
@@ -165,9 +168,26 @@ def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettin
     )
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--params -7e9`` as ``--params=-7e9``: argparse would read the value as an option and say only "expected
+    one argument"; joined, the value reaches its own check ("must be at least 1")."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if (arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and argv[i + 1].startswith("-")
+                and argv[i + 1][1:2].isdigit()):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``lightning-parallel plan ARGS``; returns 0, or 2 after printing what to fix."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         model, hints = _model(args)

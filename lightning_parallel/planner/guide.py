@@ -227,7 +227,7 @@ def evaluate(
             layout = layout.replace(mesh_order=order)
     limit = hardware.gpu_memory
     layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size) or 0
-    layer_fits = layer + hardware.reserved_memory <= limit
+    layer_fits = layer + hardware.reserved <= limit
     tiles = 1
     if not layer_fits and layout.zero == 3:
         tiles = max(2, math.ceil(layer / (TILE_FRACTION * limit)))
@@ -275,7 +275,7 @@ def assess(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> 
     ]
     single = next((m for m in options if m.total <= hardware.gpu_memory), options[-1])
     layer = _layer_bytes(model, training, tp=1)
-    layer_fits = layer is None or layer + hardware.reserved_memory <= hardware.gpu_memory
+    layer_fits = layer is None or layer + hardware.reserved <= hardware.gpu_memory
     return Situation(
         world_size=hardware.world_size,
         nodes=hardware.nodes,

@@ -13,9 +13,10 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from lightning_parallel.planner.units import parse_bytes
+from lightning_parallel.planner.units import format_bytes, parse_bytes
 
 __all__ = [
+    "DEFAULT_RESERVED",
     "LINK_BANDWIDTH",
     "Hardware",
     "InterNode",
@@ -29,6 +30,9 @@ __all__ = [
 IntraNode = Literal["nvlink", "pcie"]
 InterNode = Literal["fast", "slow"]
 Accelerator = Literal["gpu", "cpu", "auto"]
+
+DEFAULT_RESERVED = 2**30
+"""The largest default runtime allowance per accelerator (1 GiB)."""
 
 LINK_BANDWIDTH: dict[str, float] = {
     "nvlink": 150e9,
@@ -59,8 +63,9 @@ class Hardware:
     """Bytes of host memory per node (what ZeRO-offload can use)."""
     nvme: bool = False
     """A fast local NVMe disk is present (ZeRO-Infinity offload)."""
-    reserved_memory: int = 2**30
-    """Bytes per device the runtime takes before training (CUDA context, kernels, workspaces)."""
+    reserved_memory: int | None = None
+    """Bytes per device the runtime takes before training (CUDA context, kernels, workspaces); None: the scaled
+    default :attr:`reserved` states."""
     peak_tflops: float = 100.0
     """Peak 16-bit dense TFLOP/s per device (fp32 runs are taken at 1/4 of it); for ranking only."""
     accelerator: Accelerator = "auto"
@@ -81,14 +86,32 @@ class Hardware:
             raise ValueError(f"accelerator={self.accelerator!r}: use gpu, cpu or auto.")
 
     @property
+    def reserved(self) -> int:
+        """The runtime's allowance per device: ``reserved_memory`` when given, else nothing on CPU and
+        min(1 GiB, 5 % of the device's memory) on accelerators (a CUDA context and workspaces take 0.3-1 GB on a
+        large GPU; a small budget gets a proportionate share instead of a fixed GiB that would dwarf it)."""
+        if self.reserved_memory is not None:
+            return self.reserved_memory
+        return 0 if self.accelerator == "cpu" else min(DEFAULT_RESERVED, self.gpu_memory // 20)
+
+    def reserved_text(self) -> str:
+        """Where :attr:`reserved` comes from, for the report."""
+        if self.reserved_memory is not None:
+            return f"{format_bytes(self.reserved)} (given)"
+        if self.accelerator == "cpu":
+            return "0 B (default on CPU: no device runtime)"
+        return (f"{format_bytes(self.reserved)} (default: min(1 GiB, 5% of {format_bytes(self.gpu_memory)}); "
+                "--reserved-memory to change)")
+
+    @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
     def describe(self) -> str:
         inter = f", {self.inter_node} inter-node" if self.nodes > 1 else ""
         return (
-            f"{self.nodes} node(s) x {self.gpus_per_node} device(s) of {self.gpu_memory / 1e9:.1f} GB, "
-            f"{self.intra_node} intra-node{inter}, {self.cpu_memory_per_node / 1e9:.0f} GB host memory per node, "
+            f"{self.nodes} node(s) x {self.gpus_per_node} device(s) of {format_bytes(self.gpu_memory)}, "
+            f"{self.intra_node} intra-node{inter}, {format_bytes(self.cpu_memory_per_node)} host memory per node, "
             f"NVMe {'yes' if self.nvme else 'no'}"
         )
 

@@ -124,7 +124,7 @@ def estimate_memory(
     state = training.state_bytes
     states = model_states(n_local, state, dp=dp, zero_stage=layout.zero, offload=layout.offload_device)
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
-    buffers = hardware.reserved_memory + round(BUFFER_FRACTION * (states.device + (acts or 0)))
+    buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:
         buffers += math.ceil((state.param + state.grad) * model.largest_layer_per_device(tp=tp) / tiles)
     ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp)

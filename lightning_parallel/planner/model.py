@@ -174,7 +174,15 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--recipe {str(path)!r}: no such file. Give the path of a recipe YAML.")
-    data = yaml.safe_load(file.read_text()) or {}
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        raise ValueError(f"--recipe {str(path)!r}: YAML syntax error at {where}: "
+                         f"{getattr(err, 'problem', None) or err}.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--recipe {str(path)!r} must be a mapping at the top level, not a {type(data).__name__}.")
     model = data.get("model") or {}
     args = dict(model.get("init_args") or {})
     shape_args = {k: args.get(k, v) for k, v in _GPT_DEFAULTS.items()}

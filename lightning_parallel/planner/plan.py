@@ -24,7 +24,7 @@ from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import format_bytes
 
-__all__ = ["Plan", "make_plan", "mesh_order_sentence"]
+__all__ = ["Plan", "make_plan", "mesh_order_sentence", "no_fit_fixes"]
 
 _BRANCH_TEXT: dict[str, str] = {
     "one-gpu/fits": "one GPU, the model fits: train normally",
@@ -105,7 +105,7 @@ def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) 
     ranked = fitting + rest
     guide_choice = fitting[0] if fitting else None
     recommended = next((c for c in fitting if c.available), None)
-    reason = _reason(situation, hardware, branch, recommended, ranked)
+    reason = _reason(situation, hardware, branch, recommended, ranked, training)
     if guide_choice is not None and guide_choice is not recommended:
         reason += (
             f" The guide's first choice, {guide_choice.strategy} {guide_choice.layout.describe()}, is not available "
@@ -144,22 +144,39 @@ def _facts(situation: Situation, hardware: Hardware) -> str:
     if situation.largest_layer_bytes is None:
         text += " The largest layer is unknown and assumed to fit (give --largest-layer-params)."
     elif not situation.largest_layer_fits:
-        text += f" Its largest layer alone needs {format_bytes(situation.largest_layer_bytes)} (weights + gradients)."
+        layer = situation.largest_layer_bytes
+        text += (f" Its largest layer alone needs {format_bytes(layer)} (weights + gradients); with the "
+                 f"{format_bytes(hardware.reserved)} reserved per device for the runtime that is "
+                 f"{format_bytes(layer + hardware.reserved)}, more than the {format_bytes(hardware.gpu_memory)} of "
+                 "one device.")
     return text
 
 
+def no_fit_fixes(hardware: Hardware, training: TrainingSettings) -> list[str]:
+    """What could make a layout fit, naming only what was not already given or tried."""
+    fixes = ["more devices or more memory per device"]
+    if training.activation_checkpointing in ("none", "selective"):
+        fixes.append("activation checkpointing (--activation-checkpointing full or auto)")
+    if training.micro_batch_size > 1:
+        fixes.append(f"a smaller micro-batch (now {training.micro_batch_size})")
+    if not hardware.nvme:
+        fixes.append("an NVMe disk for ZeRO-Infinity offload (--nvme)")
+    if hardware.reserved_memory:
+        fixes.append(f"a smaller --reserved-memory if the runtime takes less than {format_bytes(hardware.reserved)}")
+    return fixes
+
+
 def _reason(
-    situation: Situation, hardware: Hardware, branch: str, chosen: Candidate | None, ranked: list[Candidate]
+    situation: Situation, hardware: Hardware, branch: str, chosen: Candidate | None, ranked: list[Candidate],
+    training: TrainingSettings,
 ) -> str:
     families = BRANCH_FAMILIES[branch]
     text = f"{_facts(situation, hardware)} Guide branch: {_BRANCH_TEXT[branch]}."
     if chosen is None:
         nearest = ranked[0] if ranked else None
         hint = f" The nearest is {nearest.layout.describe()} ({nearest.why_not})." if nearest else ""
-        return (
-            f"{text} No layout fits on {hardware.describe()}.{hint} Fix: more devices or memory, "
-            "activation checkpointing (--activation-checkpointing full), a smaller micro-batch, or NVMe."
-        )
+        return (f"{text} No layout fits on {hardware.describe()}.{hint} Fix: "
+                + "; or ".join(no_fit_fixes(hardware, training)) + ".")
     if chosen.family != families[0]:
         before = families[: families.index(chosen.family)] if chosen.family in families else families
         skipped = ", ".join(_FAMILY_TEXT[f] for f in before)

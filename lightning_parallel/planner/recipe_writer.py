@@ -145,6 +145,10 @@ def write_recipe(
     """Write the recipe to ``path`` (folders created) and return the path."""
     text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator, path=str(path))
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as err:
+        raise ValueError(f"--write-recipe {str(path)!r}: cannot write there ({err.strerror or err}). Fix: a path in a "
+                         "writable folder.") from None
     return out

@@ -115,6 +115,9 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
         f"Training: {t.precision}, {t.optimizer} ({sb.param}+{sb.grad}+{sb.optimizer} bytes of model state per "
         f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}",
         f"Hardware: {plan.hardware.describe()}",
+        f"Allowance per device (the buffers column): {plan.hardware.reserved_text()} reserved for the runtime, + 10% "
+        "of model states and activations (fragmentation, communication buckets), + under ZeRO-3 the gathered "
+        "largest layer",
         "",
         "Model states per device, pure data parallel over all "
         f"{plan.hardware.world_size} device(s): "

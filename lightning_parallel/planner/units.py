@@ -28,7 +28,7 @@ BYTE_UNITS: dict[str, int] = {
 COUNT_SUFFIXES: dict[str, float] = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 """Accepted suffixes of a parameter count: 125M, 7.5B (= 7.5G), 1T; or plain scientific notation (7.5e9)."""
 
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 
 
 def parse_bytes(text: str | int | float, *, name: str = "size") -> int:

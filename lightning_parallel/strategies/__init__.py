@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.layouts import available_strategies
 
+from .auto import LPAutoStrategy
 from .base import LayoutStrategy
 from .ddp import LPDDPStrategy
 from .dp import LPDPStrategy
@@ -21,7 +22,7 @@ from .sharded import LPShardedStrategy
 from .tensor import LPTensorStrategy
 from .zero_offload import LPZeroOffloadStrategy
 
-__all__ = ["STRATEGIES", "LPDDPStrategy", "LPDPStrategy", "LPHybridStrategy", "LPPipelineStrategy",
+__all__ = ["STRATEGIES", "LPAutoStrategy", "LPDDPStrategy", "LPDPStrategy", "LPHybridStrategy", "LPPipelineStrategy",
            "LPShardedStrategy", "LPTensorStrategy", "LPZeroOffloadStrategy", "LayoutStrategy", "register_strategies"]
 
 # name -> (class, description, preset init arguments)
@@ -86,6 +87,8 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
         "DeepSpeed ZeRO-3 + optimizer and parameters on NVMe under parallel.nvme_path (ZeRO-Infinity; libaio)",
         {"zero_stage": 3, "offload": "nvme"},
     ),
+    "lp_auto": (LPAutoStrategy, "the planner picks the strategy and layout from the module and the hardware (CLI)",
+                {}),
 }
 
 

@@ -29,8 +29,8 @@ from lightning_parallel.config import LayoutError, ParallelConfig, check_model_c
 from lightning_parallel.layouts import strategy_for_key
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "clip_by_norm_replaced",
-           "oversubscription_warning"]
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "check_data_modules",
+           "clip_by_norm_replaced", "oversubscription_warning"]
 
 
 class LayoutMixin:
@@ -283,6 +283,20 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
         check(text)
 
 
+def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
+    """Before spawning: every data module among ``trainer.fit``'s arguments that defines ``check_before_launch``
+    (:class:`~lightning_parallel.data.TextDataModule` does) checks its data against the data-parallel size (a missing
+    or empty path, a corpus smaller than one batch per rank), once, in the launching process."""
+    dims = getattr(strategy, "_dims", None)
+    dp = int(getattr(dims, "dp", 0) or 0) or int(getattr(strategy, "num_processes", 1) or 1) * int(
+        getattr(strategy, "num_nodes", 1) or 1)
+    module = trainer.lightning_module if trainer is not None else None
+    for arg in args:
+        check = getattr(arg, "check_before_launch", None) if isinstance(arg, pl.LightningDataModule) else None
+        if callable(check):
+            check(data_parallel_size=dp, model=module)
+
+
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     if trainer is not None and trainer.lightning_module is not None:
         strategy.check_module(trainer.lightning_module)
@@ -290,6 +304,8 @@ def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, .
     fitting = trainer is not None and trainer.state.fn == "fit"
     if callable(check_data) and fitting:
         check_data(args)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
+    if fitting:
+        check_data_modules(strategy, trainer, args)
     if fitting and len(args) > 4:
         check_ckpt_path(strategy, args[4])
     devices = getattr(strategy, "parallel_devices", None) or []

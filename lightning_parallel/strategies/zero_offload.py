@@ -27,6 +27,7 @@ dict that loads on one device.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -162,6 +163,8 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
             raise LayoutError(
                 "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."
             )
+        if layout.offload_device == "nvme" and layout.nvme_path:
+            check_nvme_folder(layout.nvme_path)
         if layout.offload_device == "nvme" and layout.zero != 3:
             raise LayoutError(
                 f"parallel.offload='nvme' needs zero_stage=3 (ZeRO-Infinity); DeepSpeed offloads to NVMe only at "
@@ -502,3 +505,21 @@ def _select_deepspeed_accelerator(kind: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
+
+
+def check_nvme_folder(path: str) -> None:
+    """``parallel.nvme_path`` must be a writable folder (created when missing and its parent allows): checked when
+    the Trainer is built, before DeepSpeed's ops are built and before any rank starts."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise LayoutError(f"parallel.nvme_path={path!r} is not a folder (it is a file). Fix: a folder on a fast "
+                          "local disk, e.g. /local_nvme/lightning_parallel.")
+    if not folder.exists():
+        try:
+            folder.mkdir(parents=True)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise LayoutError(f"parallel.nvme_path={path!r} does not exist and cannot be created ({reason}). Fix: "
+                              "create it on a fast local disk, or give a folder that exists.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LayoutError(f"parallel.nvme_path={path!r} is not writable by this user. Fix: a folder you can write.")

@@ -27,9 +27,10 @@ from lightning_parallel.planner.recipe_writer import write_recipe
 BF16 = TrainingSettings()
 
 # A model whose largest layer (the 262144 x 1024 embedding: 1.07 GB of bf16 weights + gradients) does not fit a
-# 1 GB device while the rest would: the guide's "largest layer does not fit" branches.
+# 2 GB device with 1 GiB reserved for the runtime, while the rest would: the guide's "largest layer does not fit"
+# branches.
 WIDE_VOCAB = ModelShape(n_layer=2, n_embd=1024, n_head=8, vocab_size=262144, block_size=256)
-_LARGEST = {"gpu_memory": "2GB", "cpu_memory_per_node": "64GB"}
+_LARGEST = {"gpu_memory": "2GB", "cpu_memory_per_node": "64GB", "reserved_memory": "1GiB"}
 
 # branch -> (model preset, hardware)
 BRANCHES: dict[str, tuple[str | ModelShape, dict[str, Any]]] = {

@@ -219,3 +219,40 @@ def test_write_recipe_needs_a_shape(tmp_path: Path, capsys: pytest.CaptureFixtur
     argv = ["--params", "1e8", "--gpu-memory", "24GB", "--write-recipe", str(tmp_path / "r.yaml")]
     assert main(argv) == 2
     assert "needs the model's shape" in capsys.readouterr().err
+
+
+def test_the_runtime_allowance_scales_is_printed_and_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """A fixed 1 GiB allowance made small budgets contradict themselves ("the largest layer needs 528 KB" yet "the
+    largest layer does not fit" in 200 MB): the default is now min(1 GiB, 5% of the device), 0 on CPU, or given."""
+    assert make_hardware(gpu_memory="80GiB").reserved == 2**30
+    assert make_hardware(gpu_memory="200MB").reserved == 10_000_000
+    assert make_hardware(gpu_memory="200MB", accelerator="cpu").reserved == 0
+    assert make_hardware(gpu_memory="200MB", reserved_memory="50MB").reserved == 50_000_000
+    model = ModelSpec.from_params(874_752, largest_layer_params=66_048)
+    plan = make_plan(model, ADAMW_BF16, make_hardware(gpus_per_node=2, gpu_memory="200MB"))
+    assert plan.situation.largest_layer_fits and plan.recommended is not None
+    squeezed = make_plan(model, ADAMW_BF16, make_hardware(gpus_per_node=2, gpu_memory="200MB",
+                                                           reserved_memory="199.9MB"))
+    assert not squeezed.situation.largest_layer_fits
+    assert "with the 199.9 MB reserved per device for the runtime that is" in squeezed.reason
+    assert main(["--params", "874752", "--largest-layer-params", "66048", "--gpu-memory", "200MB"]) == 0
+    out = capsys.readouterr().out
+    assert "Allowance per device (the buffers column): 10.0 MB (default: min(1 GiB, 5% of 200.0 MB)" in out
+
+
+def test_when_nothing_fits_the_fix_names_only_what_was_not_given() -> None:
+    model = ModelSpec.from_params(7_500_000_000, largest_layer_params=10**8)
+    tried = TrainingSettings(precision="bf16-mixed", micro_batch_size=1, activation_checkpointing="full")
+    plan = make_plan(model, tried, make_hardware(gpus_per_node=2, gpu_memory="1GB", nvme=True,
+                                                 cpu_memory_per_node="1GB"))
+    assert plan.recommended is None
+    fix = plan.reason.split("Fix: ")[1]
+    assert "more devices or more memory per device" in fix
+    for already in ("activation checkpointing", "smaller micro-batch", "NVMe", "--reserved-memory"):
+        assert already not in fix, fix
+    untried = TrainingSettings(precision="bf16-mixed", micro_batch_size=8, activation_checkpointing="none")
+    plan = make_plan(model, untried, make_hardware(gpus_per_node=2, gpu_memory="1GB", cpu_memory_per_node="1GB",
+                                                   reserved_memory="100MB"))
+    fix = plan.reason.split("Fix: ")[1]
+    for offered in ("activation checkpointing", "a smaller micro-batch (now 8)", "NVMe", "--reserved-memory"):
+        assert offered in fix, fix

@@ -1,0 +1,352 @@
+"""``lp_auto``: the planner chooses the strategy and the layout at launch, from the module and the hardware found.
+
+Before any process starts: the module's parameters and largest layer are counted (``numel`` only, so a module built
+on the meta device costs nothing; :func:`~lightning_parallel.planner.detect.model_spec_from_module`), the hardware is
+read (:func:`~lightning_parallel.planner.detect.detect_hardware`; ``--planner.*`` keys and profiles override it), the
+planner ranks every layout by the decision guide (:func:`~lightning_parallel.planner.make_plan`), and the best layout
+that fits *and that this library can run on this module unchanged* is instantiated as its strategy. Passed over, with
+the reason printed: layouts that need the largest layer tiled (a model change), offload without DeepSpeed installed,
+pipeline or tensor layouts for a module without the ``pipeline_layers`` / ``tensor_parallel_plan`` hooks.
+
+When nothing fits, :class:`NoLayoutFits` (a :class:`~lightning_parallel.config.LayoutError`) gives the numbers, the
+nearest layout and the smallest hardware that would fit. After the run :class:`ModelStateReport` compares the
+planner's model-state bytes per rank with what the ranks hold.
+
+From the command line: ``lightning-parallel fit --config RECIPE --trainer.strategy lp_auto [--planner.gpu_memory
+8MB ...]`` (or ``parallel: auto`` in the recipe). In a script::
+
+    decision = plan_for_module(model, accelerator="cpu", devices=2, precision="32-true", micro_batch_size=16)
+    print(decision.text())
+    report = ModelStateReport(decision.predicted_states())
+    trainer = Trainer(strategy=decision.make_strategy(), accelerator="cpu", devices=2, callbacks=[report])
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.planner.detect import PlannerOptions, detect_hardware, model_spec_from_module
+from lightning_parallel.planner.guide import BRANCH_FAMILIES, NVME_PATH, Candidate
+from lightning_parallel.planner.hardware import Hardware
+from lightning_parallel.planner.memory import ModelStates, model_states
+from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.plan import _BRANCH_TEXT, Plan, _facts, make_plan, mesh_order_sentence
+from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.units import format_bytes
+
+__all__ = ["AutoDecision", "NoLayoutFits", "PlannerOptions", "choose", "plan_for_module"]
+
+_MAX_DEVICES = 4096
+"""The largest device count the refusal searches for the smallest hardware that fits."""
+
+
+class NoLayoutFits(LayoutError):
+    """No layout this library can run fits the model on the hardware (raised before any process starts)."""
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """What ``lp_auto`` chose and why: the plan, the chosen and runner-up candidates, what was passed over."""
+
+    plan: Plan
+    chosen: Candidate
+    runner_up: Candidate | None
+    passed_over: list[str] = field(default_factory=list)
+    """One line per better-ranked candidate that was not runnable here, with the reason."""
+    hardware_notes: list[str] = field(default_factory=list)
+    model_note: str = ""
+
+    @property
+    def layout(self) -> ParallelConfig:
+        return self.chosen.layout
+
+    @property
+    def strategy_name(self) -> str:
+        """The registered strategy that runs the layout; ``auto`` (Lightning's single-device strategy) for one device
+        without recomputation, ``lp_ddp`` on one process when activations are recomputed (a layout is needed)."""
+        if self.chosen.strategy == "single_device":
+            return "auto" if self.layout.activation_checkpointing == "none" else "lp_ddp"
+        return self.chosen.strategy
+
+    @property
+    def parallel_section(self) -> ParallelConfig | None:
+        """The ``parallel`` section to run with (None for Lightning's own single-device strategy)."""
+        if self.strategy_name == "auto":
+            return None
+        if self.chosen.strategy == "single_device":
+            return ParallelConfig(activation_checkpointing=self.layout.activation_checkpointing)
+        return self.layout
+
+    def predicted_states(self) -> ModelStates:
+        """Model-state bytes per rank the planner counts for the chosen layout (busiest pipeline stage)."""
+        layout, model = self.layout, self.plan.model
+        pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
+        dp = int(layout.data_parallel_size)
+        n_local = model.params_per_device(pp=pp, tp=tp)
+        return model_states(n_local, self.plan.training.state_bytes, dp=dp, zero_stage=layout.zero,
+                            offload=layout.offload_device)
+
+    def make_strategy(self, **strategy_kwargs: Any) -> Any:
+        """The strategy instance (or ``"auto"``) for ``Trainer(strategy=...)``; ``strategy_kwargs`` go to its
+        constructor (``start_method="fork"`` and the like)."""
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_parallel  # noqa: F401  (registers the strategies)
+
+        name = self.strategy_name
+        if name == "auto":
+            return "auto"
+        entry = StrategyRegistry[name]
+        return entry["strategy"](parallel=self.parallel_section, **{**entry["init_params"], **strategy_kwargs})
+
+    def describe_candidate(self, candidate: Candidate) -> str:
+        mem = candidate.memory
+        acts = "activations not counted" if mem.activations is None else f"activations {format_bytes(mem.activations)}"
+        host = f"; host {format_bytes(mem.host_per_node)} per node" if mem.host_per_node else ""
+        return (f"{candidate.strategy} {candidate.layout.describe()}: {format_bytes(mem.total)} per device of "
+                f"{format_bytes(self.plan.hardware.gpu_memory)} (model states {format_bytes(mem.model_states)}, "
+                f"{acts}, buffers {format_bytes(mem.buffers)}{host})")
+
+    def text(self) -> str:
+        """The decision as printed before training: model, hardware, branch, chosen and runner-up, why."""
+        plan = self.plan
+        lines = [
+            f"lp_auto: model {plan.model.name}: {self.model_note}",
+            f"lp_auto: hardware {plan.hardware.describe()}",
+            *(f"lp_auto:   {note}" for note in self.hardware_notes),
+            f"lp_auto: training {plan.training.precision}, {plan.training.optimizer}, micro-batch "
+            f"{plan.training.micro_batch_size}, sequence {plan.training.sequence_length(_block(plan.model))}; global "
+            f"batch = micro-batch x dp = {plan.training.micro_batch_size} x {self.layout.data_parallel_size} "
+            "(the data module's batch_size is per data-parallel rank: a layout with a smaller dp trains on a smaller "
+            "global batch)",
+            f"lp_auto: {_facts_text(plan)}",
+            f"lp_auto: guide branch {plan.branch}: {_BRANCH_TEXT[plan.branch]}",
+            *(f"lp_auto: passed over {line}" for line in self.passed_over),
+            f"lp_auto: chosen    {self.describe_candidate(self.chosen)}"
+            f"{mesh_order_sentence(self.chosen, plan.hardware)}",
+        ]
+        if self.runner_up is not None:
+            lines.append(f"lp_auto: runner-up {self.describe_candidate(self.runner_up)}")
+        why = _why(self)
+        lines.append(f"lp_auto: why: {why}")
+        predicted = self.predicted_states()
+        lines.append(f"lp_auto: predicted model states per rank: {_states_text(predicted)}")
+        return "\n".join(lines)
+
+
+def _facts_text(plan: Plan) -> str:
+    """The planner's facts, in lp_auto's words (it has a module, not command-line flags)."""
+    return _facts(plan.situation, plan.hardware).replace(
+        "the model's shape is unknown (give --model or --layers/--hidden/--heads)", "the module has no GPT shape")
+
+
+def _block(model: ModelSpec) -> int:
+    return model.shape.block_size if model.shape is not None else 0
+
+
+def _states_text(states: ModelStates) -> str:
+    text = (f"{format_bytes(states.device)} on the device (params {format_bytes(states.params)}, grads "
+            f"{format_bytes(states.grads)}, optimizer {format_bytes(states.optimizer)})")
+    if states.host:
+        text += f" + {format_bytes(states.host)} on the host"
+    if states.nvme:
+        text += f" + {format_bytes(states.nvme)} on NVMe"
+    return text
+
+
+def _why(decision: AutoDecision) -> str:
+    chosen, plan = decision.chosen, decision.plan
+    families = BRANCH_FAMILIES[plan.branch]
+    text = (f"{chosen.strategy} is the first layout in the guide's order for this branch ("
+            f"{', '.join(families)}) that fits and runs here")
+    runner = decision.runner_up
+    if runner is None:
+        return text + "; no other layout does."
+    rank = {f: i for i, f in enumerate(families)}
+    late = len(families)
+    if rank.get(runner.family, late) > rank.get(chosen.family, late):
+        text += (f"; the runner-up {runner.strategy} is of a later family ({runner.family} after {chosen.family})"
+                 + (", although its step is estimated faster" if runner.cost.tokens_per_s > chosen.cost.tokens_per_s
+                    else ""))
+    else:
+        text += (f"; the runner-up {runner.strategy} is of the same family with an estimated "
+                 f"{runner.cost.tokens_per_s:,.0f} tokens/s against {chosen.cost.tokens_per_s:,.0f}")
+    return text + "."
+
+
+def _runnable(candidate: Candidate, module: nn.Module | None, options: PlannerOptions) -> str:
+    """Empty when lp_auto can run ``candidate`` on ``module`` here, else why not."""
+    layout = candidate.layout
+    if not candidate.fits:
+        return candidate.why_not
+    if not candidate.available:
+        return f"{candidate.strategy} is not in this version"
+    if candidate.tiled_layers:
+        return "it needs the largest layer tiled (Memory Centric Tiling), a change to the model lp_auto does not make"
+    if layout.offload_device != "none" and importlib.util.find_spec("deepspeed") is None:
+        return "offload runs on DeepSpeed, which is not installed (pip install 'lightning-parallel[offload]')"
+    if layout.offload_device == "nvme" and not options.nvme_path:
+        return "NVMe offload needs --planner.nvme_path"
+    if module is not None:
+        for size, hook in ((layout.pipeline_parallel_size, "pipeline_layers"),
+                           (layout.tensor_parallel_size, "tensor_parallel_plan")):
+            if size > 1 and not _has_hook(module, hook):
+                return f"{type(module).__name__} does not implement {hook}()"
+    return ""
+
+
+def _has_hook(module: nn.Module, hook: str) -> bool:
+    fn = getattr(module, hook, None)
+    if not callable(fn):
+        return False
+    try:
+        fn()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _with_nvme_path(candidate: Candidate, options: PlannerOptions) -> Candidate:
+    if candidate.layout.nvme_path == NVME_PATH and options.nvme_path:
+        return replace(candidate, layout=candidate.layout.replace(nvme_path=options.nvme_path))
+    return candidate
+
+
+def choose(plan: Plan, *, module: nn.Module | None = None,
+           options: PlannerOptions | None = None) -> tuple[Candidate | None, Candidate | None, list[str]]:
+    """The first runnable candidate of ``plan`` (its ranking: the guide's order, then throughput), a runner-up (the
+    next runnable one, preferring another strategy), and one line per fitting candidate passed over before it."""
+    opts = options or PlannerOptions()
+    chosen: Candidate | None = None
+    passed: list[str] = []
+    runnable: list[Candidate] = []
+    for candidate in plan.candidates:
+        if not candidate.fits:
+            break  # the ranking puts every fitting candidate first
+        why = _runnable(candidate, module, opts)
+        if why:
+            if chosen is None and len(passed) < 5:
+                passed.append(f"{candidate.strategy} {candidate.layout.describe()}: {why}")
+            continue
+        runnable.append(_with_nvme_path(candidate, opts))
+        if chosen is None:
+            chosen = runnable[-1]
+    if chosen is None:
+        return None, None, passed
+    others = [c for c in runnable[1:] if c.strategy != chosen.strategy] or runnable[1:]
+    return chosen, (others[0] if others else None), passed
+
+
+def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | None,
+              options: PlannerOptions) -> TrainingSettings:
+    return TrainingSettings(
+        precision=str(precision if precision is not None else "32-true"),  # type: ignore[arg-type]
+        optimizer=options.optimizer,  # type: ignore[arg-type]
+        micro_batch_size=options.micro_batch_size or micro_batch_size or 1,
+        seq_len=options.seq_len or seq_len,
+        activation_checkpointing=options.activation_checkpointing,  # type: ignore[arg-type]
+    )
+
+
+def plan_for_module(
+    module: nn.Module,
+    *,
+    accelerator: Any = "auto",
+    devices: Any = "auto",
+    num_nodes: int = 1,
+    precision: Any = "32-true",
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    options: PlannerOptions | dict[str, Any] | None = None,
+) -> AutoDecision:
+    """Plan ``module`` on the hardware found (``options`` override it) and choose the layout; refuses with
+    :class:`NoLayoutFits` when nothing runnable fits. Bad option values raise :class:`LayoutError` too."""
+    try:
+        opts = PlannerOptions.from_any(options)
+        hardware, notes = detect_hardware(accelerator=accelerator, devices=devices, num_nodes=num_nodes, options=opts)
+        spec, how = model_spec_from_module(module)
+        training = _settings(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, options=opts)
+    except LayoutError:
+        raise
+    except ValueError as err:
+        raise LayoutError(f"lp_auto: {err}") from None
+    plan = make_plan(spec, training, hardware)
+    chosen, runner_up, passed = choose(plan, module=module, options=opts)
+    if chosen is None:
+        raise NoLayoutFits(refusal(plan, module=module, options=opts, passed=passed))
+    return AutoDecision(plan=plan, chosen=chosen, runner_up=runner_up, passed_over=passed, hardware_notes=notes,
+                        model_note=how)
+
+
+def _first_runnable(model: ModelSpec, training: TrainingSettings, hardware: Hardware, module: nn.Module | None,
+                    options: PlannerOptions) -> Candidate | None:
+    plan = make_plan(model, training, hardware)
+    return choose(plan, module=module, options=options)[0]
+
+
+def _round_up(num: int) -> int:
+    """Up to two significant digits (a size to quote)."""
+    digits = max(0, len(str(num)) - 2)
+    return math.ceil(num / 10**digits) * 10**digits
+
+
+def refusal(plan: Plan, *, module: nn.Module | None, options: PlannerOptions, passed: list[str]) -> str:
+    """The message of :class:`NoLayoutFits`: the numbers, the nearest layout, the smallest hardware that fits, and
+    fixes that name only what was not already given."""
+    hw, model, training = plan.hardware, plan.model, plan.training
+    lines = [f"lp_auto: no layout fits {model.name} ({model.n_params:,} parameters) on {hw.describe()}.",
+             f"  {_facts_text(plan)}"]
+    nearest = min((c for c in plan.candidates if not _runnable(replace(c, fits=True, why_not=""), module, options)),
+                  key=lambda c: c.memory.total, default=None)
+    if nearest is not None:
+        lines.append(f"  Nearest: {nearest.strategy} {nearest.layout.describe()} needs "
+                     f"{format_bytes(nearest.memory.total)} per device ({nearest.why_not}).")
+    for line in passed:
+        lines.append(f"  Fits but cannot run here: {line}.")
+    smallest: list[str] = []
+    if nearest is not None:
+        memory = _round_up(nearest.memory.total)
+        for _ in range(8):  # the estimate grows a little with the budget (tiling, buffers): step up until it fits
+            found = _first_runnable(model, training, replace(hw, gpu_memory=memory), module, options)
+            if found is not None:
+                smallest.append(f"{format_bytes(memory)} per device on these {hw.world_size} device(s) "
+                                f"({found.strategy} {found.layout.describe()})")
+                break
+            memory = _round_up(int(memory * 1.1) + 1)
+    world = hw.world_size
+    nodes = hw.nodes
+    while world * 2 <= _MAX_DEVICES:
+        world, nodes = world * 2, nodes * 2
+        found = _first_runnable(model, training, replace(hw, nodes=nodes), module, options)
+        if found is not None:
+            smallest.append(f"{world} devices of {format_bytes(hw.gpu_memory)} ({nodes} node(s) x {hw.gpus_per_node}; "
+                            f"{found.strategy} {found.layout.describe()})")
+            break
+    if world > _MAX_DEVICES // 2 and len(smallest) < 2:
+        smallest.append(f"no number of {format_bytes(hw.gpu_memory)} devices up to {_MAX_DEVICES} (what each must "
+                        "hold -- activations of its micro-batch, its share of the states, the largest layer -- does "
+                        "not shrink below that)")
+    if smallest:
+        lines.append("  Smallest hardware that fits: " + "; ".join(smallest) + ".")
+    fixes = []
+    if not options.nvme_path:
+        nvme = _first_runnable(model, training, replace(hw, nvme=True), module,
+                               replace(options, nvme_path=NVME_PATH))
+        if nvme is not None:
+            fixes.append(f"an NVMe folder (--planner.nvme_path DIR): {nvme.strategy} {nvme.layout.describe()} "
+                         "would fit")
+    if options.activation_checkpointing in ("none", "selective"):
+        fixes.append("full activation checkpointing (--planner.activation_checkpointing full or auto)")
+    if training.micro_batch_size > 1:
+        fixes.append(f"a smaller micro-batch (now {training.micro_batch_size}: data.init_args.batch_size)")
+    if options.gpu_memory is not None:
+        fixes.append(f"a larger --planner.gpu_memory (now {options.gpu_memory}) if the devices have more")
+    fixes.append("more devices or nodes (trainer.devices, trainer.num_nodes)")
+    lines.append("  Fix: " + "; or ".join(fixes) + ".")
+    return "\n".join(lines)
