@@ -167,6 +167,8 @@ class LightningParallelCLI(LightningCLI):
             return
         section = self.config[self.config.subcommand]
         ckpt_path = section.get("ckpt_path")
+        if ckpt_path == "last":
+            ckpt_path = section.ckpt_path = _resolve_last(section)
         if not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path \
                 or ckpt_path.startswith("registry"):
             return
@@ -175,7 +177,10 @@ class LightningParallelCLI(LightningCLI):
             raise CheckpointFormatError(f"--ckpt_path {ckpt_path}: no such file or folder. Fix: give the path of a "
                                         "checkpoint (a .ckpt file or folder trainer.save_checkpoint wrote), or 'last'.")
         if path.is_dir():
+            from lightning_parallel.checkpoint.verify import verify_folder
+
             detect_format(path)
+            verify_folder(path)
             return
         checkpoint = load_torch_file(path, what="a checkpoint written by trainer.save_checkpoint")
         saved = dict(checkpoint.get("hyper_parameters") or {}) if isinstance(checkpoint, dict) else {}
@@ -286,6 +291,53 @@ class LightningParallelCLI(LightningCLI):
             "so that `lightning-parallel fit --config THIS_FILE` reproduces the run without lp_auto.",
             *text.splitlines()))
         return f"{header}\n{body}"
+
+
+def _checkpoint_roots(section: Any) -> list[Path]:
+    """Where this run's checkpoints go: ModelCheckpoint dirpaths, the loggers' save_dir, default_root_dir."""
+    trainer = section.get("trainer") or {}
+    roots: list[str] = []
+    for callback in trainer.get("callbacks") or []:
+        init = callback.get("init_args") if hasattr(callback, "get") else None
+        if init is not None and init.get("dirpath"):
+            roots.append(str(init.get("dirpath")))
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if logger is None or not hasattr(logger, "get"):
+            continue
+        logger_init: Any = logger.get("init_args")
+        if logger_init is not None and logger_init.get("save_dir"):
+            roots.append(str(logger_init.get("save_dir")))
+    roots.append(str(trainer.get("default_root_dir") or os.getcwd()))
+    return list(dict.fromkeys(Path(r) for r in roots))
+
+
+def _resolve_last(section: Any) -> str | None:
+    """``--ckpt_path last``: the newest complete checkpoint under this run's checkpoint folders, across the logger's
+    versions (Lightning looks only in the new version's empty folder and starts over). Partial saves (``.partial``,
+    ``.old``) are skipped and every candidate is verified; None (start from the beginning) when there is none."""
+    from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format
+    from lightning_parallel.checkpoint.verify import verify_torch_file
+
+    roots = [r for r in _checkpoint_roots(section) if r.is_dir()]
+    found = {p for r in roots for p in r.rglob("*.ckpt") if ".partial" not in p.name and not p.name.endswith(".old")}
+    for candidate in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            detect_format(candidate) if candidate.is_dir() else verify_torch_file(candidate)
+        except CheckpointFormatError as err:
+            if _launching_process():
+                print(f"lightning-parallel: --ckpt_path last: skipping {candidate} ({str(err).splitlines()[0]})",
+                      flush=True)
+            continue
+        if _launching_process():
+            print(f"lightning-parallel: --ckpt_path last is {candidate} (the newest complete checkpoint under "
+                  f"{', '.join(str(r) for r in roots)})", flush=True)
+        return str(candidate)
+    if _launching_process():
+        where = ", ".join(str(r) for r in roots) or "the run's folders"
+        print(f"lightning-parallel: --ckpt_path last: no checkpoint under {where}; starting from the beginning",
+              flush=True)
+    return None
 
 
 def _constructor_error(err: Exception) -> str:

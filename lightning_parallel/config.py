@@ -110,6 +110,10 @@ class ParallelConfig:
     """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward: none, selective (attention core) or full (every block)."""
+    collective_timeout: int | None = None
+    """Seconds a collective may wait for a peer before the run fails with the stuck rank named; None = the
+    strategy's ``timeout`` argument when given, else 600 s on CPU (gloo) and Lightning's 30 minutes on accelerators.
+    Bounds: >= 1."""
     mesh_order: MeshOrder = "dp-pp-tp"
     """Order of the mesh axes, outermost first; tp is always innermost (inside a node). dp-pp-tp: data-parallel
     replicas outermost (across nodes); pp-dp-tp: pipeline stages outermost, so that on several nodes only the
@@ -177,6 +181,8 @@ class ParallelConfig:
         _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
+        if self.collective_timeout is not None:
+            _check_positive_int("collective_timeout", self.collective_timeout)
         if self.num_micro_batches is not None:
             _check_positive_int("num_micro_batches", self.num_micro_batches)
         if self.zero_stage is not None:

@@ -1,6 +1,7 @@
 """Lightning callbacks of the library.
 
 * :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
+* :class:`PreemptionCheckpoint` -- ``ModelCheckpoint`` that saves when a preemption (SIGTERM, Ctrl-C) stops every rank;
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
   (recipes name it as ``lightning_parallel.callbacks.TileLinearLayers``);
@@ -8,8 +9,9 @@
 """
 
 from lightning_parallel.callbacks.model_states import ModelStateReport
+from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import ZeroStats
 
-__all__ = ["ModelStateReport", "RunSummary", "TileLinearLayers", "ZeroStats"]
+__all__ = ["ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers", "ZeroStats"]

@@ -16,7 +16,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["verify_torch_file"]
+__all__ = ["MANIFEST_FILE", "verify_folder", "verify_torch_file", "write_manifest"]
+
+MANIFEST_FILE = "checksums.json"
+"""A checkpoint folder's CRC-32 per file (DCP's ``.distcp`` shards carry none of their own)."""
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header: 30 bytes
 
@@ -104,3 +107,56 @@ def verify_torch_file(file: str | Path, *, expected: str = "a checkpoint written
                  f"is {now:08x}, the archive recorded {info.CRC:08x}): disk or copy corruption. "
                  f"The file is refused rather than trained from; expected {expected}. Fix: use another checkpoint or "
                  "copy it again.")
+
+
+def _file_crc(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Write ``checksums.json`` into ``folder``: the CRC-32 and size of every file in it (sub-folders included)."""
+    import json
+
+    root = Path(folder)
+    entries = {str(f.relative_to(root)): {"crc32": f"{_file_crc(f):08x}", "bytes": f.stat().st_size}
+               for f in sorted(root.rglob("*")) if f.is_file() and f.name != MANIFEST_FILE}
+    out = root / MANIFEST_FILE
+    out.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    return out
+
+
+def verify_folder(folder: str | Path) -> None:
+    """Check every file of a checkpoint folder against its ``checksums.json``; a folder without one (lp_sharded,
+    DeepSpeed, or written before the list existed) has each of its ``.pt`` torch archives checked against the
+    CRC-32 of their records instead; raise :class:`~lightning_parallel.checkpoint.formats.CheckpointFormatError` naming
+    the file that is missing, of another size, or changed."""
+    import json
+
+    root = Path(folder)
+    manifest = root / MANIFEST_FILE
+    if not manifest.is_file():  # lp_sharded and DeepSpeed folders: their .pt files are torch archives with CRCs
+        for file in sorted(root.rglob("*.pt")):
+            verify_torch_file(file)
+        return
+    try:
+        entries = json.loads(manifest.read_text())
+    except (OSError, ValueError) as err:
+        raise _error(f"{manifest}: unreadable checksum list ({err}); the folder cannot be verified.") from err
+    for name, entry in sorted(entries.items()):
+        file = root / name
+        if not file.is_file():
+            raise _error(f"{root}: {name} is missing (listed in {MANIFEST_FILE}): an incomplete copy of the folder. "
+                         "Fix: copy the whole folder again, or use another checkpoint.")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise _error(f"{file}: {size:,} bytes, but {entry['bytes']:,} were written: truncated or replaced. Fix: "
+                         "copy the folder again, or use another checkpoint.")
+        crc = f"{_file_crc(file):08x}"
+        if crc != entry["crc32"]:
+            raise _error(f"{file}: checksum mismatch (CRC-32 {crc}, written as {entry['crc32']}): its bytes changed "
+                         "after the save (disk or copy corruption). The folder is refused rather than trained from. "
+                         "Fix: use another checkpoint or copy it again.")

@@ -58,10 +58,10 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         return iter(mine)
 
     def __len__(self) -> int:
-        per_rank = len(self.dataset) // self.num_replicas  # type: ignore[arg-type]
-        if self.skip and self.epoch == self.skip_epoch:
-            return max(0, per_rank - self.skip)
-        return per_rank
+        """The whole epoch's items on this rank, the skipped ones included: Lightning restores the batches already
+        run (its loop counts from there) and ends the epoch at ``len(dataloader)``; a length without them would
+        end a resumed epoch that many batches early (its last batches never run)."""
+        return len(self.dataset) // self.num_replicas  # type: ignore[arg-type]
 
 
 class ResumableDataModuleMixin:

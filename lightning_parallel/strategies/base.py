@@ -52,10 +52,13 @@ from typing_extensions import override
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.zero.comm import broadcast_module_states
 
-from . import watchdog
+from . import interrupts, watchdog
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
-__all__ = ["LayoutStrategy", "StartMethod"]
+__all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod"]
+
+CPU_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+"""The default collective timeout of CPU (gloo) runs; ``parallel.collective_timeout`` changes it."""
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -70,7 +73,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         process_group_backend: ``gloo``/``nccl``; None = the device's default (gloo on CPU, NCCL on CUDA).
         start_method: how Lightning starts the ranks: ``popen`` (re-runs the script, like ``torchrun``), ``spawn``,
             ``fork`` (cheapest inside an already-imported process; CPU only).
-        timeout: timeout of every collective, so a failing rank cannot leave the others hanging forever.
+        timeout: timeout of every collective, so a failing rank cannot leave the others hanging forever; None: 10
+            minutes on CPU (gloo), Lightning's 30 minutes on accelerators. ``parallel.collective_timeout`` (seconds,
+            a recipe key) wins over it.
     """
 
     def __init__(
@@ -84,7 +89,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: StartMethod = "popen",
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
     ) -> None:
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of ['popen', 'spawn', 'fork', 'forkserver'].")
@@ -168,8 +173,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
                                        or _get_default_process_group_backend_for_device(self.root_device))
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+        _init_dist_connection(self.cluster_environment, self._process_group_backend,
+                              timeout=self.collective_timeout(), device_id=device_id)
         self._mesh = self.dims.build_mesh(self.root_device.type)
         # Lightning leaves the process group alive after fit (a script may go on to test). Tear it down before the
         # interpreter finalizes, so the backend's threads are joined in order rather than destroyed at exit.
@@ -223,6 +228,16 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         src = self.dims.group_ranks("dp", self.global_rank)[0]
         broadcast_module_states(model, group=self.mesh.get_group("dp"), src_rank=src)
 
+    def collective_timeout(self) -> timedelta:
+        """How long a collective waits for a peer: ``parallel.collective_timeout`` (seconds), else the ``timeout``
+        argument, else :data:`CPU_COLLECTIVE_TIMEOUT` on CPU (a stuck gloo rank is found in minutes, not half an
+        hour) and Lightning's default (30 minutes) on accelerators."""
+        if self.layout.collective_timeout is not None:
+            return timedelta(seconds=self.layout.collective_timeout)
+        if self._timeout is not None:
+            return self._timeout
+        return CPU_COLLECTIVE_TIMEOUT if self.root_device.type == "cpu" else default_pg_timeout
+
     @override
     def on_train_start(self) -> None:
         """The RNG states of a resumed checkpoint are set here, after the training iterator exists
@@ -231,6 +246,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
         super().on_train_start()
         apply_restored_rng_states()
+        if self.lightning_module is not None:
+            interrupts.install(self.lightning_module.trainer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -268,6 +285,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def teardown(self) -> None:
         """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
         watchdog.stop()
+        interrupts.uninstall()
         if self._fit_patches is not None:
             self._fit_patches.close()
             self._fit_patches = None

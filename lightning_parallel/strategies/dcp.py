@@ -130,7 +130,10 @@ class DCPCheckpointMixin:
                      meta=checkpoint if self.is_global_zero else None, rank=self.global_rank)
         self.barrier("lp_dcp_saved")
         if self.is_global_zero:
+            from lightning_parallel.checkpoint.verify import write_manifest
+
             (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
+            write_manifest(partial)  # CRC-32 per file, checked before a load
             replace_with(partial, path)  # a checkpoint saved again under one name (last.ckpt): no stale shard files
         self.barrier("lp_dcp_renamed")
 
@@ -152,6 +155,19 @@ class DCPCheckpointMixin:
 
         path = Path(self.broadcast(str(checkpoint_path)))
         checkpoint: dict[str, Any] | None = None
+        if path.is_dir():  # rank 0 reads the files against their checksums; every rank stops on a mismatch
+            from lightning_parallel.checkpoint.formats import CheckpointFormatError
+            from lightning_parallel.checkpoint.verify import verify_folder
+
+            problem = ""
+            if self.is_global_zero:
+                try:
+                    verify_folder(path)
+                except CheckpointFormatError as err:
+                    problem = str(err)
+            problem = self.broadcast(problem)
+            if problem:
+                raise CheckpointFormatError(problem)
         if is_tensor_checkpoint(path):
             checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
             saved = next((checkpoint[k] for k in ("lp_tensor_checkpoint", "lp_pipeline_checkpoint",

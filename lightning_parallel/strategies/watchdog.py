@@ -327,8 +327,10 @@ def stop() -> None:
 
 def on_exception(exception: BaseException) -> str | None:
     """Print (stderr) and return the line naming the lost rank for this rank's ``exception``, or None."""
-    if _ACTIVE is None or isinstance(exception, KeyboardInterrupt) or _ACTIVE.exited:
-        return None
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if _ACTIVE is None or isinstance(exception, KeyboardInterrupt | SIGTERMException) or _ACTIVE.exited:
+        return None  # an interrupt or a preemption stops every rank on purpose: nobody is to blame
     line = _ACTIVE.diagnose(exception)
     if line:
         print(line, file=sys.stderr, flush=True)

@@ -66,6 +66,8 @@ from lightning_parallel.parallel.offload import (
     save_local_state,
 )
 
+from . import interrupts
+from .base import CPU_COLLECTIVE_TIMEOUT
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
@@ -105,7 +107,7 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         aio: dict[str, Any] | None = None,
         config: str | Path | dict[str, Any] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         logging_level: int = logging.WARN,
         **kwargs: Any,
     ) -> None:
@@ -124,7 +126,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         self._typed = OffloadEngineConfig.from_dict(typed)
         self._base = load_deepspeed_config(config)
         self.init_layout(parallel)
-        super().__init__(config=self._effective_config(), timeout=timeout, logging_level=logging_level, **kwargs)
+        self._timeout_given = timeout
+        super().__init__(config=self._effective_config(), timeout=timeout or default_pg_timeout,
+                         logging_level=logging_level, **kwargs)
         self._start_method = start_method
         self._final_state: dict[str, torch.Tensor] | None = None
         self.ops_built: dict[str, float] = {}
@@ -293,6 +297,11 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # Lightning's DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed's CPU accelerator runs on gloo.
         _select_deepspeed_accelerator("cpu" if self._on_cpu() else "cuda")
+        # the collective timeout as LayoutStrategy sets it: parallel.collective_timeout, the argument, 10 min on CPU
+        if self.layout.collective_timeout is not None:
+            self._timeout = timedelta(seconds=self.layout.collective_timeout)
+        elif self._timeout_given is None and self._on_cpu():
+            self._timeout = CPU_COLLECTIVE_TIMEOUT
         DDPStrategy.setup_environment(self)
 
     @override
@@ -444,6 +453,8 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
         super().on_train_start()
         apply_restored_rng_states()
+        if self.lightning_module is not None:
+            interrupts.install(self.lightning_module.trainer)
         for config in self.lr_scheduler_configs:
             last = getattr(config.scheduler, "_last_lr", None)
             optimizer = getattr(config.scheduler, "optimizer", None)
@@ -464,6 +475,7 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         if fitting and isinstance(self._launcher, _MultiProcessingLauncher) and self.zero_stage_3:
             # spawn/fork hand rank 0's weights back to the main process; under ZeRO-3 they are partitioned
             self._final_state = self.consolidated_state_dict()
+        interrupts.uninstall()
         super().teardown()
 
 

@@ -243,3 +243,33 @@ def test_consolidate_command(tmp_path: Path, gpt: GPT, capsys: pytest.CaptureFix
         assert fragment in err and err.startswith("lightning-parallel consolidate: error:"), (name, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
     assert collections.Counter(p.name for p in tmp_path.iterdir())["c.ckpt"] == 0
+
+
+def test_a_checkpoint_folder_is_verified_against_its_checksum_list(tmp_path: Path) -> None:
+    from lightning_parallel.checkpoint.verify import MANIFEST_FILE, verify_folder, write_manifest
+
+    folder = tmp_path / "last.ckpt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 40)
+    (folder / "sub" / "meta.pt").write_bytes(b"meta" * 100)
+    write_manifest(folder)
+    verify_folder(folder)  # intact
+    legacy = tmp_path / "legacy"  # no list: its .pt torch archives are checked against their own CRCs
+    legacy.mkdir()
+    torch.save({"x": torch.ones(3)}, legacy / "rank_00000.pt")
+    verify_folder(legacy)
+    (legacy / "rank_00001.pt").write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match="0 bytes"):
+        verify_folder(legacy)
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[5000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=r"__0_0\.distcp: checksum mismatch"):
+        verify_folder(folder)
+    shard.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointFormatError, match="truncated or replaced"):
+        verify_folder(folder)
+    shard.unlink()
+    with pytest.raises(CheckpointFormatError, match=f"is missing \\(listed in {MANIFEST_FILE}\\)"):
+        verify_folder(folder)

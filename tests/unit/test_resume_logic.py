@@ -46,6 +46,11 @@ def test_a_resumed_epoch_skips_the_batches_already_run_in_that_epoch_only() -> N
     s = ResumableSampler(range(48), num_replicas=2, rank=0, skip=12, skip_epoch=1)
     s.set_epoch(2)
     assert len(list(s)) == len(s) == 24  # not in another epoch
+    resumed = ResumableSampler(range(48), num_replicas=2, rank=0, skip=12, skip_epoch=1)
+    resumed.set_epoch(1)
+    # the length stays the whole epoch's: Lightning counts the restored batches itself and ends the epoch at
+    # len(dataloader); a shorter length ended a resumed epoch early (found by a SIGTERM-and-resume run)
+    assert len(resumed) == 24 and len(list(resumed)) == 12
 
 
 def test_optimizer_state_by_name_and_back() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
+    "BUILD_WAIT_SECONDS",
     "COLD_BUILD_SECONDS",
     "LIBAIO_HELP",
     "OpsUnavailableError",
@@ -26,6 +27,7 @@ __all__ = [
     "missing_ops",
     "op_is_built",
     "required_ops",
+    "settle_lock",
 ]
 
 COLD_BUILD_SECONDS = {"deepspeed_shm_comm": 45, "cpu_adam": 65, "pin_memory": 20, "async_io": 260}
@@ -95,6 +97,72 @@ def libaio_available() -> bool:
     return builder is not None and bool(builder.is_compatible(verbose=False))
 
 
+BUILD_WAIT_SECONDS = float(os.environ.get("LP_OPS_BUILD_TIMEOUT", 1800))
+"""How long to wait for another live process's build of an op before giving up (``LP_OPS_BUILD_TIMEOUT``)."""
+_OWNER = "lock.lp_owner"
+_STALE_AFTER = 60.0
+
+
+def _compiling_in(folder: Path) -> list[int]:
+    """Pids of processes whose working directory is ``folder`` (ninja and the compiler run there); Linux only."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(entry / "cwd")) == folder:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def settle_lock(name: str, *, report: Callable[[str], None] | None = None, timeout: float | None = None,
+                poll: float = 2.0) -> None:
+    """Before building ``name``: torch's build lock (``<build dir>/lock``) left by a build that was killed makes
+    every later build wait forever. Remove it when no builder is alive -- the pid lightning-parallel recorded is gone,
+    or (no record) nothing has compiled in the folder for a minute -- saying so; wait for a live builder up to
+    ``timeout`` seconds (:data:`BUILD_WAIT_SECONDS`), reporting every 30 s, then raise :class:`OpsUnavailableError`
+    naming the folder and the lock to delete."""
+    from lightning_parallel.strategies.watchdog import _process_alive  # a zombie counts as gone
+
+    say = report or _say
+    folder = _build_dir(name)
+    lock, owner_file = folder / "lock", folder / _OWNER
+    limit = BUILD_WAIT_SECONDS if timeout is None else timeout
+    start = last_report = time.monotonic()
+    while lock.exists():
+        owner = None
+        try:
+            owner = int(owner_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+        compiling = _compiling_in(folder)
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            continue  # the builder just finished
+        dead_owner = owner is not None and not _process_alive(owner) and not compiling
+        orphan = owner is None and not compiling and age > _STALE_AFTER
+        if dead_owner or orphan:
+            why = (f"its builder, pid {owner}, is no longer running" if dead_owner else
+                   f"no process has compiled in {folder} and the lock is {age:.0f} s old")
+            lock.unlink(missing_ok=True)
+            owner_file.unlink(missing_ok=True)
+            say(f"removed a stale build lock {lock} ({why}: a build killed midway); building {name!r} again")
+            return
+        waited = time.monotonic() - start
+        if waited > limit:
+            raise OpsUnavailableError(
+                f"DeepSpeed op {name!r}: another build (pid {owner if owner else 'unknown'}; compiling: "
+                f"{compiling or 'none seen'}) has held {lock} for {waited:.0f} s (LP_OPS_BUILD_TIMEOUT={limit:.0f}). "
+                f"Its files and ninja log are in {folder}. Fix: wait for it, or if no build is running, delete {lock}."
+            )
+        if time.monotonic() - last_report >= 30:
+            say(f"waiting for another process's build of {name!r} (pid {owner or 'unknown'}, {waited:.0f} s so far; "
+                f"folder {folder})")
+            last_report = time.monotonic()
+        time.sleep(poll)
+
+
 def _say(message: str) -> None:
     print(f"[lp_zero_offload] {message}", file=sys.stderr, flush=True)
 
@@ -119,14 +187,20 @@ def ensure_ops(names: Iterable[str], *, report: Callable[[str], None] = _say) ->
         where = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
         report(f"building DeepSpeed op {name!r} (first use on this machine; about "
                f"{COLD_BUILD_SECONDS.get(name, 60)} s on 2 cores; cached in {where})...")
+        settle_lock(name, report=report)
         start = time.perf_counter()
+        owner_file = _build_dir(name) / _OWNER
         try:
+            owner_file.parent.mkdir(parents=True, exist_ok=True)
+            owner_file.write_text(f"{os.getpid()} {os.uname().nodename}\n")
             builder.load(verbose=False)
         except Exception as err:  # a compiler error: say which op and what to do
             raise OpsUnavailableError(
                 f"building DeepSpeed op {name!r} failed: {err}. Fix: install a C++ compiler and ninja "
                 "(`pip install ninja`), or preinstall the op (DS_BUILD_OPS=1 pip install deepspeed)."
             ) from err
+        finally:
+            owner_file.unlink(missing_ok=True)
         built[name] = time.perf_counter() - start
         report(f"built {name!r} in {built[name]:.0f} s")
     return built

@@ -1,0 +1,43 @@
+"""A DeepSpeed op build killed midway leaves torch's build lock; the next build must clear it, not wait forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from lightning_parallel.parallel.offload import ops
+
+
+def test_stale_build_locks_are_cleared_and_a_live_build_is_waited_for_with_a_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    monkeypatch.setattr(ops, "_build_dir", lambda name: folder)
+    said: list[str] = []
+    lock, owner = folder / "lock", folder / "lock.lp_owner"
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lock.write_text("")
+    owner.write_text(f"{gone.pid} host\n")
+    ops.settle_lock("cpu_adam", report=said.append, timeout=5)
+    assert not lock.exists() and not owner.exists()
+    assert f"its builder, pid {gone.pid}, is no longer running" in said[-1] and "removed a stale build lock" in said[-1]
+
+    lock.write_text("")  # left by a build outside lightning-parallel: no owner record; nothing compiling
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    ops.settle_lock("cpu_adam", report=said.append, timeout=5)
+    assert not lock.exists() and "no process has compiled in" in said[-1]
+
+    lock.write_text("")  # a live builder (this process): wait, then give up with the folder and the lock to delete
+    owner.write_text(f"{os.getpid()} host\n")
+    with pytest.raises(ops.OpsUnavailableError, match="delete") as err:
+        ops.settle_lock("cpu_adam", report=said.append, timeout=0.3, poll=0.1)
+    assert str(folder) in str(err.value) and lock.exists()
