@@ -301,9 +301,11 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failed collective: print which rank is gone (:mod:`~lightning_parallel.strategies.watchdog`)."""
+        """A failed collective: print which rank is gone (:mod:`~lightning_parallel.strategies.watchdog`); on the
+        process that started the other ranks, end those that do not stop by themselves (a frozen rank)."""
         watchdog.on_exception(exception)
         super().on_exception(exception)
+        watchdog.end_started_ranks(self._launcher, exception)
 
     # ------------------------------------------------------------------ collectives
     @override

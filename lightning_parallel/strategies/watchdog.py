@@ -335,3 +335,30 @@ def on_exception(exception: BaseException) -> str | None:
     if line:
         print(line, file=sys.stderr, flush=True)
     return line
+
+
+def end_started_ranks(launcher: Any, exception: BaseException, *, grace: float = 5.0) -> list[int]:
+    """On the process that started the other ranks (Lightning's ``popen`` launcher), after this rank failed: give
+    them ``grace`` seconds to stop on their own, then SIGKILL the rest -- a frozen rank (stopped, deadlocked) would
+    otherwise outlive the job. Not for a preemption stop, where every rank stops by itself. Returns the pids ended."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    procs = list(getattr(launcher, "procs", None) or [])
+    if not procs or isinstance(exception, SIGTERMException | KeyboardInterrupt):
+        return []
+    deadline = time.monotonic() + grace
+    ended = []
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # still running (or frozen) after the grace period
+            try:
+                proc.kill()  # SIGKILL reaches a stopped process too
+                proc.wait(timeout=10)
+            except Exception:
+                pass
+            ended.append(proc.pid)
+    if ended:
+        print(f"lightning-parallel: ended rank process(es) {ended} that had not stopped {grace:.0f} s after this "
+              "rank failed", file=sys.stderr, flush=True)
+    return ended

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_parallel.strategies.watchdog import RankWatchdog
+from lightning_parallel.strategies.watchdog import RankWatchdog, _process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 120.0
@@ -102,6 +102,10 @@ def _run_and_lose_rank_1(tmp_path: Path, sig: signal.Signals) -> tuple[int, floa
         except subprocess.TimeoutExpired:
             code = None
         elapsed = time.monotonic() - lost_at
+        settle = time.monotonic() + 10  # rank 0's launcher kills the ranks it started when it fails
+        while code is not None and time.monotonic() < settle and _process_alive(pid1):
+            time.sleep(0.2)
+        LEFT_BEHIND[sig] = pid1 if _process_alive(pid1) else None
     finally:
         rank0.kill()
         rank0.wait()
@@ -109,6 +113,10 @@ def _run_and_lose_rank_1(tmp_path: Path, sig: signal.Signals) -> tuple[int, floa
             _end_process(pid1)
     assert code is not None, f"rank 0 still ran {BOUND_S + 60:.0f}s after rank 1 was lost:\n{log.read_text()[-3000:]}"
     return code, elapsed, log.read_text(), pid1
+
+
+LEFT_BEHIND: dict[signal.Signals, int | None] = {}
+"""Rank 1's pid when it still existed 10 s after rank 0 exited, else None."""
 
 
 def _end_process(pid: int) -> None:
@@ -145,6 +153,9 @@ def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(tmp_path: Pat
     assert f"rank 1 (pid {pid1} " in line and "no heartbeat for" in line
     assert "Timed out" in line or "timeout" in line.lower()
     assert line.endswith("this rank (0) stops")
+    ps = subprocess.run(["ps", "-o", "pid,stat,cmd", "-p", str(pid1)], capture_output=True, text=True).stdout
+    print(f"ps -p {pid1} after rank 0 exited:\n{ps.strip()}")
+    assert LEFT_BEHIND[signal.SIGSTOP] is None, f"the frozen rank 1 (pid {pid1}) was left behind:\n{ps}"
 
 
 # ---------------------------------------------------------------------- the look-up alone, in this process (fast)
