@@ -272,10 +272,9 @@ def plan_for_module(
         hardware, notes = detect_hardware(accelerator=accelerator, devices=devices, num_nodes=num_nodes, options=opts)
         spec, how = model_spec_from_module(module)
         training = _settings(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, options=opts)
-    except LayoutError:
-        raise
-    except ValueError as err:
-        raise LayoutError(f"lp_auto: {err}") from None
+    except ValueError as err:  # LayoutError included: every refusal says it is lp_auto's
+        text = str(err)
+        raise LayoutError(text if text.startswith("lp_auto") else f"lp_auto: {text}") from None
     plan = make_plan(spec, training, hardware)
     chosen, runner_up, passed = choose(plan, module=module, options=opts)
     if chosen is None:

@@ -161,7 +161,8 @@ class LightningParallelCLI(LightningCLI):
         truncated, not a checkpoint, failing its checksums: one message each), and the model's configured init
         arguments must agree with the hyperparameters it was saved with; a disagreement is refused with both values.
         Folders are checked for their format; their shapes are checked when the ranks load them."""
-        from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format, load_torch_file
+        from lightning_parallel.checkpoint.formats import detect_format, load_torch_file
+        from lightning_parallel.strategies.layout import check_ckpt_path
 
         if not self.config.get("subcommand"):
             return
@@ -172,10 +173,8 @@ class LightningParallelCLI(LightningCLI):
         if not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path \
                 or ckpt_path.startswith("registry"):
             return
+        check_ckpt_path(None, ckpt_path)  # a missing path: the same refusal the launchers give scripts
         path = Path(ckpt_path)
-        if not path.exists():
-            raise CheckpointFormatError(f"--ckpt_path {ckpt_path}: no such file or folder. Fix: give the path of a "
-                                        "checkpoint (a .ckpt file or folder trainer.save_checkpoint wrote), or 'last'.")
         if path.is_dir():
             from lightning_parallel.checkpoint.verify import verify_folder
 

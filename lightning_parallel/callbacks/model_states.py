@@ -78,6 +78,8 @@ class ModelStateReport(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # every batch, not once at the end: lp_pipeline releases its gradients before on_train_end (a walk over the
+        # parameters and optimizer state, no I/O and no collective)
         self.measured = measure_rank_states(trainer, pl_module)
 
     @override

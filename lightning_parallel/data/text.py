@@ -111,6 +111,7 @@ class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
         self.vocab: list[str] | None = None
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
+        self._checked_tokens: tuple[Tensor, list[str] | None] | None = None
 
     @property
     def _hp(self) -> Any:
@@ -128,7 +129,8 @@ class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        tokens, self.vocab = tokenize(load_text(self._hp.path), self._hp.level)
+        checked, self._checked_tokens = self._checked_tokens, None
+        tokens, self.vocab = checked or tokenize(load_text(self._hp.path), self._hp.level)
         n_val = max(self._hp.block_size + 1, int(tokens.numel() * self._hp.val_fraction))
         self.train_set = TokenWindows(tokens[:-n_val], self._hp.block_size)
         self.val_set = TokenWindows(tokens[-n_val:], self._hp.block_size)
@@ -155,6 +157,7 @@ class TextDataModule(ResumableDataModuleMixin, pl.LightningDataModule):
         if not text:
             raise DataError(f"{where} is empty (0 bytes of text). Fix: point it at a file with text.")
         tokens, vocab = tokenize(text, hp.level)
+        self._checked_tokens = (tokens, vocab)  # setup reuses them in this process instead of reading again
         distinct = 256 if vocab is None else len(vocab)
         model_vocab = getattr(getattr(model, "hparams", None), "get", lambda *_: None)("vocab_size")
         if isinstance(model_vocab, int) and model_vocab < distinct:

@@ -25,12 +25,12 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_parallel.parallel.offload.config import check_nvme_folder
 from lightning_parallel.planner.hardware import Hardware, load_profile, make_hardware
 from lightning_parallel.planner.model import ModelShape, ModelSpec
 from lightning_parallel.planner.units import format_bytes, parse_bytes
@@ -158,15 +158,6 @@ def _device_memory(device_type: str) -> int:
     return int(module.get_device_properties(0).total_memory)
 
 
-def _check_nvme_path(path: str) -> None:
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"--planner.nvme_path {path!r} is not a folder. Fix: create it on a fast local disk, or drop "
-                         "the key (then no NVMe layout is considered).")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"--planner.nvme_path {path!r} is not writable by this user. Fix: choose a writable folder.")
-
-
 def detect_hardware(
     *, accelerator: Any = "auto", devices: Any = "auto", num_nodes: int = 1, options: PlannerOptions | None = None
 ) -> tuple[Hardware, list[str]]:
@@ -224,7 +215,7 @@ def detect_hardware(
             values[key] = value
             notes.append(f"{key} {value} (given: --planner.{key})")
     if opts.nvme_path:
-        _check_nvme_path(opts.nvme_path)
+        check_nvme_folder(opts.nvme_path, key="--planner.nvme_path", create=False)
         values["nvme"] = True
         notes.append(f"NVMe folder {opts.nvme_path} (given: --planner.nvme_path)")
     return make_hardware(**values), notes

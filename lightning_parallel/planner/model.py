@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 __all__ = ["MODEL_PRESETS", "ModelShape", "ModelSpec", "load_recipe"]
 
 
@@ -174,13 +172,9 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--recipe {str(path)!r}: no such file. Give the path of a recipe YAML.")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
-        raise ValueError(f"--recipe {str(path)!r}: YAML syntax error at {where}: "
-                         f"{getattr(err, 'problem', None) or err}.") from None
+    from lightning_parallel.recipe_files import read_yaml
+
+    data = read_yaml(file) or {}  # a syntax error: LayoutError (a ValueError) with the line and column
     if not isinstance(data, dict):
         raise ValueError(f"--recipe {str(path)!r} must be a mapping at the top level, not a {type(data).__name__}.")
     model = data.get("model") or {}

@@ -55,10 +55,21 @@ from lightning_parallel.parallel.zero.comm import broadcast_module_states
 from . import interrupts, watchdog
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
-__all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod"]
+__all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
 CPU_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 """The default collective timeout of CPU (gloo) runs; ``parallel.collective_timeout`` changes it."""
+
+
+def resolve_collective_timeout(layout: ParallelConfig, given: timedelta | None, device_type: str) -> timedelta:
+    """``parallel.collective_timeout`` (seconds), else the strategy's ``timeout`` argument, else
+    :data:`CPU_COLLECTIVE_TIMEOUT` on CPU and Lightning's default (30 minutes) on accelerators; every strategy that
+    builds a process group takes its timeout from here."""
+    if layout.collective_timeout is not None:
+        return timedelta(seconds=layout.collective_timeout)
+    if given is not None:
+        return given
+    return CPU_COLLECTIVE_TIMEOUT if device_type == "cpu" else default_pg_timeout
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -232,11 +243,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         """How long a collective waits for a peer: ``parallel.collective_timeout`` (seconds), else the ``timeout``
         argument, else :data:`CPU_COLLECTIVE_TIMEOUT` on CPU (a stuck gloo rank is found in minutes, not half an
         hour) and Lightning's default (30 minutes) on accelerators."""
-        if self.layout.collective_timeout is not None:
-            return timedelta(seconds=self.layout.collective_timeout)
-        if self._timeout is not None:
-            return self._timeout
-        return CPU_COLLECTIVE_TIMEOUT if self.root_device.type == "cpu" else default_pg_timeout
+        return resolve_collective_timeout(self.layout, self._timeout, self.root_device.type)
 
     @override
     def on_train_start(self) -> None:

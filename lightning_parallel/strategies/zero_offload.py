@@ -27,7 +27,6 @@ dict that loads on one device.
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -65,9 +64,10 @@ from lightning_parallel.parallel.offload import (
     required_ops,
     save_local_state,
 )
+from lightning_parallel.parallel.offload.config import check_nvme_folder
 
 from . import interrupts
-from .base import CPU_COLLECTIVE_TIMEOUT
+from .base import resolve_collective_timeout
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
@@ -168,7 +168,7 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
                 "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."
             )
         if layout.offload_device == "nvme" and layout.nvme_path:
-            check_nvme_folder(layout.nvme_path)
+            check_nvme_folder(layout.nvme_path)  # created when missing; before any op build or rank
         if layout.offload_device == "nvme" and layout.zero != 3:
             raise LayoutError(
                 f"parallel.offload='nvme' needs zero_stage=3 (ZeRO-Infinity); DeepSpeed offloads to NVMe only at "
@@ -296,12 +296,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         # Lightning's DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed's CPU accelerator runs on gloo.
-        _select_deepspeed_accelerator("cpu" if self._on_cpu() else "cuda")
-        # the collective timeout as LayoutStrategy sets it: parallel.collective_timeout, the argument, 10 min on CPU
-        if self.layout.collective_timeout is not None:
-            self._timeout = timedelta(seconds=self.layout.collective_timeout)
-        elif self._timeout_given is None and self._on_cpu():
-            self._timeout = CPU_COLLECTIVE_TIMEOUT
+        device_type = "cpu" if self._on_cpu() else "cuda"
+        _select_deepspeed_accelerator(device_type)
+        self._timeout = resolve_collective_timeout(self.layout, self._timeout_given, device_type)
         DDPStrategy.setup_environment(self)
 
     @override
@@ -517,21 +514,3 @@ def _select_deepspeed_accelerator(kind: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
-
-
-def check_nvme_folder(path: str) -> None:
-    """``parallel.nvme_path`` must be a writable folder (created when missing and its parent allows): checked when
-    the Trainer is built, before DeepSpeed's ops are built and before any rank starts."""
-    folder = Path(path).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise LayoutError(f"parallel.nvme_path={path!r} is not a folder (it is a file). Fix: a folder on a fast "
-                          "local disk, e.g. /local_nvme/lightning_parallel.")
-    if not folder.exists():
-        try:
-            folder.mkdir(parents=True)
-        except OSError as err:
-            reason = err.strerror or str(err)
-            raise LayoutError(f"parallel.nvme_path={path!r} does not exist and cannot be created ({reason}). Fix: "
-                              "create it on a fast local disk, or give a folder that exists.") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise LayoutError(f"parallel.nvme_path={path!r} is not writable by this user. Fix: a folder you can write.")

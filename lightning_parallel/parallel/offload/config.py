@@ -42,6 +42,7 @@ __all__ = [
     "OffloadParamConfig",
     "ZeroOptimizationConfig",
     "check_batch_sizes",
+    "check_nvme_folder",
     "deep_merge",
     "load_deepspeed_config",
 ]
@@ -348,3 +349,30 @@ def check_batch_sizes(config: Mapping[str, Any], *, micro_batch: int | None, acc
             f"{accumulation} x world size {world_size} = {micro * accumulation * world_size}. Fix: set "
             f"train_batch_size={micro * accumulation * world_size}, or remove it (it is derived)."
         )
+
+
+def check_nvme_folder(path: str, *, key: str = "parallel.nvme_path", create: bool = True) -> None:
+    """An NVMe offload folder must be a writable folder; ``create`` makes a missing one (when its parent allows).
+    Raises :class:`~lightning_parallel.config.LayoutError` naming ``key``, the value, what is wrong and the fix --
+    checked when the Trainer is built (``lp_zero_offload``) or a plan is made (``lp_auto``), before any op build or
+    rank starts."""
+    import os
+
+    from lightning_parallel.config import LayoutError
+
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise LayoutError(f"{key}={path!r} is not a folder (it is a file). Fix: a folder on a fast local disk, e.g. "
+                          "/local_nvme/lightning_parallel.")
+    if not folder.exists():
+        if not create:
+            raise LayoutError(f"{key}={path!r} is not a folder (it does not exist). Fix: create it on a fast local "
+                              "disk, or drop the key.")
+        try:
+            folder.mkdir(parents=True)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise LayoutError(f"{key}={path!r} does not exist and cannot be created ({reason}). Fix: create it on a "
+                              "fast local disk, or give a folder that exists.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LayoutError(f"{key}={path!r} is not writable by this user. Fix: a folder you can write.")
