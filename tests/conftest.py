@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind() -> Iterator[None]:
+    """A test must not leave a thread running in the pytest process: the fork launchers copy this process for every
+    later test's ranks, and a forked child of a multi-threaded parent can deadlock or crash (a thread's lock or C++
+    state copied mid-use)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 2.0
+    left = [t for t in threading.enumerate() if t not in before]
+    for thread in left:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [f"{t.name} ({'daemon' if t.daemon else 'not daemon'})" for t in left if t.is_alive()]
+    if alive:
+        pytest.fail(f"the test left thread(s) running in the pytest process: {', '.join(alive)}. Stop them (join) "
+                    "before the test ends: later tests fork this process.", pytrace=False)

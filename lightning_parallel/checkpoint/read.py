@@ -266,6 +266,24 @@ def _read_deepspeed(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, 
     return strip_wrapper_prefixes(state, leading=_DEEPSPEED_LEADING), rest
 
 
+@contextlib.contextmanager
+def _no_tqdm_monitor() -> Any:
+    """tqdm's first bar starts a monitor thread that lives as long as the process: a process that read a DeepSpeed
+    checkpoint and then forks ranks (``start_method="fork"``) would fork with that thread alive (what a forked child
+    inherits from a multi-threaded parent is unsafe). No monitor while the bars that are not shown run."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield
+        return
+    interval = tqdm.monitor_interval
+    tqdm.monitor_interval = 0
+    try:
+        yield
+    finally:
+        tqdm.monitor_interval = interval
+
+
 def _zero_to_fp32(folder: Path, tag: str) -> dict[str, Tensor]:
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -273,7 +291,8 @@ def _zero_to_fp32(folder: Path, tag: str) -> dict[str, Tensor]:
         raise CheckpointFormatError(f"{folder}: a DeepSpeed checkpoint; reading it needs DeepSpeed "
                                     "(pip install -e '.[deepspeed]').") from err
     try:  # zero_to_fp32 prints its progress (stdout) and progress bars (stderr)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _no_tqdm_monitor():
             state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
     except (FileNotFoundError, ValueError) as err:
         raise CheckpointFormatError(f"{folder}: DeepSpeed could not rebuild the fp32 weights ({err}); expected a "

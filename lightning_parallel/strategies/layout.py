@@ -14,6 +14,7 @@ fix, naming only strategies that exist (:mod:`lightning_parallel.layouts`). The 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +29,8 @@ from typing_extensions import override
 from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
 from lightning_parallel.layouts import strategy_for_key
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
+
+from .watchdog import enable_fault_handler
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "check_data_modules",
            "clip_by_norm_replaced", "oversubscription_warning"]
@@ -171,7 +174,8 @@ class LayoutMixin:
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher (``popen``, also under torchrun/SLURM): the module is checked against the layout
-    and :meth:`before_launch` runs before the other ranks start."""
+    and :meth:`before_launch` runs before the other ranks start. Every process that gets here is a rank (the
+    script runs it in each): a fatal signal prints its threads' Python stacks, unless it already has a handler."""
 
     def __init__(self, strategy: Any, *args: Any) -> None:
         super().__init__(*args)
@@ -179,13 +183,16 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        enable_fault_handler(replace=False)
         _before_launch(self._lp_strategy, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher: the module is checked against the layout before spawning, and the main
-    process gets back whole weights where the ranks hold shards (the strategy's ``full_state_for_main_process``)."""
+    """Lightning's spawn/fork launcher: the module is checked against the layout before spawning, each rank prints
+    its threads' Python stacks on a fatal signal (SIGSEGV: otherwise only "process 1 terminated with signal
+    SIGSEGV"), and the main process gets back whole weights where the ranks hold shards (the strategy's
+    ``full_state_for_main_process``)."""
 
     def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"]) -> None:
         super().__init__(strategy, start_method=start_method)
@@ -194,7 +201,22 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         _before_launch(self._lp_strategy, trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        if self._start_method != "fork":
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        # The ranks are copies of this process: collect its garbage here, once, and freeze the rest while they run,
+        # so that no rank's garbage collector runs the destructors of objects it inherited (C++ ones among them:
+        # DeepSpeedCPUAdam's crashes outside DeepSpeed; a process group's would close this process's sockets).
+        gc.collect()
+        gc.freeze()
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        enable_fault_handler()  # in the rank, first thing
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:

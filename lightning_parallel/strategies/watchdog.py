@@ -24,12 +24,18 @@ group was built on: rank 0's under Lightning's launcher, the agent's on node 0 u
   culprit named. When the store itself is unreachable, its host is the one gone (rank 0, or torchrun's agent).
 * :func:`stop` (the strategy's teardown): ends the heartbeat and marks this rank finished.
 
+* :func:`enable_fault_handler` (every rank process the library's launchers start, and the test harness's ranks):
+  a rank killed by a fatal signal (SIGSEGV in a C++ extension, a destructor or a backend thread) prints the Python
+  stack of each of its threads to stderr before it dies, instead of leaving only the launcher's "terminated with
+  signal SIGSEGV". Silent and free until such a signal.
+
 It names ranks; it does not shorten anything: how long a rank waits for a peer that vanished without closing its
 sockets is the collective timeout (``--trainer.strategy.init_args.timeout 0:05:00`` with a strategy class path).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -42,7 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RankWatchdog", "active", "on_exception", "start", "stop"]
+__all__ = ["RankWatchdog", "active", "enable_fault_handler", "on_exception", "start", "stop"]
 
 _PREFIX = "lightning_parallel/watchdog"
 _STORE_TIMEOUT = timedelta(seconds=10)
@@ -285,6 +291,28 @@ class RankWatchdog:
 
 _ACTIVE: RankWatchdog | None = None
 _GENERATION = 0
+
+
+def enable_fault_handler(*, replace: bool = True) -> bool:
+    """On a fatal signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) print every thread's Python stack to this
+    process's stderr (:mod:`faulthandler`); nothing is printed otherwise. ``replace=True`` (a rank the launcher
+    started) re-installs it on this process's stderr: a forked rank inherits the parent's handler, which may write
+    elsewhere or have been replaced by a library's. ``replace=False`` (the user's own process) keeps one already
+    enabled. Returns whether a handler is enabled."""
+    if not replace and faulthandler.is_enabled():
+        return True
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            if stream is None:
+                continue
+            stream.fileno()  # pytest's capsys and some notebooks give a stream without a file descriptor
+            if replace:
+                faulthandler.disable()
+            faulthandler.enable(file=stream, all_threads=True)
+            return True
+        except (AttributeError, OSError, ValueError):
+            continue
+    return faulthandler.is_enabled()
 
 
 def active() -> RankWatchdog | None:

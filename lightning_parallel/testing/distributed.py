@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_parallel.strategies.watchdog import enable_fault_handler
+
 __all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
 
 
@@ -51,6 +53,7 @@ def _worker(
          "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
     )
     torch.set_num_threads(threads)
+    enable_fault_handler()  # a SIGSEGV prints each thread's Python stack, not only the exit code below
     try:
         dist.init_process_group(
             "gloo",

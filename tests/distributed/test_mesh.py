@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import pytest
@@ -68,6 +69,12 @@ def _hang_on_rank_zero(rank: int, world_size: int) -> None:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins: the collective timeout must end it
 
 
+def _segfault_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        ctypes.string_at(0)  # SIGSEGV, as a crash in a C++ extension or destructor would
+    return rank
+
+
 def test_failing_rank_error_reaches_pytest() -> None:
     with pytest.raises(DistributedTestError, match=r"rank 1 of 2 failed:(.|\n)*boom on rank 1"):
         run_distributed(_fail_on_rank_one, 2, timeout_s=60)
@@ -76,3 +83,11 @@ def test_failing_rank_error_reaches_pytest() -> None:
 def test_a_hanging_collective_times_out() -> None:
     with pytest.raises(DistributedTestError, match="rank 0 of 2 failed"):
         run_distributed(_hang_on_rank_zero, 2, timeout_s=60, collective_timeout_s=3)
+
+
+def test_a_segfaulting_rank_prints_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(DistributedTestError, match=r"rank\(s\) \[1\] of 2 died without a result: \{1: -11\}"):
+        run_distributed(_segfault_on_rank_one, 2, timeout_s=60)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
+    assert "_segfault_on_rank_one" in err, err[-3000:]  # the faulting rank's stack, from its own stderr

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
@@ -156,6 +157,49 @@ def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(tmp_path: Pat
     ps = subprocess.run(["ps", "-o", "pid,stat,cmd", "-p", str(pid1)], capture_output=True, text=True).stdout
     print(f"ps -p {pid1} after rank 0 exited:\n{ps.strip()}")
     assert LEFT_BEHIND[signal.SIGSTOP] is None, f"the frozen rank 1 (pid {pid1}) was left behind:\n{ps}"
+
+
+SEGFAULT_SCRIPT = """\
+import ctypes, faulthandler, sys
+import lightning.pytorch as pl, torch
+from lightning_parallel.strategies import LPDDPStrategy
+
+class Crash(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            ctypes.string_at(0)  # SIGSEGV in rank 1
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    assert not faulthandler.is_enabled()  # nothing for a forked rank to inherit: the launcher enables it
+    trainer = pl.Trainer(strategy=LPDDPStrategy(start_method=sys.argv[1]), accelerator="cpu", devices=2,
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Crash(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2))
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_segfaulting_rank_prints_the_python_stack_of_its_threads(tmp_path: Path, start_method: str) -> None:
+    (tmp_path / "crash.py").write_text(SEGFAULT_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("PYTHONFAULTHANDLER", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, "crash.py", start_method], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    err = run.stderr
+    assert run.returncode != 0 and "terminated with signal SIGSEGV" in err, err[-3000:]
+    assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
+    stack = err[err.index("Fatal Python error: Segmentation fault"):]
+    assert "in training_step" in stack and "Current thread" in stack, stack[:3000]
+    assert "\nThread 0x" in stack, stack[:3000]  # the rank's other threads too (the watchdog's heartbeat)
 
 
 # ---------------------------------------------------------------------- the look-up alone, in this process (fast)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -243,3 +244,12 @@ def test_cuda_replicas_equal_one_device() -> None:
     engine.run(dp, batch, _loss, force_reduce=True).backward()
     for p, q in zip(dp.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_exchange_counter_survives_pickling() -> None:
+    """The spawn launchers pickle the strategy (lp_ddp, lp_dp hold a counter): the lock is made anew, the tally kept."""
+    counter = ExchangeCounter()
+    counter.record("allreduce", 8)
+    copy = pickle.loads(pickle.dumps(counter))
+    copy.record("allreduce", 4)
+    assert [(s.kind, s.nbytes) for s in copy.stats()] == [("allreduce", 12)]

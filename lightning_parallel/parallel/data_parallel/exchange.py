@@ -88,6 +88,15 @@ class ExchangeCounter:
         self._steps = 0
         self.enabled = True
 
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launchers pickle the strategy that holds one
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def record(self, kind: str, nbytes: int, *, calls: int = 1) -> None:
         """Count ``calls`` transfers of kind ``kind`` moving ``nbytes`` bytes in all."""
         if not self.enabled:
