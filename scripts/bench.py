@@ -29,16 +29,19 @@ hybrid     lp_hybrid dp2 x pp2 x tp2   pipelining over DTensor TP + dp all-reduc
 and started the way torchrun starts them (``RANK``/``WORLD_SIZE``/``TORCHELASTIC_RUN_ID`` set, the process group
 created first), so the library's strategies, Lightning's and the hand-written loops all run in the same kind of
 process, none paying a launcher inside the timed steps. Repetitions are interleaved (rep 1: every variant of the
-case, rep 2: every variant, ...); a variant's step time is the median over its timed steps of the time from one step's
-start to the next (forward, backward, optimizer step, fetching the next batch), rank 0's clock; ratios are the
-median over repetitions of the paired ratio of the same repetition. Lightning runs with no logger, progress bar,
-checkpointing or model summary (the hand loop has none either); the GPT logs its loss every step as it ships.
+case, rep 2: every variant, ..., each repetition starting with the next variant); a variant's step time is the
+median over its timed steps of the time from one step's start to the next (forward, backward, optimizer step,
+fetching the next batch), rank 0's clock; ratios are the median over repetitions of the paired ratio of the same
+repetition. Lightning runs with no logger, progress bar, checkpointing or model summary (the hand loop has none
+either); the GPT logs its loss every step as it ships.
 Each variant also runs once more, untimed, with counters: on its last step every collective is counted per axis
 (``torch.distributed`` functions wrapped, DTensor's functional collectives through a dispatch mode, DDP buckets through
 a Python comm hook that routes them through ``torch.distributed``). The same losses are checked: ``dloss`` is the
 largest difference of the loss at every step from the hand-written loop's.
 
-**Columns.** step (ms), ``x torch`` / ``x Lightning`` (library / anchor, < 1 is faster), tokens/s (global batch x
+**Columns.** step (ms), ``x torch`` / ``x Lightning`` (library / anchor, < 1 is faster; in brackets the range over
+repetitions), CPU ms/step and its ratios (rank 0's process CPU time per step, all its threads: work done, blind to
+other processes taking the cores, so it shows framework work where the wall clock is noisy), tokens/s (global batch x
 sequence / step), model-state bytes per rank (busiest rank: parameters + gradients + optimizer state on the device,
 plus what offload keeps on the host) next to the ZeRO / Megatron formula (fp32 AdamW: 4 + 4 + 8 bytes per parameter
 of the rank's stage and tensor shard, divided over dp by the ZeRO stage), bytes each rank sends per step by axis next
@@ -164,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
     p.add_argument("--out", help="output folder (default benchmarks/<date>)")
     p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
+    p.add_argument("--render", metavar="RESULTS_JSON",
+                   help="write the markdown table and the plots again from a results.json; run nothing")
     a = p.parse_args(argv)
     preset = PRESETS["quick" if a.quick else "large" if a.large else "default"]
     for key, value in preset.items():
@@ -394,9 +399,11 @@ class Timer:
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
         self.starts: list[float] = []
+        self.cpu: list[float] = []
         self.losses: list[float | None] = []
         self._stack: contextlib.ExitStack | None = None
         self._profiler: Any = None
+        self._python: Any = None
         self.profile = ""
         if getattr(ctx.a, "profile", None) is not None and ctx.rank == 0:
             self._profile_steps = range(ctx.a.warmup, min(ctx.a.warmup + 4, ctx.a.warmup + ctx.a.steps))
@@ -408,11 +415,16 @@ class Timer:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
+            import cProfile
+
+            self._python = cProfile.Profile()
+            self._python.enable()
         if self.ctx.counter is not None and i == self.ctx.total_steps - 1:
             self._stack = contextlib.ExitStack()
             self._stack.enter_context(self.ctx.counter.functional())
             self.ctx.counter.active = True
         self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def _profile_steps_start(self, i: int) -> bool:
         steps = getattr(self, "_profile_steps", None)
@@ -422,9 +434,16 @@ class Timer:
         self.losses.append(None if loss is None else float(loss))
         steps = getattr(self, "_profile_steps", None)
         if self._profiler is not None and steps is not None and i == steps[-1]:
+            self._python.disable()
             self._profiler.__exit__(None, None, None)
             self.profile = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
             self._profiler = None
+            import io
+            import pstats
+
+            text = io.StringIO()
+            pstats.Stats(self._python, stream=text).sort_stats("cumulative").print_stats(45)
+            self.profile += "\nPython functions (cProfile, same steps, by cumulative time):\n" + text.getvalue()
         if self._stack is not None:
             assert self.ctx.counter is not None
             self.ctx.counter.active = False
@@ -434,7 +453,9 @@ class Timer:
     def result(self) -> dict[str, Any]:
         a = self.ctx.a
         periods = [b - s for s, b in zip(self.starts, self.starts[1:], strict=False)]
-        out: dict[str, Any] = {"step_s": periods[a.warmup:a.warmup + a.steps], "losses": self.losses}
+        cpu = [b - s for s, b in zip(self.cpu, self.cpu[1:], strict=False)]
+        out: dict[str, Any] = {"step_s": periods[a.warmup:a.warmup + a.steps], "losses": self.losses,
+                               "cpu_s": cpu[a.warmup:a.warmup + a.steps]}
         if self.profile:
             out["profile"] = self.profile
         return out
@@ -901,6 +922,7 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
+                dist.barrier()  # no rank tears down while another still talks to rank 0's store
                 dist.destroy_process_group()
 
 
@@ -1018,12 +1040,15 @@ def summarize(a: argparse.Namespace, case: Case, reps: list[dict[str, dict[str, 
         row["step_s_reps"] = per_rep
         row["step_s"] = _median(per_rep)
         row["tokens_per_s"] = a.batch * a.seq / row["step_s"]
+        row["cpu_s"] = _median([_median(run["ranks"][0]["cpu_s"]) for run in runs])
         for anchor in ("torch", "lightning"):
-            if anchor != role and role == "ours" and anchor in roles:
-                ratios = [_median(run["ranks"][0]["step_s"]) / _median(rep[anchor]["ranks"][0]["step_s"])
+            if anchor == role or role != "ours" or anchor not in roles:
+                continue
+            for key, prefix in (("step_s", "x"), ("cpu_s", "cpu_x")):  # paired: the same repetition's runs
+                ratios = [_median(run["ranks"][0][key]) / _median(rep[anchor]["ranks"][0][key])
                           for run, rep in zip(runs, reps, strict=True)]
-                row[f"x_{anchor}"] = _median(ratios)
-                row[f"x_{anchor}_reps"] = ratios
+                row[f"{prefix}_{anchor}"] = _median(ratios)
+                row[f"{prefix}_{anchor}_reps"] = ratios
         ranks = runs[-1]["ranks"]
         last_pp = case.pp - 1
         losses = [r["losses"] for r in ranks if r["coords"][1] == last_pp and r["coords"][2] == 0]
@@ -1065,21 +1090,30 @@ def _comm_text(comm: dict[str, float]) -> str:
     return ", ".join(shown) if shown else "0"
 
 
+def _ratio_text(row: dict[str, Any], anchor: str, prefix: str = "x") -> str:
+    """``1.013 (0.98-1.04)``: the median paired ratio and the range over repetitions."""
+    key = f"{prefix}_{anchor}"
+    if key not in row:
+        return "-"
+    reps = row.get(f"{key}_reps") or [row[key]]
+    return f"{row[key]:.3f} ({min(reps):.2f}-{max(reps):.2f})"
+
+
 def table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     memory = "peak RSS MB (growth)" if a.device == "cpu" else "peak alloc MB"
-    head = (f"| case | variant | step ms | x torch | x Lightning | tokens/s | states MB/rank (formula) | "
-            f"sent MB/step/rank by axis (theory) | {memory} | dloss vs torch |")
-    lines = [head, "|" + "---|" * 10]
+    head = (f"| case | variant | step ms | x torch | x Lightning | CPU ms/step | CPU x torch | CPU x Lightning | "
+            f"tokens/s | states MB/rank (formula) | sent MB/step/rank by axis (theory) | {memory} | dloss vs torch |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         case = CASES[r["case"]]
         name = {"ours": case.title, "torch": f"torch: {case.anchor}",
                 "lightning": f"Lightning `{lightning_name(case, a.device)}`"}[r["role"]]
         if "error" in r:
-            lines.append(f"| {case.key} | {name} | failed: {r['error']} |" + " |" * 7)
+            lines.append(f"| {case.key} | {name} | failed: {r['error']} |" + " |" * 10)
             continue
-        xt = f"{r['x_torch']:.3f}" if "x_torch" in r else "-"
-        xl = f"{r['x_lightning']:.3f}" if "x_lightning" in r else ("-" if r["role"] != "ours" else
-                                                                   (case.lightning_missing or "-"))
+        xt = _ratio_text(r, "torch")
+        xl = _ratio_text(r, "lightning") if "x_lightning" in r else ("-" if r["role"] != "ours" else
+                                                                     (case.lightning_missing or "-"))
         theory = _comm_text(r["comm_theory"])
         comm = _comm_text(r["comm"]) if "comm" in r else r.get("count_error", "-")
         peak = f"{r['peak_bytes'] / 2**20:.0f}"
@@ -1087,7 +1121,10 @@ def table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             peak += f" ({r['peak_growth_bytes'] / 2**20:+.0f})"
         dloss = f"{r['dloss']:.1e}" if "dloss" in r else "-"
         formula = _mb(r["states_formula"]) if r["states_formula"] else "-"
-        lines.append(f"| {case.key} | {name} | {r['step_s'] * 1e3:.1f} | {xt} | {xl} | {r['tokens_per_s']:.0f} | "
+        cpu = f"{r['cpu_s'] * 1e3:.1f}" if "cpu_s" in r else "-"
+        lines.append(f"| {case.key} | {name} | {r['step_s'] * 1e3:.1f} | {xt} | {xl} | {cpu} | "
+                     f"{_ratio_text(r, 'torch', 'cpu_x')} | {_ratio_text(r, 'lightning', 'cpu_x')} | "
+                     f"{r['tokens_per_s']:.0f} | "
                      f"{_mb(r.get('states_bytes'))} ({formula}) | {comm} ({theory}) | {peak} | {dloss} |")
     return "\n".join(lines)
 
@@ -1166,10 +1203,10 @@ def _roles(a: argparse.Namespace, case: Case) -> list[str]:
 
 
 def profile(a: argparse.Namespace, case: Case) -> None:
-    """Run the library and its anchor under torch.profiler on rank 0 (4 steps after warm-up); print the top ops by
-    self CPU time of each and where they differ."""
+    """Run the library and its anchors under torch.profiler and cProfile on rank 0 (4 steps after warm-up); print
+    the top ops by self CPU time and the Python functions by cumulative time of each."""
     print(f"profiling {case.key}: {case.title} vs torch: {case.anchor}", flush=True)
-    for role in ("ours", "torch"):
+    for role in _roles(a, case):
         res = run_world(a, case, role, count=False)
         if "error" in res:
             print(f"{role}: failed\n{res['error']}")
@@ -1178,9 +1215,24 @@ def profile(a: argparse.Namespace, case: Case) -> None:
         print(res["ranks"][0].get("profile", "(no profile)"))
 
 
+def render(path: Path) -> None:
+    """The table and the plots of an earlier run, from its ``results.json`` (written next to it)."""
+    data = json.loads(path.read_text())
+    a = argparse.Namespace(**{**data["args"], "profile": None})
+    rows = data["rows"]
+    text = table(a, rows)
+    header = data.get("header", "")
+    (path.parent / "results.md").write_text(f"{header}\n\n{text}\n")
+    written = plots(a, rows, path.parent)
+    print(f"{header}\n\n{text}\n\n[bench] wrote {path.parent / 'results.md'}, {', '.join(str(p) for p in written)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.dp_devices = 2
+    if a.render is not None:
+        render(Path(a.render))
+        return 0
     import lightning_parallel  # noqa: F401  (registers the strategies; imported once, before forking)
 
     if any(k == "offload" for k in a.cases) or a.profile == "offload":
@@ -1209,7 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
         reps: list[dict[str, dict[str, Any]]] = []
         for rep in range(a.reps):
             results: dict[str, dict[str, Any]] = {}
-            for role in roles:
+            for role in roles[rep % len(roles):] + roles[:rep % len(roles)]:  # rotated: no variant always first
                 t0 = time.perf_counter()
                 results[role] = run_world(a, case, role, count=False)
                 status = "failed" if "error" in results[role] else \
@@ -1233,7 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = "\n".join(f"- {k}: skipped, {v}" for k, v in skipped.items())
     (folder / "results.md").write_text(f"{header}\n\n{text}\n" + (f"\n{notes}\n" if notes else ""))
     (folder / "results.json").write_text(json.dumps({
-        "machine": machine, "date": date, "args": {k: v for k, v in vars(a).items() if k != "profile_case"},
+        "machine": machine, "date": date, "header": header, "args": vars(a),
         "rows": [{k: v for k, v in r.items() if k != "error_full"} for r in rows], "skipped": skipped,
         "seconds": elapsed}, indent=1, default=str))
     written = plots(a, rows, folder)
