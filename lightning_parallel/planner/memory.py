@@ -12,8 +12,9 @@ device before ZeRO (``Psi / (pp x tp)``, the busiest stage when the shape is kno
 ZeRO-Offload (stage 2 or 3, ``offload`` cpu or nvme) moves the optimizer state and an fp32 gradient partition,
 ``(K + 4) P / N_d`` bytes per rank, to the host (DeepSpeed's estimator: 16 bytes per parameter); stage 3 moves
 the 16-bit weights too (``+ p P / N_d``, DeepSpeed's 18). Gradients then stream through device buckets. In fp32
-``K`` holds only the moments, and the host optimizer keeps its own fp32 copy of the partition: ``+ 4 P / N_d``
-(measured with DeepSpeed's CPU offload: 16 bytes per partition element on the host at stage 2, 20 at stage 3).
+``K`` holds only the moments; at stage 2 the host optimizer keeps its own fp32 copy of the partition, ``+ 4 P /
+N_d`` (measured with DeepSpeed's CPU offload: 16 bytes per partition element on the host at stage 2 and at stage 3,
+where the offloaded weight partition is the optimizer's copy).
 
 Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
 and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
@@ -77,10 +78,11 @@ def model_states(
     if zero_stage < 2:
         raise ValueError(f"offload={offload!r} needs zero_stage 2 or 3, got {zero_stage}.")
     # The host optimizer steps fp32 master weights of its partition. Under mixed precision they are part of
-    # ``state.optimizer`` (4 + moments); in fp32 the device's parameters are the model's own, so the host keeps its
-    # own fp32 copy of the partition next to the moments (measured: DeepSpeed's offload holds 16 bytes per
-    # partition element on the host in fp32 -- master, moments, gradient).
-    master = 4 if state.param == 4 else 0
+    # ``state.optimizer`` (4 + moments). In fp32 at stage 2 the device keeps the model's whole fp32 weights, so the
+    # host holds its own fp32 copy of the partition next to the moments and the gradient (measured with DeepSpeed:
+    # 16 bytes per partition element); at stage 3 the offloaded fp32 weight partition counted below is that copy
+    # (measured: 16 bytes per element, weight + moments + gradient).
+    master = 4 if state.param == 4 and zero_stage == 2 else 0
     offloaded = (state.optimizer + master + HOST_FP32_GRAD_BYTES) * shard
     if zero_stage == 3:
         offloaded += state.param * shard
