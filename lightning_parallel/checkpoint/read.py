@@ -267,21 +267,24 @@ def _read_deepspeed(info: CheckpointInfo) -> tuple[dict[str, Tensor], dict[str, 
 
 
 @contextlib.contextmanager
-def _no_tqdm_monitor() -> Any:
-    """tqdm's first bar starts a monitor thread that lives as long as the process: a process that read a DeepSpeed
-    checkpoint and then forks ranks (``start_method="fork"``) would fork with that thread alive (what a forked child
-    inherits from a multi-threaded parent is unsafe). No monitor while the bars that are not shown run."""
+def deepspeed_quietly() -> Any:
+    """Around DeepSpeed's checkpoint readers (``zero_to_fp32``): their progress prints (stdout) and bars (stderr) go
+    nowhere, and tqdm starts no monitor thread -- its first bar would start one that lives as long as the process,
+    and a process that read a DeepSpeed checkpoint and then forks ranks (``start_method="fork"``) would fork with
+    that thread alive (what a forked child inherits from a multi-threaded parent is unsafe)."""
     try:
         from tqdm import tqdm
     except ImportError:
-        yield
-        return
-    interval = tqdm.monitor_interval
-    tqdm.monitor_interval = 0
+        tqdm = None
+    interval = tqdm.monitor_interval if tqdm is not None else None
+    if tqdm is not None:
+        tqdm.monitor_interval = 0
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
-        tqdm.monitor_interval = interval
+        if tqdm is not None:
+            tqdm.monitor_interval = interval
 
 
 def _zero_to_fp32(folder: Path, tag: str) -> dict[str, Tensor]:
@@ -290,9 +293,8 @@ def _zero_to_fp32(folder: Path, tag: str) -> dict[str, Tensor]:
     except ImportError as err:
         raise CheckpointFormatError(f"{folder}: a DeepSpeed checkpoint; reading it needs DeepSpeed "
                                     "(pip install -e '.[deepspeed]').") from err
-    try:  # zero_to_fp32 prints its progress (stdout) and progress bars (stderr)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                _no_tqdm_monitor():
+    try:
+        with deepspeed_quietly():
             state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
     except (FileNotFoundError, ValueError) as err:
         raise CheckpointFormatError(f"{folder}: DeepSpeed could not rebuild the fp32 weights ({err}); expected a "

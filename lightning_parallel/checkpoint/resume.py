@@ -182,14 +182,13 @@ _DS_SKIP_GROUP_KEYS = frozenset({"params", "bias_correction"})  # DeepSpeed CPU 
 def _join_deepspeed_optimizer(info: CheckpointInfo) -> dict[str, Any]:
     """Adam's per-parameter state from a DeepSpeed ZeRO folder: each state key's flat partitions (one per rank and
     param group) put through DeepSpeed's own ``zero_to_fp32`` reconstruction, as the fp32 masters are."""
-    import contextlib
-    import io
-
     from deepspeed.utils import zero_to_fp32 as z
+
+    from .read import deepspeed_quietly
 
     assert info.tag is not None
     folder = info.path / info.tag
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with deepspeed_quietly():
         model_states = z.parse_model_states(z.get_model_state_files(str(folder)))
         files = z.get_optim_files(str(folder))
         parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
@@ -212,11 +211,11 @@ def _join_deepspeed_optimizer(info: CheckpointInfo) -> dict[str, Any]:
         if stage <= 2:
             flat = [[b["state"][g][key] for g in range(n_groups)] for b in base]
             paddings = parts[0].get("param_alignment_paddings")
-            with contextlib.redirect_stdout(io.StringIO()):
+            with deepspeed_quietly():
                 rebuilt = z._get_fp32_state_dict_from_zero2_checkpoint(len(parts), flat, model_states, True, paddings)
         else:  # one flat partition per sub-group, in the host optimizer's order
             flat3 = [[b["state"][i][key] for i in sorted(b["state"])] for b in base]
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with deepspeed_quietly():
                 rebuilt = z.to_torch_tensor(  # ZeRO-3 returns lazily gathered tensors
                     z._get_fp32_state_dict_from_zero3_checkpoint(len(parts), flat3, model_states, True))
         per_key[key] = {k: v.detach().clone() for k, v in rebuilt.items()}

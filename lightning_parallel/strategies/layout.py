@@ -208,6 +208,7 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         # DeepSpeedCPUAdam's crashes outside DeepSpeed; a process group's would close this process's sockets).
         gc.collect()
         gc.freeze()
+        _stop_tqdm_monitor()  # a thread the ranks would inherit mid-use; tqdm starts a new one with its next bar
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
@@ -246,6 +247,18 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             del module.state_dict
+
+
+def _stop_tqdm_monitor() -> None:
+    """End tqdm's monitor thread if one runs in this process (any progress bar shown earlier starts it)."""
+    import sys
+
+    tqdm_module = sys.modules.get("tqdm.std")
+    monitor = getattr(getattr(tqdm_module, "tqdm", None), "monitor", None) if tqdm_module is not None else None
+    if monitor is not None:
+        with contextlib.suppress(Exception):
+            monitor.exit()
+        tqdm_module.tqdm.monitor = None  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

@@ -259,7 +259,10 @@ def convert_to_fp32_state_dict(checkpoint_dir: str | Path, output_file: str | Pa
                 if name in module:
                     state.setdefault(name, module[name])
     else:
-        state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+        from lightning_parallel.checkpoint.read import deepspeed_quietly
+
+        with deepspeed_quietly():
+            state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
     if output_file is not None:
         torch.save({"state_dict": state}, output_file)
     return state
