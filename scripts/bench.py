@@ -4,7 +4,7 @@ against Lightning's built-in strategies, on the same GPT, global batch and seed.
     python scripts/bench.py                       # CPU: the full table (2, 4 and 8 gloo ranks), ~10-15 min here
     python scripts/bench.py --quick               # a smaller GPT and fewer steps (CPU ~5 min; one 8-GPU node < 5 min)
     python scripts/bench.py --device cuda         # GPUs with NCCL (cases that need more GPUs than present are skipped)
-    python scripts/bench.py --device cuda --large # a GPT that fills most of a GPU's memory under lp_ddp
+    python scripts/bench.py --device cuda --large # a 3B GPT: most of an 80 GB GPU's memory under lp_ddp
     python scripts/bench.py --cases ddp,zero3 --reps 5
     python scripts/bench.py --profile ddp         # torch.profiler of the library and its anchor: where the time goes
 
@@ -25,8 +25,9 @@ pp         lp_pipeline pp=2 (1F1B)     torch.distributed.pipelining Schedule1F1B
 hybrid     lp_hybrid dp2 x pp2 x tp2   pipelining over DTensor TP + dp all-reduce       none
 =========  ==========================  ===============================================  =============================
 
-**How it runs.** Every run of every variant is a fresh world of ranks forked from this process (CPU; spawned on CUDA)
-and started the way torchrun starts them (``RANK``/``WORLD_SIZE``/``TORCHELASTIC_RUN_ID`` set, the process group
+**How it runs.** Every run of every variant is a fresh world of ranks forked from this process (which never
+initializes CUDA itself, so forking is safe on GPUs too; ``--start-method spawn`` if a platform needs it) and
+started the way torchrun starts them (``RANK``/``WORLD_SIZE``/``TORCHELASTIC_RUN_ID`` set, the process group
 created first), so the library's strategies, Lightning's and the hand-written loops all run in the same kind of
 process, none paying a launcher inside the timed steps. Repetitions are interleaved (rep 1: every variant of the
 case, rep 2: every variant, ..., each repetition starting with the next variant); a variant's step time is the
@@ -147,7 +148,8 @@ def lightning_name(case: Case, device: str) -> str | None:
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(layers=4, hidden=256, heads=4, seq=128, vocab=256, batch=16, warmup=3, steps=10, reps=3),
     "quick": dict(layers=2, hidden=128, heads=4, seq=64, vocab=256, batch=8, warmup=2, steps=5, reps=3),
-    "large": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50304, batch=16, warmup=3, steps=10, reps=3),
+    # ~3.0B parameters: 48 GB of fp32 AdamW model states under lp_ddp plus activations, sized for 80 GB GPUs
+    "large": dict(layers=24, hidden=3072, heads=24, seq=1024, vocab=50304, batch=8, warmup=3, steps=10, reps=3),
 }
 
 
@@ -164,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
     p.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches (pp, hybrid)")
     p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank")
+    p.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
+                   help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
     p.add_argument("--out", help="output folder (default benchmarks/<date>)")
     p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
@@ -365,6 +369,8 @@ class Ctx:
     dims: Any
     counter: CommCount | None
     tokens: Tensor
+    profile: str | None = None
+    """None, "full" (``--profile``) or "breakdown" (where the time of a case above 3 % goes)."""
     out: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -375,12 +381,13 @@ class Ctx:
     def coords(self) -> Any:
         return self.dims.coords(self.rank)
 
-    def model(self) -> Any:
+    def model(self, cls: Any = None) -> Any:
+        """The GPT (or its subclass ``cls``), seed 0, constant learning rate."""
         from lightning_parallel.models import GPT
 
         torch.manual_seed(0)
         a = self.a
-        return GPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab,
+        return (cls or GPT)(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab,
                    warmup_steps=0, min_lr_ratio=1.0)
 
     def dataset(self) -> TensorDataset:
@@ -394,7 +401,9 @@ class Ctx:
 
 
 class Timer:
-    """Step starts (rank 0's clock), losses, and the counted last step."""
+    """Step starts (rank 0's clock), losses, the counted last step, and (``ctx.profile``) a profile of timed steps:
+    ``"full"`` -- torch.profiler's op table and cProfile's Python functions over 4 steps (``--profile``);
+    ``"breakdown"`` -- torch.profiler over every timed step, summed as compute / collectives / the rest."""
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -404,21 +413,26 @@ class Timer:
         self._stack: contextlib.ExitStack | None = None
         self._profiler: Any = None
         self._python: Any = None
-        self.profile = ""
-        if getattr(ctx.a, "profile", None) is not None and ctx.rank == 0:
-            self._profile_steps = range(ctx.a.warmup, min(ctx.a.warmup + 4, ctx.a.warmup + ctx.a.steps))
+        self._profile_wall = 0.0
+        self.profile: dict[str, Any] = {}
+        a = ctx.a
+        steps = 4 if ctx.profile == "full" else a.steps
+        self._profile_steps = (range(a.warmup, a.warmup + min(steps, a.steps))
+                               if ctx.profile is not None and ctx.rank == 0 else range(0))
 
     def begin(self, i: int) -> None:
-        if self._profile_steps_start(i):
+        if len(self._profile_steps) and i == self._profile_steps[0]:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
-            import cProfile
+            if self.ctx.profile == "full":
+                import cProfile
 
-            self._python = cProfile.Profile()
-            self._python.enable()
+                self._python = cProfile.Profile()
+                self._python.enable()
+            self._profile_wall = time.perf_counter()
         if self.ctx.counter is not None and i == self.ctx.total_steps - 1:
             self._stack = contextlib.ExitStack()
             self._stack.enter_context(self.ctx.counter.functional())
@@ -426,29 +440,34 @@ class Timer:
         self.starts.append(time.perf_counter())
         self.cpu.append(time.process_time())
 
-    def _profile_steps_start(self, i: int) -> bool:
-        steps = getattr(self, "_profile_steps", None)
-        return steps is not None and len(steps) > 0 and i == steps[0]
-
     def end(self, i: int, loss: Any) -> None:
         self.losses.append(None if loss is None else float(loss))
-        steps = getattr(self, "_profile_steps", None)
-        if self._profiler is not None and steps is not None and i == steps[-1]:
-            self._python.disable()
-            self._profiler.__exit__(None, None, None)
-            self.profile = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            self._profiler = None
-            import io
-            import pstats
-
-            text = io.StringIO()
-            pstats.Stats(self._python, stream=text).sort_stats("cumulative").print_stats(45)
-            self.profile += "\nPython functions (cProfile, same steps, by cumulative time):\n" + text.getvalue()
+        if self._profiler is not None and i == self._profile_steps[-1]:
+            self._finish_profile()
         if self._stack is not None:
             assert self.ctx.counter is not None
             self.ctx.counter.active = False
             self._stack.close()
             self._stack = None
+
+    def _finish_profile(self) -> None:
+        wall = time.perf_counter() - self._profile_wall
+        if self._python is not None:
+            self._python.disable()
+        self._profiler.__exit__(None, None, None)
+        events = self._profiler.key_averages()
+        self._profiler = None
+        n = len(self._profile_steps)
+        if self.ctx.profile == "breakdown":
+            self.profile = {"steps": n, **breakdown(events, wall, n)}
+            return
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(self._python, stream=text).sort_stats("cumulative").print_stats(45)
+        self.profile = {"table": events.table(sort_by="self_cpu_time_total", row_limit=30),
+                        "python": text.getvalue(), "steps": n, **breakdown(events, wall, n)}
 
     def result(self) -> dict[str, Any]:
         a = self.ctx.a
@@ -459,6 +478,24 @@ class Timer:
         if self.profile:
             out["profile"] = self.profile
         return out
+
+
+_COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
+
+
+def breakdown(events: Any, wall_s: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step of a profiled stretch of ``steps`` steps: ``compute`` (self time of ``aten::`` ops),
+    ``collectives`` (self time of c10d and functional-collective ops, their waits included) and ``other`` (the rest
+    of the wall time: Python, tensor-subclass dispatch, the framework's hooks, the optimizer's Python, idle)."""
+    compute = comm = 0.0
+    for e in events:
+        if e.key.startswith("aten::"):
+            compute += e.self_cpu_time_total
+        elif e.key.startswith(_COLLECTIVE_PREFIXES):
+            comm += e.self_cpu_time_total
+    wall_ms, compute_ms, comm_ms = wall_s * 1e3 / steps, compute / 1e3 / steps, comm / 1e3 / steps
+    return {"wall_ms": wall_ms, "compute_ms": compute_ms, "collectives_ms": comm_ms,
+            "other_ms": wall_ms - compute_ms - comm_ms}
 
 
 def _device_batch(ctx: Ctx, batch: Any) -> tuple[Tensor, Tensor]:
@@ -566,16 +603,22 @@ def _offload_config(ctx: Ctx) -> dict[str, Any]:
     return cfg
 
 
+def _host_adam(model: Any) -> Any:
+    """DeepSpeed's CPU Adam (AdamW mode) over the GPT's own parameter groups and hyper-parameters."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    groups = _adamw(model).param_groups
+    return DeepSpeedCPUAdam([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+                            lr=groups[0]["lr"], betas=groups[0]["betas"], adamw_mode=True)
+
+
 def hand_deepspeed(ctx: Ctx) -> dict[str, Any]:
     import deepspeed
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from lightning_parallel.parallel.offload.accounting import engine_state_bytes
 
     model = ctx.model()
-    groups = _adamw(model).param_groups
-    opt = DeepSpeedCPUAdam([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-                           lr=groups[0]["lr"], betas=groups[0]["betas"], adamw_mode=True)
+    opt = _host_adam(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_offload_config(ctx),
                                       dist_init_required=False)
 
@@ -789,10 +832,19 @@ def _model_parallel_gpt(ctx: Ctx) -> Any:
             with loss_parallel() if tp > 1 else contextlib.nullcontext():
                 loss.backward()
 
-    a = ctx.a
-    torch.manual_seed(0)
-    return ModelParallelGPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq,
-                            vocab_size=a.vocab, warmup_steps=0, min_lr_ratio=1.0)
+    return ctx.model(ModelParallelGPT)
+
+
+def _host_adam_gpt(ctx: Ctx) -> Any:
+    """The GPT with DeepSpeed's CPU Adam as its optimizer, as Lightning's ``deepspeed`` offload needs (DeepSpeed
+    refuses a torch optimizer under ZeRO-Offload); the library's ``lp_zero_offload`` makes that swap itself."""
+    from lightning_parallel.models import GPT
+
+    class HostAdamGPT(GPT):
+        def configure_optimizers(self) -> Any:
+            return _host_adam(self)
+
+    return ctx.model(HostAdamGPT)
 
 
 def _our_strategy(ctx: Ctx) -> Any:
@@ -844,8 +896,13 @@ def run_trainer(ctx: Ctx) -> dict[str, Any]:
 
     lightning = ctx.role == "lightning"
     strategy = _lightning_strategy(ctx) if lightning else _our_strategy(ctx)
-    model = _model_parallel_gpt(ctx) if lightning and lightning_name(ctx.case, ctx.device.type) == "model_parallel" \
-        else ctx.model()
+    name = lightning_name(ctx.case, ctx.device.type) if lightning else None
+    if name == "model_parallel":
+        model = _model_parallel_gpt(ctx)
+    elif name is not None and name.endswith("offload"):
+        model = _host_adam_gpt(ctx)
+    else:
+        model = ctx.model()
     probe = _probe(ctx)
     devices = ctx.a.dp_devices if ctx.case.key == "dp" else ctx.world
     trainer = pl.Trainer(accelerator=ctx.device.type, devices=devices, strategy=strategy,
@@ -904,7 +961,7 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
         g = torch.Generator().manual_seed(1234)
         tokens = torch.randint(0, a.vocab, (a.batch * (a.warmup + a.steps + 1), a.seq + 1), generator=g)
         ctx = Ctx(a=a, case=case, role=role, rank=local_rank, world=world, device=device, dims=dims,
-                  counter=counter, tokens=tokens)
+                  counter=counter, tokens=tokens, profile=job.get("profile"))
         result = HAND[case.key](ctx) if role == "torch" else run_trainer(ctx)
         if a.device == "cuda":
             result["peak_bytes"] = torch.get_device_module(device).max_memory_allocated(device)
@@ -932,14 +989,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(a: argparse.Namespace, case: Case, role: str, *, count: bool) -> dict[str, Any]:
+def run_world(a: argparse.Namespace, case: Case, role: str, *, count: bool,
+              profile: str | None = None) -> dict[str, Any]:
     """Start ``case.world`` ranks for one run of ``role``; every rank's result (or the first error)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="lp_bench_") as folder:
         job = {"args": a, "case": case.key, "role": role, "world": case.world, "folder": folder,
-               "port": _free_port(), "count": count}
-        method = "spawn" if a.device == "cuda" else "fork"
+               "port": _free_port(), "count": count, "profile": profile}
+        method = a.start_method
         try:
             mp.start_processes(_rank_main, args=(job,), nprocs=case.world, start_method=method, join=True)
         except Exception as err:
@@ -1183,8 +1241,21 @@ def _machine(a: argparse.Namespace) -> str:
     text = (f"{platform.node()}: {cores} CPU cores, {platform.processor() or platform.machine()}, torch "
             f"{torch.__version__}, lightning {lightning.__version__}")
     if a.device == "cuda":
-        text += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        text += f", {torch.cuda.device_count()} x {_gpu_name()}"
     return text
+
+
+def _gpu_name() -> str:
+    """The GPU's name from nvidia-smi: asking torch would initialize CUDA in this process, and the ranks fork from
+    it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "GPU"
+    return out.splitlines()[0].strip() if out.strip() else "GPU"
 
 
 def available(a: argparse.Namespace, case: Case) -> str | None:
@@ -1204,15 +1275,56 @@ def _roles(a: argparse.Namespace, case: Case) -> list[str]:
 
 def profile(a: argparse.Namespace, case: Case) -> None:
     """Run the library and its anchors under torch.profiler and cProfile on rank 0 (4 steps after warm-up); print
-    the top ops by self CPU time and the Python functions by cumulative time of each."""
+    the top ops by self CPU time, the Python functions by cumulative time, and the time split of each."""
     print(f"profiling {case.key}: {case.title} vs torch: {case.anchor}", flush=True)
     for role in _roles(a, case):
-        res = run_world(a, case, role, count=False)
+        res = run_world(a, case, role, count=False, profile="full")
         if "error" in res:
             print(f"{role}: failed\n{res['error']}")
             continue
-        print(f"\n== {role}: median step {_median(res['ranks'][0]['step_s']) * 1e3:.1f} ms")
-        print(res["ranks"][0].get("profile", "(no profile)"))
+        prof = res["ranks"][0].get("profile", {})
+        print(f"\n== {role}: median step {_median(res['ranks'][0]['step_s']) * 1e3:.1f} ms; profiled: "
+              f"{_split_text(prof)}\n{prof.get('table', '')}\nPython functions (cProfile, the same steps, by "
+              f"cumulative time):\n{prof.get('python', '')}")
+
+
+def _split_text(prof: dict[str, Any]) -> str:
+    if "wall_ms" not in prof:
+        return "-"
+    return (f"{prof['wall_ms']:.1f} ms/step = compute {prof['compute_ms']:.1f} + collectives "
+            f"{prof['collectives_ms']:.1f} + other {prof['other_ms']:.1f}")
+
+
+def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]]) -> None:
+    """For a case where the library is more than 3 % slower (wall clock or CPU time) than its hand-written loop,
+    profile every variant once over the timed steps and keep the split (``row["split"]``)."""
+    ours = next((r for r in rows if r["role"] == "ours" and "step_s" in r), None)
+    if ours is None or max(ours.get("x_torch", 0.0), ours.get("cpu_x_torch", 0.0)) <= 1.03:
+        return
+    for row in rows:
+        if "error" in row:
+            continue
+        res = run_world(a, case, row["role"], count=False, profile="breakdown")
+        if "error" not in res and "profile" in res["ranks"][0]:
+            row["split"] = res["ranks"][0]["profile"]
+            print(f"[bench] {case.key} {row['role']} profiled: {_split_text(row['split'])}", flush=True)
+
+
+def split_table(rows: list[dict[str, Any]]) -> str:
+    """Where the time goes, for the cases :func:`where_time_goes` profiled (ms per step, rank 0)."""
+    shown = [r for r in rows if "split" in r]
+    if not shown:
+        return ""
+    lines = ["| case | variant | profiled step ms | compute (aten ops) | collectives | other: Python, dispatch, "
+             "framework | other vs torch |", "|---|---|---|---|---|---|---|"]
+    for r in shown:
+        sp = r["split"]
+        torch_row = next((t for t in shown if t["case"] == r["case"] and t["role"] == "torch"), None)
+        delta = ("-" if torch_row is None or torch_row is r
+                 else f"{sp['other_ms'] - torch_row['split']['other_ms']:+.1f}")
+        lines.append(f"| {r['case']} | {r['role']} | {sp['wall_ms']:.1f} | {sp['compute_ms']:.1f} | "
+                     f"{sp['collectives_ms']:.1f} | {sp['other_ms']:.1f} | {delta} |")
+    return "\n".join(lines)
 
 
 def render(path: Path) -> None:
@@ -1220,11 +1332,23 @@ def render(path: Path) -> None:
     data = json.loads(path.read_text())
     a = argparse.Namespace(**{**data["args"], "profile": None})
     rows = data["rows"]
-    text = table(a, rows)
-    header = data.get("header", "")
-    (path.parent / "results.md").write_text(f"{header}\n\n{text}\n")
+    text = markdown(a, rows, data.get("header", ""), data.get("skipped", {}))
+    (path.parent / "results.md").write_text(text)
     written = plots(a, rows, path.parent)
-    print(f"{header}\n\n{text}\n\n[bench] wrote {path.parent / 'results.md'}, {', '.join(str(p) for p in written)}")
+    print(f"{text}\n[bench] wrote {path.parent / 'results.md'}, {', '.join(str(p) for p in written)}")
+
+
+def markdown(a: argparse.Namespace, rows: list[dict[str, Any]], header: str, skipped: dict[str, str]) -> str:
+    """``results.md``: the header, the table, where the time goes (cases above 3 %), the skipped cases."""
+    text = f"{header}\n\n{table(a, rows)}\n"
+    split = split_table(rows)
+    if split:
+        text += ("\nWhere the time goes, for the cases above 3 % (rank 0, torch.profiler over the timed steps of one "
+                 "more run of each variant; compute = self time of aten ops, collectives = c10d and functional "
+                 f"collective ops with their waits, other = the rest of the wall time):\n\n{split}\n")
+    if skipped:
+        text += "\n" + "\n".join(f"- {k}: skipped, {v}" for k, v in skipped.items()) + "\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1271,26 +1395,26 @@ def main(argv: list[str] | None = None) -> int:
             reps.append(results)
         counted = {role: run_world(a, case, role, count=True) for role in roles}
         case_rows = summarize(a, case, reps, counted)
+        where_time_goes(a, case, case_rows)
         for r in case_rows:
             if "error" in r:
                 print(f"[bench] {key} {r['role']} failed:\n{r['error_full']}", flush=True)
         rows.extend(case_rows)
         print(table(a, case_rows), flush=True)
-    text = table(a, rows)
     elapsed = time.perf_counter() - started
     header = (f"Measured {date} on {machine}; device {a.device}; GPT {a.layers} x {a.hidden}, seq {a.seq}, global "
               f"batch {a.batch}, fp32 AdamW; {a.reps} interleaved repetitions of {a.steps} timed steps (median); "
               f"`python scripts/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
               f"took {elapsed:.0f} s.")
-    notes = "\n".join(f"- {k}: skipped, {v}" for k, v in skipped.items())
-    (folder / "results.md").write_text(f"{header}\n\n{text}\n" + (f"\n{notes}\n" if notes else ""))
+    text = markdown(a, rows, header, skipped)
+    (folder / "results.md").write_text(text)
     (folder / "results.json").write_text(json.dumps({
         "machine": machine, "date": date, "header": header, "args": vars(a),
         "rows": [{k: v for k, v in r.items() if k != "error_full"} for r in rows], "skipped": skipped,
         "seconds": elapsed}, indent=1, default=str))
     written = plots(a, rows, folder)
-    print(f"\n{header}\n\n{text}")
-    print(f"\n[bench] wrote {folder / 'results.json'}, {folder / 'results.md'}, "
+    print(f"\n{text}")
+    print(f"[bench] wrote {folder / 'results.json'}, {folder / 'results.md'}, "
           f"{', '.join(str(p) for p in written)}")
     failed = [r for r in rows if "error" in r]
     return 1 if failed else 0
