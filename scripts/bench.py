@@ -488,14 +488,16 @@ def breakdown(events: Any, wall_s: float, steps: int) -> dict[str, float]:
     ``collectives`` (self time of c10d and functional-collective ops, their waits included) and ``other`` (the rest
     of the wall time: Python, tensor-subclass dispatch, the framework's hooks, the optimizer's Python, idle)."""
     compute = comm = 0.0
+    calls = 0
     for e in events:
         if e.key.startswith("aten::"):
             compute += e.self_cpu_time_total
+            calls += e.count
         elif e.key.startswith(_COLLECTIVE_PREFIXES):
             comm += e.self_cpu_time_total
     wall_ms, compute_ms, comm_ms = wall_s * 1e3 / steps, compute / 1e3 / steps, comm / 1e3 / steps
     return {"wall_ms": wall_ms, "compute_ms": compute_ms, "collectives_ms": comm_ms,
-            "other_ms": wall_ms - compute_ms - comm_ms}
+            "other_ms": wall_ms - compute_ms - comm_ms, "aten_calls": calls / steps}
 
 
 def _device_batch(ctx: Ctx, batch: Any) -> tuple[Tensor, Tensor]:
@@ -1291,8 +1293,9 @@ def profile(a: argparse.Namespace, case: Case) -> None:
 def _split_text(prof: dict[str, Any]) -> str:
     if "wall_ms" not in prof:
         return "-"
+    calls = f"; {prof['aten_calls']:.0f} aten op calls/step" if "aten_calls" in prof else ""
     return (f"{prof['wall_ms']:.1f} ms/step = compute {prof['compute_ms']:.1f} + collectives "
-            f"{prof['collectives_ms']:.1f} + other {prof['other_ms']:.1f}")
+            f"{prof['collectives_ms']:.1f} + other {prof['other_ms']:.1f}{calls}")
 
 
 def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]]) -> None:
@@ -1316,14 +1319,15 @@ def split_table(rows: list[dict[str, Any]]) -> str:
     if not shown:
         return ""
     lines = ["| case | variant | profiled step ms | compute (aten ops) | collectives | other: Python, dispatch, "
-             "framework | other vs torch |", "|---|---|---|---|---|---|---|"]
+             "framework | other vs torch | aten op calls/step |", "|---|---|---|---|---|---|---|---|"]
     for r in shown:
         sp = r["split"]
         torch_row = next((t for t in shown if t["case"] == r["case"] and t["role"] == "torch"), None)
         delta = ("-" if torch_row is None or torch_row is r
                  else f"{sp['other_ms'] - torch_row['split']['other_ms']:+.1f}")
+        calls = f"{sp['aten_calls']:.0f}" if "aten_calls" in sp else "-"
         lines.append(f"| {r['case']} | {r['role']} | {sp['wall_ms']:.1f} | {sp['compute_ms']:.1f} | "
-                     f"{sp['collectives_ms']:.1f} | {sp['other_ms']:.1f} | {delta} |")
+                     f"{sp['collectives_ms']:.1f} | {sp['other_ms']:.1f} | {delta} | {calls} |")
     return "\n".join(lines)
 
 
