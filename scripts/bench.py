@@ -88,6 +88,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
+from lightning_parallel.parallel.zero.comm import ring_bytes  # noqa: E402
+
 ROLES = ("ours", "torch", "lightning")
 
 
@@ -201,14 +203,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ============================================================================================== counting
-def _ring(kind: str, full_bytes: float, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    factor = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "reduce": 1.0,
-              "all_to_all": 1.0}[kind]
-    return factor * (n - 1) / n * full_bytes
-
-
 # name -> (kind, the argument holding the full-size buffer, how to get its bytes)
 _PATCHED: dict[str, tuple[str, str, str]] = {
     "all_reduce": ("all_reduce", "tensor", "one"),
@@ -226,10 +220,6 @@ _PATCHED: dict[str, tuple[str, str, str]] = {
     "isend": ("send", "tensor", "p2p"),
     "send": ("send", "tensor", "p2p"),
 }
-_FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-               "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-               "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_reduce_coalesced": "all_reduce",
-               "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast"}
 
 
 class CommCount:
@@ -314,40 +304,23 @@ class CommCount:
             full = float(sum(t.numel() * t.element_size() for t in value))
         else:
             full = float(value.numel() * value.element_size())
-        self.record(self.axis_of_ranks(ranks), kind, _ring(kind, full, n))
+        self.record(self.axis_of_ranks(ranks), kind, ring_bytes(kind, full_bytes=int(full), world_size=n))
 
     # ---------------------------------------------------------------- DTensor's functional collectives
     @contextlib.contextmanager
     def functional(self) -> Iterator[None]:
-        from torch.distributed.tensor import DTensor
-        from torch.utils._python_dispatch import TorchDispatchMode
+        """DTensor's functional collectives, through the library's dispatch-mode counter, booked by axis."""
+        from lightning_parallel.parallel.tensor.comm import TPCommCounter
 
         counter = self
 
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                                   kwargs: Any = None) -> Any:
-                if any(isinstance(t, type) and issubclass(t, DTensor) for t in types):
-                    return NotImplemented
-                if func.namespace == "_c10d_functional":
-                    kind = _FUNCTIONAL.get(func._overloadpacket.__name__)
-                    if kind is not None and counter.active:
-                        counter._functional(kind, args)
-                return func(*args, **(kwargs or {}))
+        class _ByAxis(TPCommCounter):
+            def _add(self, kind: str, group: Any, nbytes: float) -> None:
+                if counter.active:
+                    counter.record(counter.axis_of_ranks(dist.get_process_group_ranks(group)), kind, nbytes)
 
-        with _Mode():
+        with _ByAxis():
             yield
-
-    def _functional(self, kind: str, args: tuple[Any, ...]) -> None:
-        tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-        group = dist.distributed_c10d._resolve_process_group(args[-1])
-        ranks = dist.get_process_group_ranks(group)
-        n = len(ranks)
-        if n <= 1:
-            return
-        size = float(sum(t.numel() * t.element_size() for t in tensors))
-        full = size * n if kind == "all_gather" else size
-        self.record(self.axis_of_ranks(ranks), kind, _ring(kind, full, n))
 
 
 def _python_allreduce_hook(model: Any) -> None:
@@ -516,11 +489,10 @@ def _hand_loop(ctx: Ctx, step: Callable[[Tensor, Tensor], Any]) -> dict[str, Any
     return timer.result()
 
 
-def _states(model: Any, optimizer: Any) -> dict[str, int]:
-    from lightning_parallel.parallel.zero.memory import measure_model_state
+def _states(model: Any = None, optimizer: Any = None, *, engine: Any = None) -> dict[str, int]:
+    from lightning_parallel.callbacks.model_states import model_state_bytes
 
-    mem = measure_model_state(model, optimizer)
-    return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim, "host": 0}
+    return model_state_bytes(model, optimizer, engine=engine)
 
 
 def _plain_step(model: Any, net: Any, opt: Any) -> Callable[[Tensor, Tensor], float]:
@@ -617,8 +589,6 @@ def _host_adam(model: Any) -> Any:
 def hand_deepspeed(ctx: Ctx) -> dict[str, Any]:
     import deepspeed
 
-    from lightning_parallel.parallel.offload.accounting import engine_state_bytes
-
     model = ctx.model()
     opt = _host_adam(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_offload_config(ctx),
@@ -631,10 +601,7 @@ def hand_deepspeed(ctx: Ctx) -> dict[str, Any]:
         return loss.item()
 
     out = _hand_loop(ctx, step)
-    found = engine_state_bytes(engine)
-    device = found["device"]
-    out["states"] = {"params": device["params"], "grads": device["grads"], "optimizer": device["optimizer"],
-                     "host": sum(found["host"].values()) + sum(found["nvme"].values())}
+    out["states"] = _states(engine=engine)
     engine.destroy()
     return out
 
@@ -1011,27 +978,16 @@ def run_world(a: argparse.Namespace, case: Case, role: str, *, count: bool,
 
 
 # ============================================================================================== formulas
-def _local_params(a: argparse.Namespace, case: Case) -> list[int]:
-    """Parameters each pipeline stage holds on one tp rank, before any dp sharding (the formulas' Psi)."""
+def _local_params(a: argparse.Namespace, case: Case) -> int:
+    """Parameters of the busiest pipeline stage on one tp rank, before any dp sharding (the formulas' Psi): the
+    planner's count for the GPT's shape."""
     from lightning_parallel.models import GPT
-    from lightning_parallel.parallel.pipeline import stage_ranges
+    from lightning_parallel.planner.detect import model_spec_from_module
 
     with torch.device("meta"):
         model = GPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab)
-    t = case.tp
-    split = {"column": ("weight", "bias"), "row": ("weight",), "vocab": ("weight", "bias")}
-    plan = model.tensor_parallel_plan()
-    layers = [("embed", model.embed), *[(f"blocks.{i}", b) for i, b in model.blocks.items()],
-              ("head", model.head)]
-    counts = []
-    for name, layer in layers:
-        n = 0
-        for pname, p in layer.named_parameters():
-            owner, _, leaf = f"{name}.{pname}".rpartition(".")
-            style = plan.get(owner, "")
-            n += p.numel() // t if leaf in split.get(style, ()) else p.numel()
-        counts.append(n)
-    return [sum(counts[s:e]) for s, e in stage_ranges(len(layers), case.pp)]
+    spec, _ = model_spec_from_module(model)
+    return spec.params_per_device(pp=case.pp, tp=case.tp)
 
 
 def _stage_layers(a: argparse.Namespace, case: Case) -> list[tuple[int, bool, bool]]:
@@ -1050,7 +1006,7 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
 
     if case.key == "dp":
         return 0
-    n = max(_local_params(a, case))
+    n = _local_params(a, case)
     s = model_states(n, StateBytes(param=4, grad=4, optimizer=8), dp=case.dp, zero_stage=case.zero,
                      offload=case.offload)
     return s.device + s.host
@@ -1059,7 +1015,7 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
 def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
     """Bytes one rank sends per step by axis (ring model): the technique's textbook figure."""
     out: dict[str, float] = {}
-    psi = max(_local_params(a, case)) * 4
+    psi = _local_params(a, case) * 4
     d, b, s, h = case.dp, a.batch // case.dp, a.seq, a.hidden
     if d > 1 and case.key != "dp":
         factor = 3 if case.zero == 3 else 2  # ZeRO-3: all-gather forward + backward, reduce-scatter; else 2 Psi
@@ -1067,7 +1023,7 @@ def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
     if case.tp > 1:  # per micro-batch on each stage, x = (t-1)/t (b/m) s h 4; the busiest stage
         m = a.micro_batches if case.pp > 1 else 1
         x = (case.tp - 1) / case.tp * (b // m) * s * h * 4
-        loss = 3 * _ring("all_reduce", (b // m) * s * 4, case.tp)
+        loss = 3 * ring_bytes("all_reduce", full_bytes=(b // m) * s * 4, world_size=case.tp)
         stages = []
         for blocks, embed, head in _stage_layers(a, case):
             stages.append(8 * blocks * x + (2 * x if embed else 0.0) + (2 * x + loss if head else 0.0))
@@ -1208,12 +1164,7 @@ def plots(a: argparse.Namespace, rows: list[dict[str, Any]], folder: Path) -> li
     ax.set_xticks(list(xs), [r["case"] for r in ours])
     ax.set_ylabel("step-time ratio (median of reps)")
     ax.set_title(f"lightning-parallel vs anchors ({a.device}, GPT {a.layers}x{a.hidden}, batch {a.batch}x{a.seq})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "step_time_ratios.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, ax, folder / "step_time_ratios.png"))
 
     fig, ax = plt.subplots(figsize=(10, 4))
     measured = [r for r in rows if r.get("states_bytes")]
@@ -1224,13 +1175,18 @@ def plots(a: argparse.Namespace, rows: list[dict[str, Any]], folder: Path) -> li
                s=400, label="ZeRO / Megatron formula", zorder=3)
     ax.set_xticks(range(len(measured)), labels, fontsize=7)
     ax.set_ylabel("model states per rank (MB)")
+    written.append(_save(fig, ax, folder / "memory_per_rank.png"))
+    return written
+
+
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = folder / "memory_per_rank.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
 # ============================================================================================== main

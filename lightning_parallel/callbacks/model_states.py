@@ -22,13 +22,13 @@ from typing_extensions import override
 from lightning_parallel.planner.memory import ModelStates
 from lightning_parallel.planner.units import format_bytes
 
-__all__ = ["ModelStateReport", "measure_rank_states"]
+__all__ = ["ModelStateReport", "measure_rank_states", "model_state_bytes"]
 
 
-def measure_rank_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
-    """This rank's bytes: ``params``, ``grads``, ``optimizer`` (where training runs) and ``host`` (offloaded)."""
-    strategy = trainer.strategy
-    engine = getattr(strategy, "deepspeed_engine", None)
+def model_state_bytes(model: Any = None, optimizer: Any = None, *, engine: Any = None) -> dict[str, int]:
+    """``params``, ``grads``, ``optimizer`` (where training runs) and ``host`` (offloaded) bytes this rank holds: from
+    a DeepSpeed ``engine``'s partitions (device, host and NVMe), else from ``model``'s local tensors (a DTensor's local
+    shard), their gradients and ``optimizer``'s state."""
     if engine is not None:
         from lightning_parallel.parallel.offload.accounting import engine_state_bytes
 
@@ -36,16 +36,28 @@ def measure_rank_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> d
         device = found["device"]
         return {"params": device["params"], "grads": device["grads"], "optimizer": device["optimizer"],
                 "host": sum(found["host"].values()) + sum(found["nvme"].values())}
-    mem = getattr(strategy, "last_model_state", None)
-    if mem is None:
-        from lightning_parallel.parallel.zero.memory import measure_model_state
+    from lightning_parallel.parallel.zero.memory import measure_model_state
 
-        model = strategy.model if strategy.model is not None else pl_module
-        optimizers = trainer.optimizers
-        if not optimizers:
-            return {}
-        mem = measure_model_state(model, optimizers[0])
+    return _on_device(measure_model_state(model, optimizer))
+
+
+def _on_device(mem: Any) -> dict[str, int]:
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim, "host": 0}
+
+
+def measure_rank_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
+    """This rank's :func:`model_state_bytes`, from the strategy's own accounting where it has one (the DeepSpeed
+    engine, ``lp_sharded``'s ``last_model_state``), else from the module and the first optimizer."""
+    strategy = trainer.strategy
+    engine = getattr(strategy, "deepspeed_engine", None)
+    if engine is not None:
+        return model_state_bytes(engine=engine)
+    mem = getattr(strategy, "last_model_state", None)
+    if mem is not None:
+        return _on_device(mem)
+    if not trainer.optimizers:
+        return {}
+    return model_state_bytes(strategy.model if strategy.model is not None else pl_module, trainer.optimizers[0])
 
 
 class ModelStateReport(Callback):

@@ -27,7 +27,9 @@ from lightning_parallel.parallel.zero.comm import ring_bytes
 __all__ = ["TPCommCounter", "megatron_tp_bytes"]
 
 _KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-          "all_gather_into_tensor": "all_gather", "all_reduce_coalesced": "all_reduce"}
+          "all_gather_into_tensor": "all_gather", "all_reduce_coalesced": "all_reduce",
+          "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+          "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast"}
 
 
 class TPCommCounter(TorchDispatchMode):
@@ -68,13 +70,17 @@ class TPCommCounter(TorchDispatchMode):
     def _record(self, kind: str, args: tuple[Any, ...]) -> None:
         tensor = args[0]
         tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
-        group_name = args[-1]
-        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+        group = dist.distributed_c10d._resolve_process_group(args[-1])
+        world = dist.get_world_size(group)
         if world <= 1:
             return
         size = sum(t.numel() * t.element_size() for t in tensors)
         full = size * world if kind == "all_gather" else size
-        self.bytes[(self.phase, kind)] += ring_bytes(kind, full_bytes=full, world_size=world)
+        self._add(kind, group, ring_bytes(kind, full_bytes=full, world_size=world))
+
+    def _add(self, kind: str, group: Any, nbytes: float) -> None:
+        """Book one collective of ``kind`` over ``group`` sending ``nbytes`` (ring model) under :attr:`phase`."""
+        self.bytes[(self.phase, kind)] += nbytes
         self.calls[(self.phase, kind)] += 1
 
 

@@ -2,7 +2,8 @@
 
 Accounting model (what a ring algorithm sends per rank, the model the ZeRO paper's 2Psi / 3Psi figures use): for a
 buffer of ``B`` bytes over ``N`` ranks, a reduce-scatter and an all-gather each send ``(N-1)/N * B`` bytes per rank,
-an all-reduce (reduce-scatter + all-gather) ``2 (N-1)/N * B``, a broadcast ``(N-1)/N * B``. The library's own
+an all-reduce (reduce-scatter + all-gather) ``2 (N-1)/N * B``, a broadcast, a reduce and an all-to-all
+``(N-1)/N * B``. The library's own
 collectives call :meth:`CommCounter.record`; collectives made by torch code (FSDP2's all-gathers and
 reduce-scatters) are counted by :meth:`CommCounter.patch_torch`, which wraps the ``torch.distributed`` functions
 FSDP2 calls for the duration of a ``with`` block. No Lightning import.
@@ -24,7 +25,8 @@ from torch import Tensor
 __all__ = ["CommCounter", "all_gather_into", "broadcast_module_states", "reduce_scatter_mean", "ring_bytes"]
 
 # collective kind -> factor of (N-1)/N * bytes of the full buffer
-_RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0}
+_RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "reduce": 1.0,
+                "all_to_all": 1.0}
 
 
 def ring_bytes(kind: str, *, full_bytes: int, world_size: int) -> float:
