@@ -897,11 +897,12 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
     out_file = Path(job["folder"]) / f"rank{local_rank}.json"
     start_rss = _rss_kb("VmRSS") * 1024 if a.device == "cpu" else 0
     try:
-        import faulthandler
         import logging
         import warnings
 
-        faulthandler.enable(all_threads=True)
+        from lightning_parallel.strategies.watchdog import enable_fault_handler
+
+        enable_fault_handler()  # a crashing rank prints its threads' Python stacks
         warnings.filterwarnings("ignore")
         for name in ("lightning.pytorch", "lightning.fabric", "lightning_parallel", "DeepSpeed"):
             logging.getLogger(name).setLevel(logging.ERROR)
