@@ -1,46 +1,118 @@
-"""One composition of the model-parallel techniques, in one fixed order, for every model-parallel strategy.
+"""One composition, in one fixed order, for every process-based layout strategy.
 
-``lp_tensor`` (pp = 1), ``lp_pipeline`` (tp = 1) and ``lp_hybrid`` (both) are presets of :func:`compose`, which
-turns the whole module into what one rank of the ``(dp, pp, tp)`` mesh runs:
+``lp_ddp``, ``lp_sharded`` (ZeRO 1/2/3), ``lp_tensor``, ``lp_pipeline`` and ``lp_hybrid`` are presets of
+:func:`compose`, which turns the whole module into what one rank of the ``(dp, pp, tp)`` mesh runs, in this order
+(:data:`COMPOSITION_ORDER`):
 
 1. **pipeline split** (pp > 1): the module's ``pipeline_layers()`` are cut into ``pp x v`` stages
    (:mod:`lightning_parallel.parallel.pipeline`); this rank's copy keeps only its stages' layers, under the whole
-   model's names; a meta-device module is materialized now, only for what the rank keeps;
-2. **tensor parallel plan on each stage** (tp > 1): the module's ``tensor_parallel_plan()`` splits the layers that
-   are present over ``tp`` (entries naming other stages' layers are skipped);
-3. **activation checkpointing** (``parallel.activation_checkpointing``): recompute the named submodules in backward
-   (class swap: names unchanged, the TP hooks stay on the submodules);
-4. **data-parallel replicas made equal**: every tensor of this rank (local TP shards included) is broadcast from dp
-   rank 0 of its dp group; then, at ``zero_stage=3`` without a pipeline, FSDP2 ``fully_shard`` over ``dp``.
-   The dp-axis gradient sync itself (all-reduce, ZeRO-1 on the local shards) belongs to the step and the optimizer
-   (:mod:`lightning_parallel.parallel.tensor.sync`).
+   model's names;
+2. **placement**: the module (what is left of it) moves to the rank's device, or a meta-device module is
+   materialized there with its ``init_weights()`` -- after the split, so a rank allocates only what it keeps;
+3. **tensor plan** (tp > 1): the module's ``tensor_parallel_plan()`` splits the present layers over ``tp``
+   (DTensor shards; entries naming other stages' layers are skipped);
+4. **activation checkpointing** (``parallel.activation_checkpointing``): recompute the named submodules in backward
+   (a class swap: names unchanged, the TP hooks stay on the submodules);
+5. **data-parallel wrap** over ``dp``, as :func:`data_parallel_plan` decides from the layout:
 
-No Lightning import.
+   ========== =========================================== ==============================================
+   sync       layouts                                     what the wrap does (the step's part: step.py)
+   ========== =========================================== ==============================================
+   ddp        ``(N,1,1,0)``                               torch DDP (fit); bucketed all-reduce in backward
+   allreduce  zero 0 with pp or tp > 1                    broadcast; one flat all-reduce at the step's end
+   zero       zero 1/2 (ZeRO-1 also with pp, tp)          broadcast; reduce-scatter + all-gather by the optimizer
+   fsdp       zero 3, pp = 1 (over TP shards when tp > 1) broadcast, then FSDP2 ``fully_shard`` over ``dp``
+   fairscale  lp_sharded's fairscale backend, zero 1/2    DDP (zero 1) or broadcast (zero 2: SDP with the optimizer)
+   ========== =========================================== ==============================================
+
+Each step is a public function that records itself on the module; a step called after a later one (a tensor plan
+on a module already wrapped for data parallelism, a split after a tensor plan, any step twice) raises
+:class:`CompositionOrderError`, so the order cannot change by accident. The step-time work of the data-parallel
+axis (accumulation, the dp gradient sync, ZeRO's optimizer, clipping over every axis, the logged loss) is
+:mod:`lightning_parallel.parallel.step`'s. No Lightning import.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.config import ParallelConfig
+from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.dims import ParallelDims
 
 from .pipeline import StageChunk, StagePlan, has_meta_tensors, materialize, plan_stages, prune_to
 
-__all__ = ["COMPOSITION_ORDER", "Composition", "compose"]
+__all__ = ["COMPOSITION_ORDER", "Composition", "CompositionOrderError", "DataParallelPlan", "DataParallelSync",
+           "apply_recomputation", "apply_tensor_plan", "compose", "composition_of", "composition_path",
+           "data_parallel_plan", "ddp_wrapper", "place", "split_pipeline", "steps_done", "wrap_data_parallel"]
 
-COMPOSITION_ORDER = ("pipeline split", "tensor parallel plan", "activation checkpointing", "data-parallel sync")
+COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "activation checkpointing", "data-parallel wrap")
+"""The steps of :func:`compose`, in the only order they may run."""
+
+DataParallelSync = Literal["ddp", "allreduce", "zero", "fsdp", "fairscale"]
+ShardingBackend = Literal["native", "fairscale"]
+
+_STEPS_DONE = "_lp_composition_steps"
+_COMPOSITION = "_lp_composition"
+
+
+class CompositionOrderError(RuntimeError):
+    """A composition step applied out of :data:`COMPOSITION_ORDER` (or twice) -- an internal error."""
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How replicas over ``dp`` are made and kept equal (module docstring's table)."""
+
+    sync: DataParallelSync
+    zero_stage: int
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of torch DDP (``bucket_cap_mb``, ``static_graph``, ...) for ``sync="ddp"``."""
+
+    @property
+    def wraps_module(self) -> bool:
+        """True when fitting puts a torch wrapper (DDP) around the module: its ``no_sync`` defers the dp sync."""
+        return self.sync == "ddp" or (self.sync == "fairscale" and self.zero_stage == 1)
+
+
+def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: ShardingBackend = "native",
+                       ddp_options: Mapping[str, Any] | None = None) -> DataParallelPlan:
+    """The data-parallel wrap and step sync of ``layout`` (its ``zero_stage`` read with "unset" as 0)."""
+    zero = layout.zero
+    if backend == "fairscale":
+        if zero not in (1, 2) or dims.pp > 1 or dims.tp > 1:
+            raise LayoutError(f"the fairscale backend runs ZeRO stage 1 or 2 over dp alone, got zero_stage={zero}, "
+                              f"pp={dims.pp}, tp={dims.tp}. Fix: backend='native'.")
+        return DataParallelPlan("fairscale", zero)
+    if zero == 3:
+        if dims.pp > 1:
+            raise LayoutError(f"parallel.zero_stage=3 with pipeline_parallel_size={dims.pp} is not composed in this "
+                              "version. Fix: zero_stage=1 with the pipeline, or pipeline_parallel_size=1.")
+        return DataParallelPlan("fsdp", 3)
+    if zero in (1, 2):
+        if zero == 2 and (dims.pp > 1 or dims.tp > 1):
+            raise LayoutError(f"parallel.zero_stage=2 with pp={dims.pp}, tp={dims.tp} is not composed in this "
+                              "version. Fix: zero_stage=1 (the same traffic; the gradients stay whole).")
+        return DataParallelPlan("zero", zero)
+    if dims.pp == 1 and dims.tp == 1:
+        return DataParallelPlan("ddp", 0, dict(ddp_options or {}))
+    return DataParallelPlan("allreduce", 0)
 
 
 @dataclass
 class Composition:
-    """What :func:`compose` did to the module on this rank."""
+    """What :func:`compose` did to the module on this rank, and what the loops call."""
 
+    data_parallel: DataParallelPlan
+    module: nn.Module
+    """What the loops run: the torch DDP wrapper when fitting under ``sync="ddp"``, else the module itself."""
+    key: tuple[Any, ...] = ()
+    """The layout, degrees, rank and backend composed for (a second :func:`compose` with the same key reuses it)."""
     stage_plan: StagePlan | None = None
     """The cut of the whole model into stages (None without a pipeline)."""
     chunks: list[StageChunk] = field(default_factory=list)
@@ -49,48 +121,166 @@ class Composition:
     """The expanded tensor-parallel plan applied here (empty without TP)."""
     recomputed: list[str] = field(default_factory=list)
     """Submodules recomputed in backward."""
-    fully_sharded: bool = False
-    """FSDP2 over dp (zero_stage 3)."""
+
+    @property
+    def fully_sharded(self) -> bool:
+        """FSDP2 over dp (zero_stage 3)."""
+        return self.data_parallel.sync == "fsdp"
+
+
+# ---------------------------------------------------------------------------------------------------- the order
+def steps_done(module: nn.Module) -> list[str]:
+    """The composition steps applied to ``module`` so far, in order."""
+    return list(getattr(module, _STEPS_DONE, []))
+
+
+def _enter(module: nn.Module, step: str) -> None:
+    done = steps_done(module)
+    index = COMPOSITION_ORDER.index(step)
+    later = [s for s in done if COMPOSITION_ORDER.index(s) >= index]
+    if later:
+        raise CompositionOrderError(
+            f"composition step {step!r} after {later[-1]!r}: the steps run once each, in the order "
+            f"{' -> '.join(COMPOSITION_ORDER)} (done here: {done or 'none'})."
+        )
+    object.__setattr__(module, _STEPS_DONE, [*done, step])
+
+
+# ---------------------------------------------------------------------------------------------------- the steps
+def split_pipeline(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims,
+                   pp_rank: int) -> tuple[StagePlan, list[StageChunk]]:
+    """Step 1: cut ``module.pipeline_layers()`` into ``pp x v`` stages and keep only pipeline rank ``pp_rank``'s
+    layers in ``module`` (in place, names unchanged). Returns the cut and this rank's stage chunks."""
+    _enter(module, "pipeline split")
+    layers = module.pipeline_layers()  # type: ignore[operator]
+    counts = None if layout.pipeline_stage_layers is None else [int(c) for c in layout.pipeline_stage_layers]
+    plan = plan_stages(module, layers, pp=dims.pp, chunks=layout.virtual_pipeline_stages, pp_rank=pp_rank,
+                       layers_per_stage=counts)
+    return plan, prune_to(module, plan)
+
+
+def place(module: nn.Module, *, device: torch.device, seed: int) -> None:
+    """Step 2: move ``module`` to ``device``, or materialize a meta-device module there with its ``init_weights()``
+    after ``torch.manual_seed(seed)``."""
+    _enter(module, "placement")
+    if has_meta_tensors(module):
+        materialize(module, device, seed=seed)
+    else:
+        module.to(device)
+
+
+def apply_tensor_plan(module: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                      skip_missing: bool = False) -> dict[str, Any]:
+    """Step 3: split the layers of ``module.tensor_parallel_plan()`` over the 1-D ``tp_mesh`` (Megatron column /
+    row / vocab styles, :mod:`lightning_parallel.parallel.tensor`). Returns the expanded plan applied."""
+    from lightning_parallel.parallel.tensor import apply_tensor_parallel
+
+    _enter(module, "tensor plan")
+    return apply_tensor_parallel(module, module.tensor_parallel_plan(),  # type: ignore[operator]
+                                 mesh=tp_mesh, sequence_parallel=sequence_parallel, skip_missing=skip_missing)
+
+
+def apply_recomputation(module: nn.Module, *, mode: str) -> list[str]:
+    """Step 4: recompute activations in backward as ``mode`` (``selective``/``full``) says; returns the names."""
+    from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    _enter(module, "activation checkpointing")
+    return apply_activation_checkpointing(module, mode)
+
+
+def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh, dp_src: int,
+                       fitting: bool) -> nn.Module:
+    """Step 5: make the dp replicas equal and wrap as ``plan`` says; returns what the loops call.
+
+    Every replica's tensors (local TP shards included) := those of global rank ``dp_src`` (dp rank 0 of this rank's
+    dp group), then: ``fsdp`` -- FSDP2 ``fully_shard`` over the dp sub-mesh (in place); ``ddp`` (and fairscale
+    stage 1) when fitting -- torch DDP over the dp group (see :func:`ddp_wrapper`).
+    """
+    from lightning_parallel.parallel.zero.comm import broadcast_module_states
+
+    _enter(module, "data-parallel wrap")
+    broadcast_module_states(module, group=mesh.get_group("dp"), src_rank=dp_src)
+    if plan.sync == "fsdp":
+        from lightning_parallel.parallel.zero import apply_zero3
+
+        return apply_zero3(module, mesh=mesh["dp"])
+    return ddp_wrapper(module, plan=plan, mesh=mesh) if fitting else module
+
+
+def ddp_wrapper(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh) -> nn.Module:
+    """The fit-time wrapper of ``plan`` around a composed ``module``: torch DDP over the dp group for ``ddp`` and
+    fairscale stage 1 (its constructor broadcasts dp rank 0's weights), else the module itself."""
+    if not plan.wraps_module:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device.index],
+                                   process_group=mesh.get_group("dp"), **dict(plan.ddp_options))
+
+
+# ---------------------------------------------------------------------------------------------------- all of it
+def composition_of(module: nn.Module) -> Composition | None:
+    """The composition an earlier :func:`compose` left on ``module`` (None if it was never composed)."""
+    done = getattr(module, _COMPOSITION, None)
+    return done if isinstance(done, Composition) else None
 
 
 def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, rank: int, mesh: DeviceMesh,
-            device: torch.device, seed: int, pipeline: bool | None = None) -> Composition:
-    """Turn ``module`` in place into global ``rank``'s part of the layout (see the module docstring for the order).
+            device: torch.device, seed: int, data_parallel: DataParallelPlan, fitting: bool = True,
+            pipeline: bool | None = None) -> Composition:
+    """Turn ``module`` in place into global ``rank``'s part of the layout: the steps of :data:`COMPOSITION_ORDER`.
 
     Args:
         layout: the resolved layout (schedule, v, stage layer counts, sequence parallel, recomputation, ZeRO stage).
         dims: the degrees; ``rank``: this process's global rank; ``mesh``: the named ``(dp, pp, tp)`` mesh.
         device: where the module runs; ``seed``: what a meta-device module's ``init_weights()`` starts from.
-        pipeline: cut into stages (default: ``dims.pp > 1``).
+        data_parallel: the dp wrap and step sync (:func:`data_parallel_plan`).
+        fitting: wrap for training (torch DDP under ``sync="ddp"``); validate/test/predict run the module itself.
+        pipeline: cut into stages (default: ``dims.pp > 1``; a pipeline strategy cuts a one-stage pipeline too).
+
+    A module composed before by this process for the same layout (``fit`` then ``validate``) is reused: only the
+    fit-time wrapper is made again. One composed for another layout is refused.
     """
-    from lightning_parallel.parallel.tensor.sync import broadcast_local_states
-
-    out = Composition()
+    pipelined = pipeline if pipeline is not None else dims.pp > 1
+    key = (layout, dims, rank, data_parallel, pipelined)
+    done = composition_of(module)
+    if done is not None:
+        if done.key != key:
+            raise CompositionOrderError(
+                f"{type(module).__name__} was composed for another layout on this rank ({done.key[0].describe()}, "
+                f"{done.data_parallel.sync}); a module is composed once. Fix: build a fresh module for the new layout."
+            )
+        done.module = ddp_wrapper(module, plan=data_parallel, mesh=mesh) if fitting else module
+        return done
+    out = Composition(data_parallel=data_parallel, module=module, key=key)
     coords = dims.coords(rank)
-    if pipeline if pipeline is not None else dims.pp > 1:
-        layers = module.pipeline_layers()  # type: ignore[operator]
-        counts = None if layout.pipeline_stage_layers is None else [int(c) for c in layout.pipeline_stage_layers]
-        out.stage_plan = plan_stages(module, layers, pp=dims.pp, chunks=layout.virtual_pipeline_stages,
-                                     pp_rank=coords.pp, layers_per_stage=counts)
-        out.chunks = prune_to(module, out.stage_plan)
-    if has_meta_tensors(module):
-        materialize(module, device, seed=seed)
-    else:
-        module.to(device)
-    if dims.tp > 1:
-        from lightning_parallel.parallel.tensor import apply_tensor_parallel
-
-        out.tensor_plan = apply_tensor_parallel(module, module.tensor_parallel_plan(),  # type: ignore[operator]
-                                                mesh=mesh["tp"], sequence_parallel=layout.sequence_parallel,
+    for step in composition_path(layout, dims, pipeline=pipelined):
+        if step == "pipeline split":
+            out.stage_plan, out.chunks = split_pipeline(module, layout=layout, dims=dims, pp_rank=coords.pp)
+        elif step == "placement":
+            place(module, device=device, seed=seed)
+        elif step == "tensor plan":
+            out.tensor_plan = apply_tensor_plan(module, tp_mesh=mesh["tp"], sequence_parallel=layout.sequence_parallel,
                                                 skip_missing=out.stage_plan is not None)
-    if layout.activation_checkpointing != "none":
-        from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
-
-        out.recomputed = apply_activation_checkpointing(module, layout.activation_checkpointing)
-    broadcast_local_states(module, group=mesh.get_group("dp"), src_rank=dims.group_ranks("dp", rank)[0])
-    if layout.zero == 3 and out.stage_plan is None:
-        from lightning_parallel.parallel.zero import apply_zero3
-
-        apply_zero3(module, mesh=mesh["dp"])
-        out.fully_sharded = True
+        elif step == "activation checkpointing":
+            out.recomputed = apply_recomputation(module, mode=layout.activation_checkpointing)
+        else:
+            out.module = wrap_data_parallel(module, plan=data_parallel, mesh=mesh,
+                                            dp_src=dims.group_ranks("dp", rank)[0], fitting=fitting)
+    object.__setattr__(module, _COMPOSITION, out)
     return out
+
+
+def composition_path(layout: ParallelConfig, dims: ParallelDims, *, pipeline: bool | None = None) -> tuple[str, ...]:
+    """The steps of :data:`COMPOSITION_ORDER` that :func:`compose` applies for ``layout`` (in that order): the
+    split with a pipeline, placement always, the tensor plan with tp > 1, recomputation when asked, the dp wrap
+    always (with one dp rank it is a no-op broadcast and, for ``ddp``, a one-rank DDP)."""
+    wanted = {
+        "pipeline split": pipeline if pipeline is not None else dims.pp > 1,
+        "placement": True,
+        "tensor plan": dims.tp > 1,
+        "activation checkpointing": layout.activation_checkpointing != "none",
+        "data-parallel wrap": True,
+    }
+    return tuple(step for step in COMPOSITION_ORDER if wanted[step])

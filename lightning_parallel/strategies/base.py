@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
+from collections.abc import Generator
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -47,13 +49,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
-from lightning_parallel.parallel.zero.comm import broadcast_module_states
+from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
+from lightning_parallel.parallel.step import TrainStep
+from lightning_parallel.parallel.zero import CommCounter
 
 from . import interrupts, watchdog
-from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
+from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin, clip_by_norm_replaced
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -113,6 +118,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._mesh: DeviceMesh | None = None
         self._fit_patches: contextlib.ExitStack | None = None
+        self.composition: Composition | None = None
+        self._train_step: TrainStep | None = None
         self.init_layout(parallel)
 
     # ------------------------------------------------------------------ processes and devices
@@ -198,18 +205,16 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
-    # ------------------------------------------------------------------ the module
+    # ------------------------------------------------------------------ the module: one composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """For every ``TrainerFn``: device, activation checkpointing, :meth:`parallelize`; optimizers when fitting."""
+        """For every ``TrainerFn``: :meth:`parallelize` (the one composition); the optimizers when fitting."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.apply_activation_checkpointing(self.model)
         assert trainer.state.fn is not None
         self.model = self.parallelize(self.model, trainer_fn=trainer.state.fn)
         if fitting:
@@ -222,22 +227,95 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
                 self._fit_patches.enter_context(patch)
 
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
-        """Context managers held open from the end of ``setup`` (fitting) to ``teardown``: e.g. clipping by the norm
-        of the whole sharded gradient, collective counting. None by default."""
-        return []
+        """Context managers held open from the end of ``setup`` (fitting) to ``teardown``: by default, Lightning's
+        ``gradient_clip_val`` (by norm) clips by the norm of the whole model's gradient
+        (:meth:`~lightning_parallel.parallel.step.TrainStep.clip_grad_norm_`)."""
+        original = self.precision_plugin.clip_grad_by_norm
+
+        def clip(optimizer: Optimizer, clip_val: float) -> None:
+            if self.train_step.clip_grad_norm_(optimizer, clip_val) is None:
+                original(optimizer, clip_val)  # whole gradients (DDP) or globally-normed DTensors (FSDP2)
+
+        return [clip_by_norm_replaced(self.precision_plugin, clip)]
+
+    pipelined = False
+    """Cut the module into pipeline stages (``lp_pipeline``, ``lp_hybrid``), even a one-stage pipeline."""
+
+    def data_parallel_plan(self) -> DataParallelPlan:
+        """How the dp replicas are wrapped and synced for this layout (subclasses add their options: DDP's
+        buckets, the fairscale backend)."""
+        return data_parallel_plan(self.layout, self.dims)
 
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
-        """Turn the (device-placed) module into what this rank runs under the layout, for ``trainer_fn``.
+        """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
+        tensor plan -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank, and the train
+        step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a module composed by
+        an earlier call of this process is reused); returns what the loops call."""
+        composition = self.compose_module(model, fitting=trainer_fn == TrainerFn.FITTING)
+        return composition.module
 
-        Called in ``setup`` for fit, validate, test and predict alike; returns the module the loops call (a wrapper
-        or the module itself). Subclasses choose the dp-axis gradient sync and any model-parallel split.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement parallelize().")
+    def compose_module(self, model: nn.Module, *, fitting: bool = True) -> Composition:
+        """Compose ``model`` for this rank (:func:`~lightning_parallel.parallel.compose.compose`) and build
+        :attr:`train_step` for it."""
+        composition = compose(model, layout=self.layout, dims=self.dims, rank=self.global_rank, mesh=self.mesh,
+                              device=self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+                              data_parallel=self.data_parallel_plan(), fitting=fitting, pipeline=self.pipelined)
+        self.composition = composition
+        self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
+        return composition
 
-    def sync_replicas(self, model: nn.Module) -> None:
-        """Make every dp replica's parameters and buffers equal to those of dp rank 0 (a broadcast over ``dp``)."""
-        src = self.dims.group_ranks("dp", self.global_rank)[0]
-        broadcast_module_states(model, group=self.mesh.get_group("dp"), src_rank=src)
+    @property
+    def train_step(self) -> TrainStep:
+        """The step-time data-parallel work of the composed module (exists after :meth:`parallelize`)."""
+        if self._train_step is None:
+            raise RuntimeError(f"{type(self).__name__}.train_step is built in setup(); it does not exist yet.")
+        return self._train_step
+
+    # ------------------------------------------------------------------ the one train step
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning builds the module's optimizers and schedulers; ZeRO wraps them over ``dp`` (the user's
+        optimizer objects stay, so schedulers stay bound to them)."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        assert self.model is not None
+        self.optimizers, self.model = self.train_step.wrap_optimizers(self.optimizers, self.model)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batch: gradients stay local (no dp sync) until the step's last backward."""
+        assert self.model is not None
+        with self.train_step.no_sync(self.model):
+            yield None
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """The step's last backward: the dp gradient sync (before Lightning's clipping, which must see it)."""
+        super().post_backward(closure_loss)
+        assert self.model is not None
+        self.train_step.sync_gradients(self.model, self.optimizers)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The first micro-batch of each optimizer step starts a new traffic window."""
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx % self.accumulate_grad_batches == 0:
+            self.train_step.start_step()
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """The Trainer's ``accumulate_grad_batches`` (1 outside a Trainer)."""
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return 1
+        return int(module.trainer.accumulate_grad_batches)
+
+    @property
+    def comm_counter(self) -> CommCounter:
+        """Bytes of the dp-axis collectives of the current optimizer step (gradient sync, ZeRO)."""
+        return self.train_step.counter
 
     def collective_timeout(self) -> timedelta:
         """How long a collective waits for a peer: ``parallel.collective_timeout`` (seconds), else the ``timeout``
@@ -285,6 +363,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Not called by :meth:`setup` (placement is a step of the composition, after the pipeline split)."""
         assert self.model is not None
         self.model.to(self.root_device)
 

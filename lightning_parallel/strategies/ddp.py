@@ -9,8 +9,6 @@ gradients to sync); the replicas are made equal by one broadcast from dp rank 0 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Generator
 from typing import Any, Literal
 
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -20,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_plan
 from lightning_parallel.parallel.data_parallel.exchange import (
     CountingHookState,
     ExchangeCounter,
@@ -89,18 +88,18 @@ class LPDDPStrategy(LayoutStrategy):
                          shape="replicates the whole model on every rank (layout (N, 1, 1, 0))")
 
     @override
+    def data_parallel_plan(self) -> DataParallelPlan:
+        """``(N, 1, 1, 0)``: torch DDP over the dp group with this strategy's bucket options."""
+        return data_parallel_plan(self.layout, self.dims, ddp_options=self._ddp_kwargs)
+
+    @override
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
-        """Fit: torch DDP over the dp group (its constructor broadcasts dp rank 0's weights). Otherwise: the module
-        itself, with the replicas synced by one broadcast over ``dp``."""
-        if trainer_fn != TrainerFn.FITTING:
-            self.sync_replicas(model)
-            return model
-        ddp = DistributedDataParallel(
-            module=model, device_ids=self.determine_device_ids(), process_group=self.mesh.get_group("dp"),
-            **self._ddp_kwargs,
-        )
-        self._register_comm_hook(ddp)
-        return ddp
+        """The composition (fit: torch DDP over the dp group, whose constructor broadcasts dp rank 0's weights;
+        otherwise the module itself, its replicas made equal by one broadcast over ``dp``), then the comm hook."""
+        model = super().parallelize(model, trainer_fn=trainer_fn)
+        if isinstance(model, DistributedDataParallel):
+            self._register_comm_hook(model)
+        return model
 
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
         # The compression hooks run on gloo too (Lightning registers its hooks on CUDA only).
@@ -121,16 +120,6 @@ class LPDDPStrategy(LayoutStrategy):
                 process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: DDP's all-reduce is skipped until the step's last micro-batch."""
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield None
-        else:
-            yield None
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

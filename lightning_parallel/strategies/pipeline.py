@@ -42,12 +42,9 @@ from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import ParallelModuleMixin, require_hook
-from lightning_parallel.parallel.zero import CommCounter
 
 from .base import LayoutStrategy
-from .composed import ComposedMixin
 from .dcp import DCPCheckpointMixin
-from .layout import clip_by_norm_replaced
 
 __all__ = ["LPPipelineStrategy"]
 
@@ -60,7 +57,7 @@ _MINIMAL_HOOKS = (
 )
 
 
-class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
+class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0 or 1).
 
     Args:
@@ -78,9 +75,6 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(parallel, **kwargs)
-        self.comm_counter = CommCounter()
-        """Bytes of the dp-axis collectives (gradient sync, ZeRO-1) since the step began."""
-        self._accumulating = False
         self.runner: Any = None
         self.stage_plan: Any = None
         self._grads_fresh = False
@@ -196,7 +190,9 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
             return model
         module = self.lightning_module
         assert module is not None
-        composition = self.compose_module(model)
+        model = super().parallelize(model, trainer_fn=trainer_fn)
+        composition = self.composition
+        assert composition is not None
         self.stage_plan = composition.stage_plan
         assert self.stage_plan is not None
 
@@ -211,32 +207,11 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
             device=self.root_device, loss_fn=loss_fn)
         return model
 
-    @property
-    def _accumulate(self) -> int:
-        module = self.lightning_module
-        if module is None or module._trainer is None:
-            return 1
-        return int(module.trainer.accumulate_grad_batches)
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """ZeRO-1: wrap each optimizer on this stage's parameters (the user's optimizer object and its schedulers
-        stay); the gradient norm for clipping sums over the other stages too."""
-        super().setup_optimizers(trainer)
-        if self.zero_stage != 1 or trainer.state.fn != TrainerFn.FITTING:
-            return
-        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
-
-        tp_group = self.mesh.get_group("tp") if self.dims.tp > 1 else None
-        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"), tp_group=tp_group,
-                                                   tp_size=self.dims.tp, norm_groups=[self.mesh.get_group("pp")],
-                                                   counter=self.comm_counter) for opt in self.optimizers]
-
     @override
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
         """While fitting: clip by the norm of the whole model's gradient (all stages); the loop's zero_grad between
         :meth:`training_step` (which already ran the backward) and :meth:`backward` is skipped."""
-        return [_clip_by_global_norm(self), self._zero_grad_after_schedule_skipped()]
+        return [*super().fit_patches(), self._zero_grad_after_schedule_skipped()]
 
     @contextlib.contextmanager
     def _zero_grad_after_schedule_skipped(self) -> Generator[None, None, None]:
@@ -289,15 +264,15 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(batch)
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
-        if batch_idx % self._accumulate == 0:
+        if batch_idx % self.accumulate_grad_batches == 0:
             # Lightning zeroes the gradients between training_step and backward; the schedule runs both here, so
             # the zeroing happens now and the loop's own zero_grad of this batch is skipped (see fit_patches)
             for zero_grad in self._zero_grads:
                 zero_grad()
             self._grads_fresh = True
         with self.precision_plugin.train_step_context(), self._tp_loss():
-            loss = self.runner.train_step(inputs, target, accumulate=self._accumulate)
-        loss = self._mean_over_dp(loss)
+            loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches)
+        loss = self.train_step.reduce_mean(loss)
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
 
@@ -338,13 +313,6 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
 
         return loss_parallel()
 
-    def _mean_over_dp(self, value: Tensor) -> Tensor:
-        if self.dims.dp > 1:
-            value = value.clone()
-            dist.all_reduce(value, group=self.mesh.get_group("dp"))
-            value /= self.dims.dp
-        return value
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule ran the backward in :meth:`training_step`: only the hooks (``on_before_backward``,
@@ -356,42 +324,6 @@ class LPPipelineStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation batch: gradients stay local (no dp sync) until the step's last batch."""
-        self._accumulating = True
-        try:
-            yield None
-        finally:
-            self._accumulating = False
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        """Last batch of the step: the dp sync of zero_stage 0 (all-reduce) or 1 (reduce-scatter)."""
-        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, allreduce_gradients
-
-        super().post_backward(closure_loss)
-        if self._accumulating:
-            return
-        assert self.model is not None
-        if self.dims.tp > 1:
-            from lightning_parallel.parallel.tensor.sync import settle_gradients
-
-            settle_gradients(self.model.parameters())  # sequence-parallel partial gradients summed over tp
-        if self.zero_stage == 0 and self.dims.dp > 1:
-            allreduce_gradients(self.model.parameters(), group=self.mesh.get_group("dp"), counter=self.comm_counter)
-        for opt in self.optimizers:
-            raw = getattr(opt, "_optimizer", opt)
-            if isinstance(raw, LocalShardZeroOptimizer):
-                raw.reduce_gradients()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if batch_idx % self._accumulate == 0:
-            self.comm_counter.reset()
 
     # ------------------------------------------------------------------ checkpoints: DCP, one shard per stage
     @override
@@ -448,19 +380,3 @@ def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
             if isinstance(size, int) and not isinstance(size, bool):
                 yield f"the data module {type(arg).__name__}'s", size
 
-
-def _clip_by_global_norm(strategy: LPPipelineStrategy) -> contextlib.AbstractContextManager[None]:
-    """Lightning's ``gradient_clip_val`` (norm) by the norm of the whole model's gradient across stages."""
-    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, clip_grad_norm_
-
-    def clip(raw: Any, clip_val: float) -> None:
-        if isinstance(raw, LocalShardZeroOptimizer):
-            raw.clip_grad_norm_(clip_val)
-            return
-        params = [p for g in raw.param_groups for p in g["params"]]
-        groups = [strategy.mesh.get_group("pp")]
-        if strategy.dims.tp > 1:
-            groups.append(strategy.mesh.get_group("tp"))
-        clip_grad_norm_(params, clip_val, tp_size=strategy.dims.tp, groups=groups)
-
-    return clip_by_norm_replaced(strategy.precision_plugin, clip)

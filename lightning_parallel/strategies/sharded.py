@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,22 +38,18 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.callbacks.zero_stats import ZeroStats  # its home is callbacks/; kept importable here
 from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_plan
 from lightning_parallel.parallel.zero import (
     META_FILE,
     SHARDED_KEY,
-    CommCounter,
     ModelStateBytes,
     ZeroOptimizer,
-    apply_zero3,
-    exact_oss,
-    fairscale_sharded_ddp,
     measure_model_state,
     rank_file,
     require_fairscale,
@@ -66,7 +62,6 @@ from lightning_parallel.parallel.zero import (
 )
 
 from .base import LayoutStrategy
-from .layout import clip_by_norm_replaced
 
 __all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
 
@@ -117,10 +112,8 @@ class LPShardedStrategy(LayoutStrategy):
         super().__init__(parallel, **kwargs)
         if backend == "fairscale":
             require_fairscale()
-        self.comm_counter = CommCounter()
         self.last_model_state: ModelStateBytes | None = None
         self.last_step_comm: dict[str, float] = {}
-        self._accumulating = False
 
     # ------------------------------------------------------------------ the layout
     @property
@@ -160,96 +153,39 @@ class LPShardedStrategy(LayoutStrategy):
     def describe(self) -> str:
         return f"{super().describe()} backend={self._backend}"
 
-    # ------------------------------------------------------------------ wrapping
-    @property
-    def _dp_group(self) -> Any:
-        return self.mesh.get_group("dp")
-
+    # ------------------------------------------------------------------ the composition's data-parallel wrap
     @override
-    def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
-        """Stage 3 (every ``TrainerFn``): ``fully_shard`` over the dp sub-mesh (parameters become DTensor shards;
-        a module already sharded by an earlier ``fit`` is kept). Stages 1-2: broadcast the parameters from dp rank 0
-        and leave the module unwrapped -- the sync is the optimizer's. fairscale stage 1 (fit): torch DDP; stage 2's
-        ShardedDataParallel is built with the optimizer."""
-        if self.zero_stage == 3:
-            return model if _is_fsdp(model) else apply_zero3(model, mesh=self.mesh["dp"])
-        if self._backend == "fairscale" and self.zero_stage == 1 and trainer_fn == TrainerFn.FITTING:
-            return DistributedDataParallel(module=model, device_ids=self.determine_device_ids(),
-                                           process_group=self._dp_group)
-        # native 1-2 and fairscale 2 (ShardedDataParallel needs the optimizer: wrapped in setup_optimizers)
-        self.sync_replicas(model)
-        return model
+    def data_parallel_plan(self) -> DataParallelPlan:
+        """Stages 1-2: replicas broadcast from dp rank 0, the sync is the optimizer's (native flat shards, or
+        fairscale's OSS with DDP at stage 1 / ShardedDataParallel at stage 2); stage 3: FSDP2 over ``dp``."""
+        return data_parallel_plan(self.layout, self.dims, backend=self._backend)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Wrap the optimizers the LightningModule returned, after Lightning built them and their schedulers: the
-        native engine keeps the user's optimizer object (schedulers stay bound to it) and swaps its param groups
-        to flat shards; fairscale re-binds the schedulers to the ``OSS`` that shares the param-group dicts."""
-        super().setup_optimizers(trainer)
-        if self.zero_stage == 3 or trainer.state.fn != TrainerFn.FITTING:
-            return
-        if self._backend == "fairscale" and self.zero_stage == 2 and trainer.accumulate_grad_batches > 1:
+        """The one train step wraps the optimizers the LightningModule returned (after Lightning built them and their
+        schedulers): the native engine keeps the user's optimizer object (schedulers stay bound to it) and swaps its
+        param groups to flat shards; fairscale's ``OSS`` shares the param-group dicts and the schedulers are re-bound
+        to it."""
+        if (trainer.state.fn == TrainerFn.FITTING and self._backend == "fairscale" and self.zero_stage == 2
+                and trainer.accumulate_grad_batches > 1):
             raise ValueError(
                 f"backend='fairscale' at zero_stage=2 with accumulate_grad_batches={trainer.accumulate_grad_batches}: "
                 "fairscale's ShardedDataParallel drifts from one device once a validation runs between accumulated "
                 "steps (max weight difference 7e-3 after 4 steps, measured; without accumulation it is exact). "
                 "Fix: backend='native' (exact with accumulation), or accumulate_grad_batches=1."
             )
-        if self._backend == "native":
-            self.optimizers = [ZeroOptimizer(opt, stage=self.zero_stage, group=self._dp_group,
-                                             counter=self.comm_counter) for opt in self.optimizers]
-            return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"backend='fairscale' runs one optimizer, got {len(self.optimizers)}.")
-        oss = exact_oss(self.optimizers[0], group=self._dp_group)
-        for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = oss  # type: ignore[union-attr]
-        self.optimizers = [oss]
-        if self.zero_stage == 2:
-            assert self.model is not None
-            self.model = fairscale_sharded_ddp(self.model, oss, group=self._dp_group)
+        super().setup_optimizers(trainer)
+        if self._backend == "fairscale" and trainer.state.fn == TrainerFn.FITTING:
+            for config in self.lr_scheduler_configs:
+                config.scheduler.optimizer = self.optimizers[0]  # type: ignore[union-attr]
 
     @override
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
         """While fitting: count FSDP2's collectives (stage 3) and clip by the global gradient norm."""
-        patches: list[contextlib.AbstractContextManager[Any]] = []
+        patches = super().fit_patches()
         if self.zero_stage == 3:
             patches.append(self.comm_counter.patch_torch())
-        patches.append(_clip_by_zero_norm(self.precision_plugin))
         return patches
-
-    # ------------------------------------------------------------------ the step
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-batch: gradients stay local (no reduce-scatter) until the step's last backward."""
-        self._accumulating = True
-        try:
-            model: Any = self.model
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-                model.set_requires_gradient_sync(False)
-                try:
-                    yield None
-                finally:
-                    model.set_requires_gradient_sync(True)
-            elif hasattr(model, "no_sync"):  # torch DDP, fairscale ShardedDataParallel
-                with model.no_sync():
-                    yield None
-            else:
-                yield None
-        finally:
-            self._accumulating = False
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        """Last backward of the step (not inside ``block_backward_sync``): reduce-scatter the ZeRO-1/2 gradients, so
-        that Lightning's clipping and ``on_before_optimizer_step`` see the reduced shards."""
-        super().post_backward(closure_loss)
-        if self._accumulating:
-            return
-        for opt in self.optimizers:
-            if isinstance(opt, ZeroOptimizer):
-                opt.reduce_gradients()  # before Lightning's clipping, which must see the reduced shards
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
@@ -263,15 +199,6 @@ class LPShardedStrategy(LayoutStrategy):
         self.last_model_state = measure_model_state(self.model, raw, extra_grads=extra)
         self.last_step_comm = self.comm_counter.snapshot()
         return output
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Start a new traffic window at the first micro-batch of each optimizer step."""
-        super().on_train_batch_start(batch, batch_idx)
-        module = self.lightning_module
-        accumulate = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
-        if batch_idx % accumulate == 0:  # a step's traffic: all its micro-batches, nothing from validation
-            self.comm_counter.reset()
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -410,22 +337,3 @@ def _is_fsdp(module: nn.Module) -> bool:
 
     return isinstance(module, FSDPModule)
 
-
-def _clip_by_zero_norm(precision: Any) -> contextlib.AbstractContextManager[None]:
-    """Make Lightning's ``gradient_clip_val`` (norm) use the norm of the whole gradient across dp ranks.
-
-    With ZeRO-1/2 the parameters' gradients are this rank's shard, so the norm must be all-reduced
-    (``ZeroOptimizer.clip_grad_norm_``, fairscale ``OSS.clip_grad_norm``). Stage 3's DTensor gradients already give
-    torch's ``clip_grad_norm_`` the global norm (Lightning's own clipping).
-    """
-    original = precision.clip_grad_by_norm
-
-    def clip(raw: Any, clip_val: float) -> None:
-        if isinstance(raw, ZeroOptimizer):
-            raw.clip_grad_norm_(clip_val)
-        elif callable(getattr(raw, "clip_grad_norm", None)):  # fairscale OSS
-            raw.clip_grad_norm(clip_val)
-        else:
-            original(raw, clip_val)
-
-    return clip_by_norm_replaced(precision, clip)

@@ -39,12 +39,9 @@ from typing_extensions import override
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import require_hook
 from lightning_parallel.parallel.tensor import PlanError, expand_plan
-from lightning_parallel.parallel.zero import CommCounter
 
 from .base import LayoutStrategy
-from .composed import ComposedMixin
 from .dcp import DCPCheckpointMixin
-from .layout import clip_by_norm_replaced
 
 __all__ = ["LPTensorStrategy", "check_tensor_plan", "full_model_state", "require_plan_hook"]
 
@@ -121,7 +118,7 @@ def check_tensor_plan(module: nn.Module, t: int) -> None:
             )
 
 
-class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
+class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
     """Tensor parallelism over ``tp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1 or 3).
 
     Args:
@@ -136,9 +133,6 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(parallel, **kwargs)
-        self.comm_counter = CommCounter()
-        """Bytes of the dp-axis collectives (gradient sync, ZeRO-1) since the step began."""
-        self._accumulating = False
         self.applied_plan: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the layout and the module
@@ -175,25 +169,10 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
         """The composition without a pipeline split: TP over ``tp`` as the module's plan says, recomputation, dp
         replicas made equal by a broadcast of the local tensors over ``dp``, then FSDP2 over ``dp`` at zero_stage 3
         (kept if an earlier ``fit`` of this process already did it)."""
-        self.applied_plan = self.compose_module(model).tensor_plan
+        model = super().parallelize(model, trainer_fn=trainer_fn)
+        assert self.composition is not None
+        self.applied_plan = self.composition.tensor_plan
         return model
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """ZeRO-1: wrap each optimizer on the local shards (the user's optimizer object and its schedulers stay)."""
-        super().setup_optimizers(trainer)
-        if self.zero_stage != 1 or trainer.state.fn != TrainerFn.FITTING:
-            return
-        from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
-
-        self.optimizers = [LocalShardZeroOptimizer(opt, group=self.mesh.get_group("dp"),
-                                                   tp_group=self.mesh.get_group("tp"), tp_size=self.dims.tp,
-                                                   counter=self.comm_counter) for opt in self.optimizers]
-
-    @override
-    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
-        """While fitting: clip by the norm of the whole model's gradient across tp (and dp)."""
-        return [_clip_by_global_norm(self)]
 
     # ------------------------------------------------------------------ steps: vocab-parallel loss, replicated outputs
     @contextlib.contextmanager
@@ -242,54 +221,6 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
         with loss_parallel():  # the vocab-parallel cross-entropy's backward runs under it too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-batch: gradients stay local (no dp sync) until the step's last backward."""
-        self._accumulating = True
-        try:
-            model: Any = self.model
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-                model.set_requires_gradient_sync(False)
-                try:
-                    yield None
-                finally:
-                    model.set_requires_gradient_sync(True)
-            else:
-                yield None
-        finally:
-            self._accumulating = False
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        """Last backward of the step: settle partial (sequence-parallel) gradients over tp, then the dp sync of
-        zero_stage 0 (all-reduce) or 1 (reduce-scatter), before Lightning's clipping."""
-        from lightning_parallel.parallel.tensor.sync import (
-            LocalShardZeroOptimizer,
-            allreduce_gradients,
-            settle_gradients,
-        )
-
-        super().post_backward(closure_loss)
-        if self._accumulating:
-            return
-        assert self.model is not None
-        settle_gradients(self.model.parameters())
-        if self.zero_stage == 0:
-            allreduce_gradients(self.model.parameters(), group=self.mesh.get_group("dp"), counter=self.comm_counter)
-        for opt in self.optimizers:
-            if isinstance(opt, LocalShardZeroOptimizer):
-                opt.reduce_gradients()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        module = self.lightning_module
-        accumulate = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
-        if batch_idx % accumulate == 0:
-            self.comm_counter.reset()
-
-
     # ------------------------------------------------------------------ checkpoints: DCP, one shard per rank
     @override
     def checkpoint_layout(self) -> dict[str, Any]:
@@ -302,19 +233,3 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
         ``tp`` is joined into the one-device form first."""
         return int(saved.get("tp", 1)) == self.dims.tp
 
-
-def _clip_by_global_norm(strategy: LPTensorStrategy) -> contextlib.AbstractContextManager[None]:
-    """Lightning's ``gradient_clip_val`` (norm) by the norm of the whole model's gradient across tp (and dp)."""
-    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer, clip_grad_norm_
-
-    def clip(raw: Any, clip_val: float) -> None:
-        if isinstance(raw, LocalShardZeroOptimizer):
-            raw.clip_grad_norm_(clip_val)
-            return
-        groups = [strategy.mesh.get_group("tp")]
-        if strategy.zero_stage == 3:
-            groups.append(strategy.mesh.get_group("dp"))
-        params = [p for g in raw.param_groups for p in g["params"]]
-        clip_grad_norm_(params, clip_val, tp_size=strategy.dims.tp, groups=groups)
-
-    return clip_by_norm_replaced(strategy.precision_plugin, clip)

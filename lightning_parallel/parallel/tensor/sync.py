@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.zero import CommCounter, ZeroOptimizer
 
-__all__ = ["LocalShardZeroOptimizer", "allreduce_gradients", "broadcast_local_states", "clip_grad_norm_",
+__all__ = ["LocalShardZeroOptimizer", "allreduce_gradients", "clip_grad_norm_",
            "is_tp_sharded", "local_tensor", "settle_gradients"]
 
 
@@ -46,15 +46,6 @@ def is_tp_sharded(t: Tensor, axis: str = "tp") -> bool:
         return False
     names = t.device_mesh.mesh_dim_names or ()
     return axis in names and isinstance(t.placements[names.index(axis)], Shard)
-
-
-@torch.no_grad()
-def broadcast_local_states(module: nn.Module, *, group: dist.ProcessGroup, src_rank: int) -> None:
-    """Every dp replica's local parameter and buffer tensors := those of global rank ``src_rank`` (set-up)."""
-    if dist.get_world_size(group) == 1:
-        return
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(local_tensor(t), src=src_rank, group=group)
 
 
 @torch.no_grad()

@@ -120,9 +120,15 @@ def all_gather_into(
 
 
 def broadcast_module_states(module: torch.nn.Module, *, group: dist.ProcessGroup | None, src_rank: int) -> None:
-    """Make every rank's parameters and buffers equal to those of global rank ``src_rank`` (set-up, not per step)."""
+    """Make every rank's parameters and buffers equal to those of global rank ``src_rank`` (set-up, not per step).
+
+    A DTensor (a tensor-parallel shard) is broadcast as its local tensor: each tp rank's shard goes to the same tp
+    rank of the other replicas (``group`` is the dp group)."""
     if dist.get_world_size(group) == 1:
         return
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=src_rank, group=group)
+            local = t._local_tensor if isinstance(t, DTensor) else t.data  # type: ignore[attr-defined]
+            dist.broadcast(local, src=src_rank, group=group)

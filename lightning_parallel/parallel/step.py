@@ -1,0 +1,161 @@
+"""The one train step of every composed layout: the data-parallel work around forward and backward.
+
+:func:`~lightning_parallel.parallel.compose.compose` builds what a rank runs; :class:`TrainStep` owns what happens
+to it at step time, for every layout strategy alike (``lp_ddp``, ``lp_sharded``, ``lp_tensor``, ``lp_pipeline``,
+``lp_hybrid``):
+
+* **gradient accumulation** -- :meth:`TrainStep.no_sync` around every backward but the step's last: torch DDP's
+  ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``, fairscale's ``no_sync``; the explicit syncs wait;
+* **the dp gradient sync** -- :meth:`TrainStep.sync_gradients` after the step's last backward, before clipping:
+  sequence-parallel partial gradients all-reduced over ``tp`` (each DTensor gradient given its parameter's
+  placements), then by the plan's ``sync``: ``allreduce`` -- one flat all-reduce (mean) of the local gradients over
+  ``dp``; ``zero`` -- each ZeRO optimizer reduce-scatters its flat gradient over ``dp``; ``ddp``/``fsdp``/
+  ``fairscale`` -- nothing more (their hooks ran in backward);
+* **ZeRO's optimizer** -- :meth:`TrainStep.wrap_optimizers`: ZeRO-1/2 flat shards over ``dp``
+  (:class:`~lightning_parallel.parallel.zero.ZeroOptimizer`, or
+  :class:`~lightning_parallel.parallel.tensor.LocalShardZeroOptimizer` on DTensor shards / pipeline stages), or
+  fairscale's ``OSS`` (+ ``ShardedDataParallel`` at stage 2);
+* **clipping by the global norm** -- :meth:`TrainStep.clip_grad_norm_`: the L2 norm of the whole model's gradient,
+  each shard counted once: squares summed over ``tp`` (tp-replicated tensors weighted ``1/t``), over ``pp`` (other
+  stages), and over ``dp`` where gradients are sharded there (ZeRO, FSDP2 with TP);
+* **the logged loss** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
+  global batch when each dp rank holds the mean of its part).
+
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_parallel.parallel.compose import DataParallelPlan
+from lightning_parallel.parallel.dims import ParallelDims
+from lightning_parallel.parallel.zero import CommCounter, ZeroOptimizer
+
+__all__ = ["TrainStep"]
+
+
+class TrainStep:
+    """The step-time data-parallel work of one composed rank (see the module docstring).
+
+    Args:
+        plan: the composition's data-parallel plan (:func:`~lightning_parallel.parallel.compose.data_parallel_plan`).
+        dims: the degrees; mesh: the named ``(dp, pp, tp)`` mesh.
+    """
+
+    def __init__(self, plan: DataParallelPlan, *, dims: ParallelDims, mesh: DeviceMesh) -> None:
+        self.plan, self.dims, self.mesh = plan, dims, mesh
+        self.dp_group = mesh.get_group("dp")
+        self.accumulating = False
+        """True inside :meth:`no_sync`: a backward whose gradients stay local."""
+        self.counter = CommCounter()
+        """Bytes of the dp-axis collectives the library issues (gradient sync, ZeRO) since the step began."""
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of ``axis``, or None when the axis has one rank (nothing to reduce over)."""
+        return self.mesh.get_group(axis) if self.dims.size(axis) > 1 else None
+
+    # ------------------------------------------------------------------ set-up
+    def wrap_optimizers(self, optimizers: list[Optimizer], model: nn.Module) -> tuple[list[Optimizer], nn.Module]:
+        """ZeRO's optimizers over ``dp`` (each keeps the user's optimizer object, so LR schedulers stay bound), and
+        the module the loops call (fairscale stage 2 wraps it in ``ShardedDataParallel``). Other plans: unchanged."""
+        sync, stage = self.plan.sync, self.plan.zero_stage
+        if sync == "zero" and self.dims.pp == 1 and self.dims.tp == 1:
+            return [ZeroOptimizer(opt, stage=stage, group=self.dp_group, counter=self.counter)
+                    for opt in optimizers], model
+        if sync == "zero":
+            from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+            if stage != 1:
+                raise ValueError(f"ZeRO-{stage} on local shards is not composed; ZeRO-1 is.")
+            return [LocalShardZeroOptimizer(opt, group=self.dp_group, tp_group=self.group("tp"),
+                                            tp_size=self.dims.tp, norm_groups=[self.mesh.get_group("pp")],
+                                            counter=self.counter) for opt in optimizers], model
+        if sync == "fairscale":
+            from lightning_parallel.parallel.zero import exact_oss, fairscale_sharded_ddp
+
+            if len(optimizers) != 1:
+                raise ValueError(f"backend='fairscale' runs one optimizer, got {len(optimizers)}.")
+            oss = exact_oss(optimizers[0], group=self.dp_group)
+            if stage == 2:
+                model = fairscale_sharded_ddp(model, oss, group=self.dp_group)
+            return [oss], model
+        return optimizers, model
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self, model: Any) -> Generator[None, None, None]:
+        """An accumulation micro-batch: its gradients stay local (no dp communication) until the step's last."""
+        self.accumulating = True
+        try:
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(False)
+                try:
+                    yield None
+                finally:
+                    model.set_requires_gradient_sync(True)
+            elif hasattr(model, "no_sync"):  # torch DDP, fairscale ShardedDataParallel
+                with model.no_sync():
+                    yield None
+            else:
+                yield None
+        finally:
+            self.accumulating = False
+
+    def sync_gradients(self, model: nn.Module, optimizers: Iterable[Any]) -> None:
+        """After a backward outside :meth:`no_sync` (the step's last): the dp sync of the plan, before clipping."""
+        if self.accumulating:
+            return
+        if self.dims.tp > 1:
+            from lightning_parallel.parallel.tensor.sync import settle_gradients
+
+            settle_gradients(model.parameters())  # sequence-parallel partial gradients summed over tp
+        if self.plan.sync == "allreduce" and self.dims.dp > 1:
+            from lightning_parallel.parallel.tensor.sync import allreduce_gradients
+
+            allreduce_gradients(model.parameters(), group=self.dp_group, counter=self.counter)
+        for opt in optimizers:
+            raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
+            if isinstance(raw, ZeroOptimizer):
+                raw.reduce_gradients()
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
+        """Clip ``optimizer``'s gradients by the L2 norm of the whole model's gradient; returns that norm, or None
+        when the gradients are whole on every rank (torch DDP) or DTensors whose norm torch computes globally
+        (FSDP2 without TP): the caller's own clipping is then exact."""
+        from lightning_parallel.parallel.tensor.sync import clip_grad_norm_
+
+        if isinstance(optimizer, ZeroOptimizer):
+            return optimizer.clip_grad_norm_(max_norm)
+        if callable(getattr(optimizer, "clip_grad_norm", None)):  # fairscale OSS
+            return optimizer.clip_grad_norm(max_norm)  # type: ignore[attr-defined,no-any-return]
+        if self.dims.tp == 1 and self.dims.pp == 1:
+            return None
+        groups = [self.group("tp"), self.group("pp")]
+        if self.plan.sync == "fsdp":
+            groups.append(self.group("dp"))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return clip_grad_norm_(params, max_norm, tp_size=self.dims.tp, groups=groups)
+
+    # ------------------------------------------------------------------ the logged loss
+    def reduce_mean(self, value: Tensor) -> Tensor:
+        """``value`` averaged over ``dp`` (a copy; ``value`` itself is left as it is)."""
+        if self.dims.dp == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.dp_group)
+        value /= self.dims.dp
+        return value
+
+    def start_step(self) -> None:
+        """The first micro-batch of an optimizer step: a new window for :attr:`counter`."""
+        self.counter.reset()
+
