@@ -1,17 +1,20 @@
 """Lightning callbacks of the library.
 
+* :class:`CountCommunication` -- turns the strategy's communication counter on (off by default: a step counts
+  nothing);
 * :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
 * :class:`PreemptionCheckpoint` -- ``ModelCheckpoint`` that saves when a preemption (SIGTERM, Ctrl-C) stops every rank;
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
   (recipes name it as ``lightning_parallel.callbacks.TileLinearLayers``);
-* :class:`ZeroStats` -- logs ``lp_sharded``'s measured per-rank model-state bytes and per-step traffic.
+* :class:`ZeroStats` -- counts, and logs each optimizer step's measured per-rank model-state bytes and traffic.
 """
 
 from lightning_parallel.callbacks.model_states import ModelStateReport
 from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
-from lightning_parallel.callbacks.zero_stats import ZeroStats
+from lightning_parallel.callbacks.zero_stats import CountCommunication, ZeroStats
 
-__all__ = ["ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers", "ZeroStats"]
+__all__ = ["CountCommunication", "ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers",
+           "ZeroStats"]

@@ -2,7 +2,7 @@
 
 Measured on every rank at the end of each training batch (the last one is kept), from the strategy's own accounting
 where it has one -- the DeepSpeed engine's partitions (:func:`~lightning_parallel.parallel.offload.accounting.
-engine_state_bytes`: device and host), ``lp_sharded``'s ``last_model_state`` -- else from the module's local tensors
+engine_state_bytes`: device and host) -- else from the module's local tensors
 (a DTensor's local shard), their gradients and the optimizer's state (:func:`~lightning_parallel.parallel.zero.memory.
 measure_model_state`). When training ends the ranks' figures are gathered and rank 0 prints the busiest rank's
 against the prediction, as a ratio. ``lp_auto`` adds it to the run, with the decision and the recipe it writes into
@@ -47,14 +47,11 @@ def _on_device(mem: Any) -> dict[str, int]:
 
 def measure_rank_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
     """This rank's :func:`model_state_bytes`, from the strategy's own accounting where it has one (the DeepSpeed
-    engine, ``lp_sharded``'s ``last_model_state``), else from the module and the first optimizer."""
+    engine), else from the module and the first optimizer (a ZeRO optimizer's gradient shards included)."""
     strategy = trainer.strategy
     engine = getattr(strategy, "deepspeed_engine", None)
     if engine is not None:
         return model_state_bytes(engine=engine)
-    mem = getattr(strategy, "last_model_state", None)
-    if mem is not None:
-        return _on_device(mem)
     if not trainer.optimizers:
         return {}
     return model_state_bytes(strategy.model if strategy.model is not None else pl_module, trainer.optimizers[0])

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.parallel.compose import DataParallelPlan
 from lightning_parallel.parallel.dims import ParallelDims
-from lightning_parallel.parallel.zero import CommCounter, ZeroOptimizer
+from lightning_parallel.parallel.zero import ZeroOptimizer
 
 __all__ = ["TrainStep"]
 
@@ -55,8 +55,6 @@ class TrainStep:
         self.dp_group = mesh.get_group("dp")
         self.accumulating = False
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
-        self.counter = CommCounter()
-        """Bytes of the dp-axis collectives the library issues (gradient sync, ZeRO) since the step began."""
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of ``axis``, or None when the axis has one rank (nothing to reduce over)."""
@@ -68,7 +66,7 @@ class TrainStep:
         the module the loops call (fairscale stage 2 wraps it in ``ShardedDataParallel``). Other plans: unchanged."""
         sync, stage = self.plan.sync, self.plan.zero_stage
         if sync == "zero" and self.dims.pp == 1 and self.dims.tp == 1:
-            return [ZeroOptimizer(opt, stage=stage, group=self.dp_group, counter=self.counter)
+            return [ZeroOptimizer(opt, stage=stage, group=self.dp_group)
                     for opt in optimizers], model
         if sync == "zero":
             from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
@@ -76,8 +74,8 @@ class TrainStep:
             if stage != 1:
                 raise ValueError(f"ZeRO-{stage} on local shards is not composed; ZeRO-1 is.")
             return [LocalShardZeroOptimizer(opt, group=self.dp_group, tp_group=self.group("tp"),
-                                            tp_size=self.dims.tp, norm_groups=[self.mesh.get_group("pp")],
-                                            counter=self.counter) for opt in optimizers], model
+                                            tp_size=self.dims.tp, norm_groups=[self.mesh.get_group("pp")])
+                    for opt in optimizers], model
         if sync == "fairscale":
             from lightning_parallel.parallel.zero import exact_oss, fairscale_sharded_ddp
 
@@ -120,7 +118,7 @@ class TrainStep:
         if self.plan.sync == "allreduce" and self.dims.dp > 1:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
-            allreduce_gradients(model.parameters(), group=self.dp_group, counter=self.counter)
+            allreduce_gradients(model.parameters(), group=self.dp_group)
         for opt in optimizers:
             raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
             if isinstance(raw, ZeroOptimizer):
@@ -154,8 +152,4 @@ class TrainStep:
         dist.all_reduce(value, group=self.dp_group)
         value /= self.dims.dp
         return value
-
-    def start_step(self) -> None:
-        """The first micro-batch of an optimizer step: a new window for :attr:`counter`."""
-        self.counter.reset()
 

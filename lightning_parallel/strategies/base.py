@@ -54,8 +54,8 @@ from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
+from lightning_parallel.parallel.counters import CommCounter
 from lightning_parallel.parallel.step import TrainStep
-from lightning_parallel.parallel.zero import CommCounter
 
 from . import interrupts, watchdog
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin, clip_by_norm_replaced
@@ -120,6 +120,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         self._fit_patches: contextlib.ExitStack | None = None
         self.composition: Composition | None = None
         self._train_step: TrainStep | None = None
+        self._comm_counter: CommCounter | None = None
         self.init_layout(parallel)
 
     # ------------------------------------------------------------------ processes and devices
@@ -236,7 +237,11 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             if self.train_step.clip_grad_norm_(optimizer, clip_val) is None:
                 original(optimizer, clip_val)  # whole gradients (DDP) or globally-normed DTensors (FSDP2)
 
-        return [clip_by_norm_replaced(self.precision_plugin, clip)]
+        patches: list[contextlib.AbstractContextManager[Any]] = [clip_by_norm_replaced(self.precision_plugin, clip)]
+        if self._comm_counter is not None:
+            self._comm_counter.dims, self._comm_counter.rank = self.dims, self.global_rank
+            patches.append(self._comm_counter.counting())
+        return patches
 
     pipelined = False
     """Cut the module into pipeline stages (``lp_pipeline``, ``lp_hybrid``), even a one-stage pipeline."""
@@ -297,13 +302,6 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         assert self.model is not None
         self.train_step.sync_gradients(self.model, self.optimizers)
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """The first micro-batch of each optimizer step starts a new traffic window."""
-        super().on_train_batch_start(batch, batch_idx)
-        if batch_idx % self.accumulate_grad_batches == 0:
-            self.train_step.start_step()
-
     @property
     def accumulate_grad_batches(self) -> int:
         """The Trainer's ``accumulate_grad_batches`` (1 outside a Trainer)."""
@@ -312,10 +310,19 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             return 1
         return int(module.trainer.accumulate_grad_batches)
 
+    # ------------------------------------------------------------------ measurement, off the hot path
     @property
-    def comm_counter(self) -> CommCounter:
-        """Bytes of the dp-axis collectives of the current optimizer step (gradient sync, ZeRO)."""
-        return self.train_step.counter
+    def comm_counter(self) -> CommCounter | None:
+        """The communication counter of this run, or None (the default: a step runs no counting code)."""
+        return self._comm_counter
+
+    def count_communication(self) -> CommCounter:
+        """Count every collective this rank issues while fitting, by kind and mesh axis
+        (:class:`~lightning_parallel.parallel.counters.CommCounter`); call before ``fit`` (the ``ZeroStats``
+        callback does). Returns the counter."""
+        if self._comm_counter is None:
+            self._comm_counter = CommCounter()
+        return self._comm_counter
 
     def collective_timeout(self) -> timedelta:
         """How long a collective waits for a peer: ``parallel.collective_timeout`` (seconds), else the ``timeout``

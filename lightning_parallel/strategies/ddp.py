@@ -19,11 +19,7 @@ from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_plan
-from lightning_parallel.parallel.data_parallel.exchange import (
-    CountingHookState,
-    ExchangeCounter,
-    counting_allreduce_hook,
-)
+from lightning_parallel.parallel.counters import CommCounter, CountingHookState, counting_allreduce_hook
 
 from .base import LayoutStrategy
 
@@ -78,7 +74,7 @@ class LPDDPStrategy(LayoutStrategy):
         self._forward_redirection = _DDPForwardRedirection()  # manual optimization: DDP's reducer off in forward
         self._comm_hook_name = comm_hook
         self._powersgd = (powersgd_rank, powersgd_start_iter)
-        self.exchange_counter = ExchangeCounter()
+        self.exchange_counter = CommCounter()
         """All-reduce calls and bytes per training step of this rank (filled with ``comm_hook="count"``)."""
 
     @override
@@ -103,6 +99,11 @@ class LPDDPStrategy(LayoutStrategy):
 
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
         # The compression hooks run on gloo too (Lightning registers its hooks on CUDA only).
+        if self._comm_hook_name == "none" and self.comm_counter is not None:
+            # counted: torch's exact default all-reduce, in Python, so the communication counter sees each bucket
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(self.mesh.get_group("dp"), default_hooks.allreduce_hook)
         if self._comm_hook_name == "none":
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -134,4 +135,5 @@ class LPDDPStrategy(LayoutStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.exchange_counter.step()
+        if self._comm_hook_name == "count":
+            self.exchange_counter.step()

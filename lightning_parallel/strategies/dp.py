@@ -16,7 +16,8 @@ on CPU. Every ``training_step``/``validation_step``/``test_step``/``predict_step
 
 ``self.log`` inside a step is recorded per replica (no shared state, no races) and replayed once on the master module
 after the step, each value reduced over the replicas by its ``reduce_fx`` (``mean``: weighted by slice size, ``sum``,
-``max``, ``min``). The exchanges of every training step are counted in :attr:`LPDPStrategy.exchange_counter`.
+``max``, ``min``). With ``count_exchanges=True`` the exchanges of every training step are counted in
+:attr:`LPDPStrategy.exchange_counter`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_parallel.parallel.data_parallel import BackwardMode, DataParallelEngine, ExchangeCounter, Reduction
-from lightning_parallel.parallel.data_parallel.exchange import GATHER_OUTPUTS, tensor_bytes
+from lightning_parallel.parallel.counters import GATHER_OUTPUTS, CommCounter, tensor_bytes
+from lightning_parallel.parallel.data_parallel import BackwardMode, DataParallelEngine, Reduction
 
 __all__ = ["LPDPStrategy"]
 
@@ -93,6 +94,8 @@ class LPDPStrategy(ParallelStrategy):
             the leaf gradients summed on device 0), ``graph`` (one autograd graph through torch-style replicas, as
             torch's DataParallel), ``auto`` = threads on CPU (where one backward call runs on one thread), graph on
             GPUs (where PyTorch already runs each device's backward on its own thread). Both give the same result.
+        count_exchanges: count the five exchanges of every training step in :attr:`exchange_counter` (calls and
+            bytes per kind); off by default, so a step runs no counting code.
     """
 
     strategy_name = "lp_dp"
@@ -107,6 +110,7 @@ class LPDPStrategy(ParallelStrategy):
         loss_reduction: Reduction = "mean",
         cpu_threads: int | None = None,
         backward: BackwardMode = "auto",
+        count_exchanges: bool = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r} is not one of ['mean', 'sum'].")
@@ -121,8 +125,8 @@ class LPDPStrategy(ParallelStrategy):
         self._backward: BackwardMode = backward
         self._engine: DataParallelEngine | None = None
         self._saved_threads: int | None = None
-        self.exchange_counter = ExchangeCounter()
-        """The exchanges of the training steps (validation, test and predict are not counted)."""
+        self.exchange_counter: CommCounter | None = CommCounter() if count_exchanges else None
+        """The exchanges of the training steps, with ``count_exchanges=True`` or :meth:`count_communication`."""
 
     # ------------------------------------------------------------------ one process, N devices
     @property
@@ -247,7 +251,7 @@ class LPDPStrategy(ParallelStrategy):
             value = _combine_logged(values, weights, kwargs.get("reduce_fx", "mean"))
             value = value.to(values[0].dtype) if values[0].is_floating_point() else value
             pl.LightningModule.log(module, name, value, *args, **kwargs)
-        if moved and self.exchange_counter.enabled and len(recorders) > 1:
+        if moved and self.exchange_counter is not None and self.exchange_counter.enabled and len(recorders) > 1:
             self.exchange_counter.record(GATHER_OUTPUTS, moved)
 
     @override
@@ -266,34 +270,46 @@ class LPDPStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict_step", args, kwargs)
 
-    # ------------------------------------------------------------------ exchange counting: training steps only
+    # ------------------------------------------------------------------ exchange counting (opt-in): training only
+    def count_communication(self) -> CommCounter:
+        """Count the exchanges of every training step from now on (validation, test and predict are not counted) in
+        :attr:`exchange_counter`; off by default (a step then runs no counting code). Call before ``fit``."""
+        if self.exchange_counter is None:
+            self.exchange_counter = CommCounter()
+        return self.exchange_counter
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.exchange_counter.step()
+        if self.exchange_counter is not None:
+            self.exchange_counter.step()
+
+    def _counting(self, on: bool) -> None:
+        if self.exchange_counter is not None:
+            self.exchange_counter.enabled = on
 
     @override
     def on_validation_start(self) -> None:
-        self.exchange_counter.enabled = False
+        self._counting(False)
 
     @override
     def on_validation_end(self) -> None:
-        self.exchange_counter.enabled = True
+        self._counting(True)
 
     @override
     def on_test_start(self) -> None:
-        self.exchange_counter.enabled = False
+        self._counting(False)
 
     @override
     def on_test_end(self) -> None:
-        self.exchange_counter.enabled = True
+        self._counting(True)
 
     @override
     def on_predict_start(self) -> None:
-        self.exchange_counter.enabled = False
+        self._counting(False)
 
     @override
     def on_predict_end(self) -> None:
-        self.exchange_counter.enabled = True
+        self._counting(True)
 
     # ------------------------------------------------------------------ one process: collectives are identities
     @override

@@ -20,16 +20,14 @@ Checkpoints: ``checkpoint="full"`` (default) writes one consolidated file that l
 module and optimizer (and resumes under any layout); ``checkpoint="sharded"`` writes a folder with ``meta.pt`` and one
 ``rank_XXXXX.pt`` per rank (no gathering), which resumes exactly on the same layout.
 
-Measurement: after every optimizer step :attr:`LPShardedStrategy.last_model_state` holds this rank's bytes of
-parameters, gradients and optimizer state, and :attr:`LPShardedStrategy.last_step_comm` the bytes its collectives
+Measurement (opt-in, off the hot path): the ``ZeroStats`` callback logs this rank's bytes of parameters, gradients
+and optimizer state after every optimizer step, and the bytes its collectives
 sent during that step (all micro-batches).
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,9 +46,7 @@ from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_
 from lightning_parallel.parallel.zero import (
     META_FILE,
     SHARDED_KEY,
-    ModelStateBytes,
     ZeroOptimizer,
-    measure_model_state,
     rank_file,
     require_fairscale,
     zero3_full_model_state,
@@ -112,8 +108,6 @@ class LPShardedStrategy(LayoutStrategy):
         super().__init__(parallel, **kwargs)
         if backend == "fairscale":
             require_fairscale()
-        self.last_model_state: ModelStateBytes | None = None
-        self.last_step_comm: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the layout
     @property
@@ -178,27 +172,6 @@ class LPShardedStrategy(LayoutStrategy):
         if self._backend == "fairscale" and trainer.state.fn == TrainerFn.FITTING:
             for config in self.lr_scheduler_configs:
                 config.scheduler.optimizer = self.optimizers[0]  # type: ignore[union-attr]
-
-    @override
-    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
-        """While fitting: count FSDP2's collectives (stage 3) and clip by the global gradient norm."""
-        patches = super().fit_patches()
-        if self.zero_stage == 3:
-            patches.append(self.comm_counter.patch_torch())
-        return patches
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
-                       **kwargs: Any) -> Any:
-        """Lightning's step (closure, clipping, the wrapped optimizer's step: all-gather of the updated shards at
-        stages 1-2), then record this rank's model-state bytes and the step's traffic."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        assert self.model is not None
-        extra = [s.shard_param.grad for s in raw.shards] if isinstance(raw, ZeroOptimizer) else []
-        self.last_model_state = measure_model_state(self.model, raw, extra_grads=extra)
-        self.last_step_comm = self.comm_counter.snapshot()
-        return output
 
     # ------------------------------------------------------------------ checkpoints
     @property

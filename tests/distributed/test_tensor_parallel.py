@@ -42,8 +42,9 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from lightning_parallel.parallel.counters import CommCounter
     from lightning_parallel.parallel.tensor import apply_tensor_parallel
-    from lightning_parallel.parallel.tensor.comm import TPCommCounter, megatron_tp_bytes
+    from lightning_parallel.parallel.tensor.comm import megatron_tp_bytes
     from lightning_parallel.parallel.tensor.sync import settle_gradients
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -56,8 +57,9 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
         ref_loss.backward()
         apply_tensor_parallel(model, model.tensor_parallel_plan(), mesh=mesh, sequence_parallel=sp)
         shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
-        counter = TPCommCounter()
-        with loss_parallel(), counter:
+        counter = CommCounter()
+        counter.phase = "forward"
+        with loss_parallel(), counter.counting():
             logits = model(x)
             loss = model.pipeline_loss(logits, y).to_local()
             counter.phase = "backward"
@@ -69,7 +71,7 @@ def _checks(rank: int, world: int) -> dict[str, Any]:
             "loss": abs(float(loss.detach()) - float(ref_loss.detach())), "grad": _grads_equal(model, ref),
             "q_shape": shapes["blocks.0.attn.q_proj.weight"], "out_shape": shapes["blocks.0.attn.out_proj.weight"],
             "emb_shape": shapes["embed.tok.weight"], "logits": type(logits).__name__, "partial_after_settle": partial,
-            "calls": dict(counter.calls), "bytes": dict(counter.bytes),
+            "calls": counter.calls_by_phase(), "bytes": counter.bytes_by_phase(),
             "formula": megatron_tp_bytes(n_layer=2, batch=4, seq=16, hidden=32, tp=world, sequence_parallel=sp),
         }
     odd = tiny_gpt(0)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.models import GPT
+from lightning_parallel.parallel.counters import CommCounter
 from lightning_parallel.parallel.zero import (
-    CommCounter,
     ZeroOptimizer,
     apply_zero3,
     measure_model_state,
@@ -73,15 +73,18 @@ def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
 
 def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter) -> tuple[GPT, ZeroOptimizer]:
     model = _model()
-    zero = ZeroOptimizer(_optimizer(model, kind), stage=stage, counter=counter)
+    zero = ZeroOptimizer(_optimizer(model, kind), stage=stage)
     sched = _scheduler(zero.optim)
     for step in _batches(world):
         counter.reset()
-        for x, y in step:
-            (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
-        zero.reduce_gradients()
-        zero.clip_grad_norm_(CLIP)
-        zero.step()
+        with counter.counting():
+            for x, y in step:
+                (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
+            zero.reduce_gradients()
+            counter.enabled = False  # the norm's scalar all-reduce is not part of ZeRO's 2 Psi
+            zero.clip_grad_norm_(CLIP)
+            counter.enabled = True
+            zero.step()
         sched.step()
         zero.last_mem = measure_model_state(  # type: ignore[attr-defined]
             model, zero, extra_grads=[s.shard_param.grad for s in zero.shards])
@@ -144,7 +147,7 @@ def _check_zero3(rank: int, world: int) -> dict[str, Any]:
     counter = CommCounter()
     for step in _batches(world):
         counter.reset()
-        with counter.patch_torch():
+        with counter.counting():
             for i, (x, y) in enumerate(step):
                 model.set_requires_gradient_sync(i == ACCUM - 1)
                 (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_parallel import LPDDPStrategy
+from lightning_parallel.callbacks import CountCommunication
 from lightning_parallel.strategies.dp import LPDPStrategy
 from tests.helpers import TRAINER_QUIET, SequentialTokens, max_abs_diff, tiny_gpt
 
@@ -41,7 +42,8 @@ def test_lp_dp_equals_one_device(reference: pl.LightningModule, devices: int, ba
                                  record_property: Any) -> None:
     model = tiny_gpt()
     assert max_abs_diff(model, reference) > 1e-3  # the reference really trained
-    trainer = _trainer("dp" if backward == "auto" else LPDPStrategy(backward=backward), devices)
+    trainer = _trainer("dp" if backward == "auto" else LPDPStrategy(backward=backward), devices,
+                       callbacks=[CountCommunication()])  # counting is opt-in
     trainer.fit(model, SequentialTokens(batch_size=GLOBAL_BATCH))
     assert isinstance(trainer.strategy, LPDPStrategy) and trainer.world_size == 1
     diff = max_abs_diff(model, reference)

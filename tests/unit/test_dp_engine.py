@@ -12,16 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallel.data_parallel import (
+from lightning_parallel.parallel.counters import (
     DP_KINDS,
     GATHER_OUTPUTS,
     REDUCE_GRADS,
     REPLICATE_PARAMS,
     SCATTER_GRAD,
     SCATTER_INPUTS,
+    CommCounter,
+)
+from lightning_parallel.parallel.data_parallel import (
     BackwardMode,
     DataParallelEngine,
-    ExchangeCounter,
     data_parallel,
     find_sample_count,
     gather,
@@ -70,7 +72,7 @@ def test_scatter_splits_nested_structures_and_replicates_the_rest() -> None:
     mask = torch.ones(7)  # leading dim != 5 samples: sent whole
     batch = {"inputs": (x, [x[:, 0]]), "pair": Pair(x, [x * 2]), "dc": Batch(x + 1, "n"), "mask": mask,
              "scale": torch.tensor(2.0), "tag": "train"}
-    counter = ExchangeCounter()
+    counter = CommCounter()
     slices, sizes = scatter(batch, [CPU, CPU], counter=counter)
     assert sizes == [3, 2] and find_sample_count(batch) == 5
     for key in ("inputs", "pair", "dc"):
@@ -99,7 +101,7 @@ def test_replicated_gradients_equal_one_device(devices: int, samples: int, backw
     ref, dp = _mlp(), _mlp()
     batch = _data(samples)
     _loss(ref, batch).backward()
-    counter = ExchangeCounter()
+    counter = CommCounter()
     engine = DataParallelEngine([CPU] * devices, counter=counter, backward=backward)
     loss = engine.run(dp, batch, _loss, force_reduce=True)
     loss.backward()
@@ -248,7 +250,7 @@ def test_cuda_replicas_equal_one_device() -> None:
 
 def test_exchange_counter_survives_pickling() -> None:
     """The spawn launchers pickle the strategy (lp_ddp, lp_dp hold a counter): the lock is made anew, the tally kept."""
-    counter = ExchangeCounter()
+    counter = CommCounter()
     counter.record("allreduce", 8)
     copy = pickle.loads(pickle.dumps(counter))
     copy.record("allreduce", 4)

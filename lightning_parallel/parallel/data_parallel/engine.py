@@ -11,7 +11,8 @@ Per step, all through device 0 (``docs/formulas.md``, "DP versus DDP: what moves
     optimizer steps once, on device 0
 
 On CUDA the devices are ``cuda:0..N-1``; on CPU the same code runs ``N`` replicas on the CPU (``devices`` may repeat),
-with real copies for replicas ``1..N-1`` so the traffic is the same. Every exchange is counted in :attr:`counter`.
+with real copies for replicas ``1..N-1`` so the traffic is the same. Every exchange is counted in :attr:`counter`
+(if given).
 
 Two ways to run backward (``backward=``), equal in result:
 
@@ -37,8 +38,9 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from lightning_parallel.parallel.counters import CommCounter
+
 from .apply import parallel_apply
-from .exchange import ExchangeCounter
 from .gather import BackwardPlan, Reduction, gather
 from .replicate import replicate, replicate_leaves
 from .scatter import scatter
@@ -62,12 +64,12 @@ class DataParallelEngine:
         reduction: how mean-like outputs combine (``mean``: weighted by slice size; ``sum``).
         cpu_threads: intra-op threads of each replica thread on CPU; None = :func:`default_cpu_threads`, 0 = leave
             PyTorch's setting alone.
-        counter: where exchanges are counted; a new one when None.
+        counter: where exchanges are counted; None (the default): nothing is counted.
         backward: ``threads``, ``graph`` or ``auto`` (threads on CPU, graph elsewhere); see the module docstring.
     """
 
     def __init__(self, devices: Sequence[torch.device | str], *, reduction: Reduction = "mean",
-                 cpu_threads: int | None = None, counter: ExchangeCounter | None = None,
+                 cpu_threads: int | None = None, counter: CommCounter | None = None,
                  backward: BackwardMode = "auto") -> None:
         if not devices:
             raise ValueError("DataParallelEngine needs at least one device.")
@@ -81,7 +83,7 @@ class DataParallelEngine:
             else backward
         self.reduction: Reduction = reduction
         self.cpu_threads = default_cpu_threads(len(self.devices)) if cpu_threads is None else (cpu_threads or None)
-        self.counter = counter if counter is not None else ExchangeCounter()
+        self.counter = counter
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -136,7 +138,7 @@ class DataParallelEngine:
 
 
 def data_parallel(module: nn.Module, batch: Any, devices: Sequence[torch.device | str], *,
-                  reduction: Reduction = "mean", counter: ExchangeCounter | None = None,
+                  reduction: Reduction = "mean", counter: CommCounter | None = None,
                   backward: BackwardMode = "graph") -> Any:
     """``module(slice)`` on every device and the outputs combined on device 0 (a functional one-shot engine).
 

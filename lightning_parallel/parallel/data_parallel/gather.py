@@ -13,8 +13,8 @@ combines each leaf so the result equals what one device computes on the whole ba
   strings, None, objects) is taken from replica 0.
 
 The transfer is one autograd function, :class:`_Gather`: forward moves the replicas' tensors to device 0
-(:data:`~.exchange.GATHER_OUTPUTS`); its backward splits the incoming gradient (for a loss: ``dL/dx_i = n_i / B``)
-and sends each piece back to its replica's device (:data:`~.exchange.SCATTER_GRAD`), where the replica's backward
+(:data:`GATHER_OUTPUTS`); its backward splits the incoming gradient (for a loss: ``dL/dx_i = n_i / B``)
+and sends each piece back to its replica's device (:data:`SCATTER_GRAD`), where the replica's backward
 continues. No Lightning import here.
 """
 
@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from .exchange import GATHER_OUTPUTS, SCATTER_GRAD, ExchangeCounter, tensor_bytes
+from lightning_parallel.parallel.counters import GATHER_OUTPUTS, SCATTER_GRAD, CommCounter, tensor_bytes
+
 from .replicate import LeafReplicas
 
 __all__ = ["BackwardPlan", "Reduction", "gather", "gather_tensors"]
@@ -38,7 +39,7 @@ class _Gather(torch.autograd.Function):
     """``(x_0 on device 0, ..., x_{N-1} on device N-1) -> the x_i on device 0``; backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx: Any, destination: torch.device, counter: ExchangeCounter | None,
+    def forward(ctx: Any, destination: torch.device, counter: CommCounter | None,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.devices, ctx.counter = [t.device for t in tensors], counter
@@ -57,14 +58,14 @@ class BackwardPlan:
     """The ``threads`` backward mode: replicas with their own leaves, and a runner for ``fn(i)`` in threads.
 
     The loss gathered through :class:`_GatherThenBackward` is the only way back into the replicas: its backward
-    sends each replica its loss gradient (:data:`~.exchange.SCATTER_GRAD`), runs the ``N`` replica backward passes
-    concurrently (``run``), and returns the reduced leaf gradients (:data:`~.exchange.REDUCE_GRADS`) as the
+    sends each replica its loss gradient (:data:`SCATTER_GRAD`), runs the ``N`` replica backward passes
+    concurrently (``run``), and returns the reduced leaf gradients (:data:`REDUCE_GRADS`) as the
     gradients of the master parameters.
     """
 
     replicas: LeafReplicas[Any]
     run: Callable[[Callable[[int], None], int], Any]
-    counter: ExchangeCounter | None = None
+    counter: CommCounter | None = None
     used: bool = False
 
 
@@ -96,7 +97,7 @@ class _GatherThenBackward(torch.autograd.Function):
 
 
 def gather_tensors(tensors: Sequence[torch.Tensor], destination: torch.device, *,
-                   counter: ExchangeCounter | None = None, plan: BackwardPlan | None = None) -> list[torch.Tensor]:
+                   counter: CommCounter | None = None, plan: BackwardPlan | None = None) -> list[torch.Tensor]:
     """The tensors moved to ``destination`` (tensor 0 is already there); autograd-aware, not counted here.
 
     With a ``plan`` (``threads`` backward) the first differentiable gather of a step goes through
@@ -117,7 +118,7 @@ def gather_tensors(tensors: Sequence[torch.Tensor], destination: torch.device, *
 
 class _Combiner:
     def __init__(self, sizes: Sequence[int], destination: torch.device, reduction: Reduction,
-                 reduce_keys: tuple[str, ...], counter: ExchangeCounter | None, plan: BackwardPlan | None) -> None:
+                 reduce_keys: tuple[str, ...], counter: CommCounter | None, plan: BackwardPlan | None) -> None:
         self.sizes, self.destination, self.reduction = list(sizes), destination, reduction
         self.reduce_keys, self.counter, self.plan = reduce_keys, counter, plan
         total = sum(self.sizes)
@@ -160,7 +161,7 @@ class _Combiner:
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], destination: torch.device, *,
            reduction: Reduction = "mean", reduce_keys: tuple[str, ...] = ("loss",),
-           force_reduce: bool = False, counter: ExchangeCounter | None = None,
+           force_reduce: bool = False, counter: CommCounter | None = None,
            plan: BackwardPlan | None = None) -> Any:
     """Combine the replicas' ``outputs`` (replica ``i`` processed ``sizes[i]`` samples) on ``destination``.
 
@@ -171,7 +172,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], destination: torch.devi
         reduction: how a mean-like leaf combines: ``mean`` (weighted by sizes, the default) or ``sum``.
         reduce_keys: dict keys that are always reduced, never concatenated (the loss).
         force_reduce: reduce the top-level tensor (a ``training_step`` that returns its loss tensor).
-        counter: where the output transfer is counted (:data:`~.exchange.GATHER_OUTPUTS`), one call per gather.
+        counter: where the output transfer is counted (:data:`GATHER_OUTPUTS`), one call per gather.
         plan: the replicas of a ``threads``-backward step (from :func:`~.replicate.replicate_leaves`); None for the
             ``graph`` mode (or no gradients).
     """

@@ -5,9 +5,9 @@
 original, has no ``Parameter`` of its own, and holds plain tensors in place of the parameters). Where gradients are
 on, the tensors are outputs of one autograd function, :class:`_Replicate`:
 
-* forward (:data:`~.exchange.REPLICATE_PARAMS`): replica 0 uses the master parameters on device 0 as they are;
+* forward (:data:`REPLICATE_PARAMS`): replica 0 uses the master parameters on device 0 as they are;
   replicas ``1..N-1`` get copies of the latest weights (made every step, so they see the last optimizer step);
-* backward (:data:`~.exchange.REDUCE_GRADS`): called once, when every replica's backward is done, it sums each
+* backward (:data:`REDUCE_GRADS`): called once, when every replica's backward is done, it sums each
   parameter's gradients on device 0 in replica order (``g_0 + g_1 + ... + g_{N-1}``), so the master parameters'
   ``.grad`` is the total and the optimizer steps once on device 0. A parameter no replica used keeps ``grad=None``,
   exactly as on one device.
@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .exchange import REDUCE_GRADS, REPLICATE_PARAMS, ExchangeCounter, tensor_bytes
+from lightning_parallel.parallel.counters import REDUCE_GRADS, REPLICATE_PARAMS, CommCounter, tensor_bytes
 
 __all__ = ["LeafReplicas", "replicate", "replicate_leaves"]
 
@@ -46,7 +46,7 @@ class _Replicate(torch.autograd.Function):
     """``(params) -> (params on device 0, copies on device 1, ..., copies on device N-1)``; backward sums."""
 
     @staticmethod
-    def forward(ctx: Any, devices: Sequence[torch.device], counter: ExchangeCounter | None,
+    def forward(ctx: Any, devices: Sequence[torch.device], counter: CommCounter | None,
                 *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.num_params, ctx.source, ctx.counter = len(params), devices[0], counter
@@ -74,7 +74,7 @@ class _Replicate(torch.autograd.Function):
 
 
 def _copy_tensors(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], *, differentiable: bool,
-                  counter: ExchangeCounter | None) -> list[list[torch.Tensor]]:
+                  counter: CommCounter | None) -> list[list[torch.Tensor]]:
     """``out[i][k]``: tensor ``k`` for replica ``i`` (replica 0: the tensor itself, or a differentiable alias)."""
     n, count = len(devices), len(tensors)
     if not tensors:
@@ -108,14 +108,14 @@ class LeafReplicas(Generic[M]):
 
     ``leaves[i][k]`` is replica ``i``'s leaf for ``params[k]`` (replica 0: a detached alias of the master parameter,
     no copy; others: copies on their device). Each replica's backward fills its leaves' ``.grad``;
-    :meth:`reduce_grads` sums them on device 0 (:data:`~.exchange.REDUCE_GRADS`).
+    :meth:`reduce_grads` sums them on device 0 (:data:`REDUCE_GRADS`).
     """
 
     replicas: list[M]
     leaves: list[list[torch.Tensor]]
     params: list[torch.Tensor]
 
-    def reduce_grads(self, destination: torch.device, counter: ExchangeCounter | None) -> list[torch.Tensor | None]:
+    def reduce_grads(self, destination: torch.device, counter: CommCounter | None) -> list[torch.Tensor | None]:
         """Per master parameter: the sum of the replicas' leaf gradients, in replica order (None if unused)."""
         moved, reduced = 0, []
         for k in range(len(self.params)):
@@ -138,7 +138,7 @@ def _leaf_copies(params: Sequence[torch.Tensor], devices: Sequence[torch.device]
     return [first] + [[p.detach().to(d, copy=True).requires_grad_(True) for p in params] for d in devices[1:]]
 
 
-def _build(module: M, devices: Sequence[torch.device], counter: ExchangeCounter | None, differentiable: bool,
+def _build(module: M, devices: Sequence[torch.device], counter: CommCounter | None, differentiable: bool,
            leaves: bool) -> tuple[list[M], list[list[torch.Tensor]], list[torch.Tensor]]:
     params = list(module.parameters())
     grad_params = [p for p in params if p.requires_grad and differentiable]
@@ -167,7 +167,7 @@ def _build(module: M, devices: Sequence[torch.device], counter: ExchangeCounter 
     return result, [list(g) for g in grad_copies], list(grad_params)
 
 
-def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCounter | None = None,
+def replicate(module: M, devices: Sequence[torch.device], *, counter: CommCounter | None = None,
               differentiable: bool | None = None) -> list[M]:
     """One replica of ``module`` per device, connected to the master parameters by autograd (``graph`` mode).
 
@@ -189,7 +189,7 @@ def replicate(module: M, devices: Sequence[torch.device], *, counter: ExchangeCo
 
 
 def replicate_leaves(module: M, devices: Sequence[torch.device], *,
-                     counter: ExchangeCounter | None = None) -> LeafReplicas[M]:
+                     counter: CommCounter | None = None) -> LeafReplicas[M]:
     """One replica of ``module`` per device with its own leaf parameters (``threads`` backward mode).
 
     The replicas are *not* connected to the master parameters: each replica's backward runs on its own (in its

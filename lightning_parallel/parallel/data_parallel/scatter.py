@@ -8,7 +8,7 @@ so is a list of ``B`` strings (what the default collate makes of per-sample stri
 tensor (a mask, a lookup table, a 0-dim scalar) is sent whole to every device, and other non-tensor leaves are
 shared. Slice ``i`` goes to ``devices[i]``; slice 0 stays where the batch is (device 0) and is not counted, the
 others are copied (also on CPU, so the CPU path makes the same memory traffic as GPUs) and counted as
-:data:`~lightning_parallel.parallel.data_parallel.exchange.SCATTER_INPUTS`. The copies are autograd-aware
+:data:`SCATTER_INPUTS`. The copies are autograd-aware
 (``Tensor.to``), so an input that requires grad receives its gradient back on device 0 in backward.
 
 No Lightning import here.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .exchange import SCATTER_INPUTS, ExchangeCounter, tensor_bytes
+from lightning_parallel.parallel.counters import SCATTER_INPUTS, CommCounter, tensor_bytes
 
 __all__ = ["find_sample_count", "scatter", "send", "split_sizes"]
 
@@ -109,7 +109,7 @@ def _scatter_obj(obj: Any, sizes: Sequence[int], devices: Sequence[torch.device]
     return _rebuild(obj, parts)
 
 
-def scatter(batch: Any, devices: Sequence[torch.device], *, counter: ExchangeCounter | None = None,
+def scatter(batch: Any, devices: Sequence[torch.device], *, counter: CommCounter | None = None,
             ) -> tuple[list[Any], list[int]]:
     """Split ``batch`` into per-device slices; returns ``(slices, sizes)`` with ``len(slices) <= len(devices)``.
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_parallel.parallel.zero import CommCounter, ZeroOptimizer
+from lightning_parallel.parallel.zero import ZeroOptimizer
 
 __all__ = ["LocalShardZeroOptimizer", "allreduce_gradients", "clip_grad_norm_",
            "is_tp_sharded", "local_tensor", "settle_gradients"]
@@ -66,8 +66,7 @@ def settle_gradients(params: Iterable[Tensor]) -> int:
 
 
 @torch.no_grad()
-def allreduce_gradients(params: Iterable[Tensor], *, group: dist.ProcessGroup,
-                        counter: CommCounter | None = None) -> None:
+def allreduce_gradients(params: Iterable[Tensor], *, group: dist.ProcessGroup) -> None:
     """Average the local gradients over ``group`` (the ``dp`` axis) with one all-reduce of a flat buffer."""
     world = dist.get_world_size(group)
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
@@ -78,8 +77,6 @@ def allreduce_gradients(params: Iterable[Tensor], *, group: dist.ProcessGroup,
         flat = torch.cat([g.reshape(-1) for g in same])
         dist.all_reduce(flat, group=group)
         flat.div_(world)
-        if counter is not None:
-            counter.record("all_reduce", full_bytes=flat.numel() * flat.element_size(), world_size=world)
         offset = 0
         for g in same:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -128,12 +125,10 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
         group: the ``dp`` process group. tp_group: the ``tp`` group; tp_size: its size (for clipping).
         norm_groups: further groups whose ranks hold other parameters (the ``pp`` group of a pipeline): the
             clipping norm sums over them too.
-        counter: where the dp collectives' bytes are counted.
     """
 
     def __init__(self, optimizer: Optimizer, *, group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None,
-                 tp_size: int, norm_groups: Iterable[dist.ProcessGroup] = (),
-                 counter: CommCounter | None = None) -> None:
+                 tp_size: int, norm_groups: Iterable[dist.ProcessGroup] = ()) -> None:
         self.dtensor_params: list[tuple[DTensor, Tensor]] = []
         self.original_params: list[list[Tensor]] = [list(pg["params"]) for pg in optimizer.param_groups]
         self._weights: list[Tensor] = []
@@ -153,7 +148,7 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
                 flags.append(is_tp_sharded(p))
             pg["params"] = locals_
             groups_sharded.append(flags)
-        super().__init__(optimizer, stage=1, group=group, counter=counter)
+        super().__init__(optimizer, stage=1, group=group)
         for shard, flags in zip(self.shards, groups_sharded, strict=True):
             weight = torch.zeros(shard.padded_numel, dtype=torch.float64)
             offset = 0

@@ -7,7 +7,7 @@ gradients, optimizer state) keeps ``(P+G)Psi + K Psi/N`` (1), ``P Psi + (G+K)Psi
 rank, and moves ``2 Psi`` (1, 2) or ``3 Psi`` (3) elements x ``(N-1)/N`` per rank and step.
 """
 
-from .comm import CommCounter, all_gather_into, broadcast_module_states, reduce_scatter_mean, ring_bytes
+from .comm import all_gather_into, broadcast_module_states, reduce_scatter_mean
 from .convert import META_FILE, SHARDED_KEY, consolidate_checkpoint, rank_file
 from .fairscale_backend import FairscaleUnavailableError, exact_oss, fairscale_sharded_ddp, require_fairscale
 from .flat import FlatShard
@@ -26,7 +26,6 @@ from .stage3 import (
 __all__ = [
     "META_FILE",
     "SHARDED_KEY",
-    "CommCounter",
     "FairscaleUnavailableError",
     "FlatShard",
     "ModelStateBytes",
@@ -41,7 +40,6 @@ __all__ = [
     "rank_file",
     "reduce_scatter_mean",
     "require_fairscale",
-    "ring_bytes",
     "zero3_full_model_state",
     "zero3_full_optimizer_state",
     "zero3_load_full_model_state",

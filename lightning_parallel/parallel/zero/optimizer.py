@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .comm import CommCounter, all_gather_into, reduce_scatter_mean
+from .comm import all_gather_into, reduce_scatter_mean
 from .flat import FlatShard
 
 __all__ = ["ZeroOptimizer"]
@@ -47,13 +47,9 @@ class ZeroOptimizer(Optimizer):
         optimizer: a freshly built torch optimizer (no state yet) over the model's parameters, any param groups.
         stage: 1 (optimizer states) or 2 (optimizer states and gradients).
         group: the ``dp`` process group (None = the default group).
-        counter: where the collectives' bytes are counted (optional).
     """
 
-    def __init__(
-        self, optimizer: Optimizer, *, stage: int, group: dist.ProcessGroup | None = None,
-        counter: CommCounter | None = None,
-    ) -> None:
+    def __init__(self, optimizer: Optimizer, *, stage: int, group: dist.ProcessGroup | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}; stage 3 is apply_zero3().")
         if isinstance(optimizer, ZeroOptimizer):
@@ -62,7 +58,7 @@ class ZeroOptimizer(Optimizer):
             raise ValueError("ZeroOptimizer needs an optimizer without state; wrap it before the first step.")
         # Optimizer.__init__ is not called on purpose: the wrapper owns no param groups of its own.
         self.optim = optimizer
-        self.stage, self.group, self.counter = stage, group, counter
+        self.stage, self.group = stage, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shards: list[FlatShard] = []
         for pg in optimizer.param_groups:
@@ -117,7 +113,7 @@ class ZeroOptimizer(Optimizer):
             if earlier is not None and shard.flat_grad is not None:
                 shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
             out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
-            reduce_scatter_mean(out, full, group=self.group, counter=self.counter)
+            reduce_scatter_mean(out, full, group=self.group)
             if earlier is not None:
                 out.add_(earlier)
             grad.copy_(out)
@@ -129,7 +125,7 @@ class ZeroOptimizer(Optimizer):
     def all_gather_params(self) -> None:
         """Every rank's updated shard into every rank's full flat parameter buffer (the model's parameters)."""
         for shard in self.shards:
-            all_gather_into(shard.flat, shard.shard_of(shard.flat), group=self.group, counter=self.counter)
+            all_gather_into(shard.flat, shard.shard_of(shard.flat), group=self.group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward + backward), reduce-scatter gradients, step the shards, all-gather parameters."""
