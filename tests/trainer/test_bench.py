@@ -1,4 +1,4 @@
-"""``scripts/bench.py`` end to end on a tiny GPT: the library, the hand-written torch loop and Lightning's built-in
+"""``benchmarks/bench.py`` end to end on a tiny GPT: the library, the hand-written torch loop and Lightning's built-in
 train the same steps (equal losses), and the counters agree with the formulas the table prints next to them.
 
 No time is asserted: the ratios are what the script reports, never what a test checks.
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lp_bench_script", ROOT / "scripts" / "bench.py")
+    spec = importlib.util.spec_from_file_location("lp_bench_script", ROOT / "benchmarks" / "bench.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

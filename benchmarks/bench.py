@@ -1,12 +1,12 @@
 """One benchmark for every strategy: the library against the hand-written torch loop of the same technique and
 against Lightning's built-in strategies, on the same GPT, global batch and seed.
 
-    python scripts/bench.py                       # CPU: the full table (2, 4 and 8 gloo ranks), ~10-15 min here
-    python scripts/bench.py --quick               # a smaller GPT and fewer steps (CPU ~5 min; one 8-GPU node < 5 min)
-    python scripts/bench.py --device cuda         # GPUs with NCCL (cases that need more GPUs than present are skipped)
-    python scripts/bench.py --device cuda --large # a 3B GPT: most of an 80 GB GPU's memory under lp_ddp
-    python scripts/bench.py --cases ddp,zero3 --reps 5
-    python scripts/bench.py --profile ddp         # torch.profiler of the library and its anchor: where the time goes
+    python benchmarks/bench.py                       # CPU: the full table (2, 4 and 8 gloo ranks), ~10-15 min here
+    python benchmarks/bench.py --quick               # a smaller GPT and fewer steps (CPU ~5 min; one 8-GPU node < 5 min)
+    python benchmarks/bench.py --device cuda         # GPUs with NCCL (cases that need more GPUs than present are skipped)
+    python benchmarks/bench.py --device cuda --large # a 3B GPT: most of an 80 GB GPU's memory under lp_ddp
+    python benchmarks/bench.py --cases ddp,zero3 --reps 5
+    python benchmarks/bench.py --profile ddp         # torch.profiler of the library and its anchor: where the time goes
 
 **Cases** (``--cases``; the anchors are written with torch only, no framework):
 
@@ -1365,7 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     header = (f"Measured {date} on {machine}; device {a.device}; GPT {a.layers} x {a.hidden}, seq {a.seq}, global "
               f"batch {a.batch}, fp32 AdamW; {a.reps} interleaved repetitions of {a.steps} timed steps (median); "
-              f"`python scripts/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+              f"`python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
               f"took {elapsed:.0f} s.")
     text = markdown(a, rows, header, skipped)
     (folder / "results.md").write_text(text)
