@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -123,8 +124,14 @@ def _gpu_name() -> str:
     return out.splitlines()[0].strip() if out.strip() else "GPU"
 
 
+def _has_deepspeed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def available(a: argparse.Namespace, case: Case) -> str | None:
     """Why ``case`` cannot run here, or None."""
+    if case.offload != "none" and not _has_deepspeed():
+        return "needs DeepSpeed (pip install -e '.[deepspeed]')"
     if a.device == "cuda":
         n = torch.cuda.device_count()
         need = case.dp if case.key == "dp" else case.world  # lp_dp: one process, a device per replica
@@ -133,9 +140,18 @@ def available(a: argparse.Namespace, case: Case) -> str | None:
     return None
 
 
+def _lightning_missing(a: argparse.Namespace, case: Case) -> str | None:
+    """Why Lightning's built-in of ``case`` cannot run here (it has none on this device, or it needs DeepSpeed)."""
+    name = lightning_name(case, a.device)
+    if name is None:
+        return case.lightning_missing or "none"
+    if name.startswith("deepspeed") and not _has_deepspeed():
+        return f"Lightning's {name} needs DeepSpeed, which is not installed"
+    return None
+
+
 def _roles(a: argparse.Namespace, case: Case) -> list[str]:
-    roles = [r for r in a.roles if r != "lightning" or lightning_name(case, a.device) is not None]
-    return roles
+    return [r for r in a.roles if r != "lightning" or _lightning_missing(a, case) is None]
 
 
 def profile(a: argparse.Namespace, case: Case) -> None:
@@ -183,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.study is not None:
         folder.mkdir(parents=True, exist_ok=True)
         return load_study(a.study).run(a, folder, f"Measured {date} on {_machine(a)}; `{command}`")
-    if "offload" in a.cases or a.profile == "offload":
+    if ("offload" in a.cases or a.profile == "offload") and _has_deepspeed():
         import deepspeed  # noqa: F401  (import once in the parent; the ops were built by the set-up)
     if a.profile is not None:
         case = CASES[a.profile]
@@ -205,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {key}: skipped ({why})", flush=True)
             continue
         roles = _roles(a, case)
+        missing = _lightning_missing(a, case)
+        if "lightning" in a.roles and missing is not None and lightning_name(case, a.device) is not None:
+            skipped[f"{key} (Lightning)"] = missing
+            print(f"[bench] {key}: Lightning's built-in skipped ({missing})", flush=True)
         reps: list[dict[str, dict[str, Any]]] = []
         for rep in range(a.reps):
             results: dict[str, dict[str, Any]] = {}
