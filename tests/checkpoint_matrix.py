@@ -1,6 +1,6 @@
 """The checkpoint matrix of ``lightning_parallel.checkpoint``: one tiny-GPT fit per strategy and checkpoint kind.
 
-Shared by ``tests/trainer/test_checkpoint_api.py`` and ``scripts/check_checkpoints.py``. Each case trains the tests'
+Used by ``tests/trainer/test_checkpoint_api.py`` (``-s`` prints a line per case). Each case trains the tests'
 tiny GPT a few steps (fork-started ranks on CPU, 2 devices), validates once at the end, saves with
 ``trainer.save_checkpoint`` from ``on_train_end`` (every rank calls it, as Lightning requires), then:
 

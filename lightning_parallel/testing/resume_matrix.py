@@ -1,4 +1,4 @@
-"""Save under one layout, resume under another: the checks behind ``scripts/check_resume_matrix.py`` and the tests.
+"""Save under one layout, resume under another: the checks behind ``tests/trainer/test_resume_matrix.py``.
 
 A small GPT trains ``STOP + MORE`` AdamW steps (warmup + cosine schedule over the whole run, clipping 0.5 by norm)
 on fixed random tokens, one global batch of :data:`GLOBAL_BATCH` samples per step; an epoch is

@@ -1,7 +1,7 @@
 """``lightning_parallel.checkpoint`` against every strategy's checkpoint: the tiny GPT trained 3 steps on 2 fork-started
 CPU ranks (``lp_dp``: 2 replicas in one process), saved with ``trainer.save_checkpoint``, read back with
 ``full_state_dict`` (no process group) and consolidated into one file that ``GPT.load_from_checkpoint`` loads on one
-device. The matrix is ``tests/checkpoint_matrix.py`` (``scripts/check_checkpoints.py`` prints it as a table)."""
+device. The matrix is ``tests/checkpoint_matrix.py``; ``-s`` prints a line per case."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Each cell: the resumed run's loss at the first step after the checkpoint vs the uninterrupted one-device run, and
 the largest weight difference after 3 more AdamW steps (:mod:`lightning_parallel.testing.resume_matrix`). The whole
-matrix runs here (81 cells of forked CPU ranks with DeepSpeed's ops built, 64 without; about 2.5 minutes);
-``scripts/check_resume_matrix.py`` prints it.
+matrix runs here (81 cells of forked CPU ranks with DeepSpeed's ops built, 64 without; about 2.5 minutes); ``-s``
+prints every cell.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_fp32_offload_host_keeps_its_own_fp32_partition() -> None:
     # fp32 AdamW at stage 2: the device keeps the model's fp32 weights, the host the moments (8), the fp32 gradient
     # partition (4) and its own fp32 copy of the partition (4); at stage 3 the offloaded weight partition is that
     # copy. DeepSpeed's CPU offload measured 16 bytes per partition element on the host at both stages
-    # (scripts/bench.py, case offload; lp_auto's run summary at ZeRO-3).
+    # (benchmarks/bench.py, case offload; lp_auto's run summary at ZeRO-3).
     fp32 = TrainingSettings(precision="fp32").state_bytes
     n, dp = 1_000_000, 2
     z2 = model_states(n, fp32, dp=dp, zero_stage=2, offload="cpu")

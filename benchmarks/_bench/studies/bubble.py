@@ -1,20 +1,22 @@
-"""Pipeline bubbles and activation memory, measured: each rank's busy and idle time per step under the four
-schedules next to the textbook bubble ``bubble_fraction(schedule, p, m, v)``, the peak number of micro-batches
-in flight per rank (and the peak bytes autograd keeps saved for backward), and the step time against one process on
-the same global batch.
+"""``--study bubble``: pipeline bubbles and activation memory, measured: each rank's busy and idle time per step
+under the four schedules next to the textbook bubble ``bubble_fraction(schedule, p, m, v)``, the peak number of
+micro-batches in flight per rank (and the peak bytes autograd keeps saved for backward), and the step time against one
+process on the same global batch. Writes ``bubble.md``, ``bubble.json`` (every rank, every step) and ``bubble.png``
+(measured idle fraction against the formula).
 
-    python scripts/bench_pipeline.py [--layers 8 --hidden 128 --heads 4 --seq 64 --batch 32 --steps 6]
-    python scripts/bench_pipeline.py --quick                       # p=2 only, m in {p, 2p}, 2 timed steps
-    python scripts/bench_pipeline.py --json bubble.json --plot docs/img/pipeline_bubble.png
+    python benchmarks/bench.py --study bubble [--layers 8 --hidden 128 --heads 4 --seq 64 --batch 32 --steps 6]
+    python benchmarks/bench.py --study bubble --quick            # p=2 only, m in {p, 2p}, 2 timed steps
+    python benchmarks/bench.py --study bubble --pp 2 --m-factors 1,2,4,8 --schedules 1f1b,interleaved_1f1b
 
 No Lightning: the reference GPT is cut with ``plan_stages`` + ``prune_to`` and run by ``PipelineRunner`` on gloo
-ranks forked by ``run_distributed`` (one thread per rank: a "device" is one core), AdamW after each step.
-Schedules: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (v=2 chunks per rank), ``zero_bubble`` (v=1); p = 2 and 4;
-m in {p, 2p, 4p} micro-batches of one fixed global batch (combinations ``check_micro_batches`` refuses are skipped
-with a note). Each configuration runs one untimed warm-up step (torch's shape inference), ``--steps`` timed steps
-and one more step that only measures saved-activation bytes (its hooks cost time, so it is not timed).
+ranks forked by ``run_distributed`` (``--threads`` per rank, default one: a "device" is one core), AdamW after
+each step. Schedules: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (v=2 chunks per rank), ``zero_bubble`` (v=1); p = 2
+and 4; m in {p, 2p, 4p} micro-batches of one fixed global batch (``--pp``, ``--m-factors``, ``--schedules``;
+combinations ``check_micro_batches`` refuses are skipped with a note). Each configuration runs one untimed warm-up
+step (torch's shape inference), ``--steps`` timed steps and one more step that only measures saved-activation bytes
+(its hooks cost time, so it is not timed).
 
-Busy time: this script wraps torch's ``PipelineStage.forward_one_chunk``, ``backward_one_chunk`` and
+Busy time: this study wraps torch's ``PipelineStage.forward_one_chunk``, ``backward_one_chunk`` and
 ``backward_weight_one_chunk`` (and the loss function, which the schedules call outside them) with
 ``time.perf_counter`` accumulators; a step's wall time is the rank's ``train_step`` from a common start (a barrier);
 idle = wall - busy (waiting for p2p messages, the schedule's own bookkeeping, the loss broadcast). In flight:
@@ -58,6 +60,10 @@ from lightning_parallel.parallel.pipeline import (
 from lightning_parallel.testing import run_distributed
 
 SCHEDULE_CHUNKS: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1}
+PRESETS: dict[str, dict[str, Any]] = {  # over the table's presets: enough layers for p x v = 8 stages
+    "default": dict(layers=8, hidden=128, heads=4, seq=64, vocab=256, batch=32, steps=6),
+    "quick": dict(layers=8, hidden=128, heads=4, seq=64, vocab=256, batch=32, steps=2),
+}
 CONTENDED = 0.9  # busy cpu/wall below this without oversubscription: other processes took the cores
 PATCHED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -372,32 +378,17 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8, help="transformer blocks (>= p x v - 2 stages' worth)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32, help="global batch (split into m micro-batches)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
-    parser.add_argument("--worlds", default="2,4", help="comma-separated pipeline sizes p")
-    parser.add_argument("--m-factors", default="1,2,4", help="micro-batch counts m as multiples of p")
-    parser.add_argument("--schedules", default=",".join(SCHEDULE_CHUNKS), help="comma-separated schedules")
-    parser.add_argument("--quick", action="store_true", help="p=2 only, m in {p, 2p}, 2 timed steps")
-    parser.add_argument("--json", metavar="PATH", help="write the raw numbers (every rank, every step) here")
-    parser.add_argument("--plot", metavar="PATH.png", help="draw measured idle fraction vs the formula here")
-    a = parser.parse_args()
-    if a.quick:
-        a.worlds, a.m_factors, a.steps = "2", "1,2", 2
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    worlds = [int(w) for w in a.worlds.split(",")]
-    factors = [int(f) for f in a.m_factors.split(",")]
-    schedules = a.schedules.split(",")
+def run(a: argparse.Namespace, folder: Path, header: str) -> int:
+    """The sweep over ``--pp`` x ``--schedules`` x ``--m-factors``: ``bubble.md``, ``bubble.json``, ``bubble.png``."""
+    worlds = a.pp or ([2] if a.quick else [2, 4])
+    factors = a.m_factors or ([1, 2] if a.quick else [1, 2, 4])
+    schedules = a.schedules.split(",") if a.schedules else list(SCHEDULE_CHUNKS)
     unknown = sorted(set(schedules) - set(SCHEDULE_CHUNKS))
     if unknown:
-        parser.error(f"unknown schedule(s) {unknown}; choose from {list(SCHEDULE_CHUNKS)}")
+        print(f"bench.py: error: --schedules: unknown {unknown}; choose from {list(SCHEDULE_CHUNKS)}")
+        return 2
+    torch.set_num_threads(a.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     cfg = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch", "steps")}
     cores = os.cpu_count() or 1
 
@@ -446,39 +437,38 @@ def main() -> None:
         row["flag"] = not row["oversubscribed"] and row["busy_cpu_over_wall"] < CONTENDED
 
     before, after = base_runs
-    print(f"\none process (whole model, whole batch, one thread): step {1000 * base_s:.0f} ms (mean of a run before "
-          f"the sweep, {1000 * before['step_s']:.0f} ms at cpu/wall {before['cpu_over_wall']:.2f}, and after it, "
-          f"{1000 * after['step_s']:.0f} ms at cpu/wall {after['cpu_over_wall']:.2f}; each the median of its steps), "
-          f"saved activations peak {before['saved_bytes_peak'] / 2**20:.1f} MiB\n")
-    print(_table(rows, base_s))
-    print(f"\nstep = barrier-to-end of train_step + AdamW, max over ranks, median of {a.steps} steps; vs 1 process = "
-          "one-process step time / pipeline step time (> 1: faster). idle = 1 - busy / train_step wall per rank; "
-          "busy = time inside forward_one_chunk / backward_one_chunk / backward_weight_one_chunk / loss; busy "
-          "cpu/wall = thread CPU time over wall time inside them (< 1: the rank was descheduled while computing). "
-          "formula = bubble_fraction(schedule, p, m, v): equal stages, no communication or schedule overhead.")
+    lines = [header, "", f"GPT {a.layers} x {a.hidden} ({psi:,} parameters), vocab {a.vocab}, global batch {a.batch} x "
+             f"seq {a.seq}, fp32 AdamW; 1 warm-up + {a.steps} timed steps per configuration; {cores} cores, "
+             f"{a.threads} thread(s) per rank.", "",
+             f"One process (whole model, whole batch): step {1000 * base_s:.0f} ms (mean of a run before the sweep, "
+             f"{1000 * before['step_s']:.0f} ms at cpu/wall {before['cpu_over_wall']:.2f}, and after it, "
+             f"{1000 * after['step_s']:.0f} ms at cpu/wall {after['cpu_over_wall']:.2f}; each the median of its "
+             f"steps), saved activations peak {before['saved_bytes_peak'] / 2**20:.1f} MiB.", "",
+             _table(rows, base_s), "",
+             f"step = barrier-to-end of train_step + AdamW, max over ranks, median of {a.steps} steps; vs 1 process = "
+             "one-process step time / pipeline step time (> 1: faster). idle = 1 - busy / train_step wall per rank; "
+             "busy = time inside forward_one_chunk / backward_one_chunk / backward_weight_one_chunk / loss; busy "
+             "cpu/wall = thread CPU time over wall time inside them (< 1: the rank was descheduled while computing). "
+             "formula = bubble_fraction(schedule, p, m, v): equal stages, no communication or schedule overhead."]
     if any(r["oversubscribed"] for r in rows):
-        print(f"* oversubscribed: p={max(worlds)} single-threaded ranks share {cores} cores, so their compute "
-              "stretches while other ranks run: those step times and busy/idle splits are contended, not what p "
-              "devices would show.")
+        lines.append(f"\n* oversubscribed: p={max(worlds)} ranks share {cores} cores, so their compute stretches while "
+                     "other ranks run: those step times and busy/idle splits are contended, not what p devices would "
+                     "show.")
     if any(r["flag"] for r in rows):
-        print(f"+ contended by other processes: busy cpu/wall < {CONTENDED} with no more ranks than cores (load "
-              f"average {load:.2f} at start, {load_end:.2f} at the end): this machine was shared during those runs.")
-    for note in notes:
-        print(f"note: {note}")
-    print(f"\nwall time of the sweep: {elapsed:.0f} s")
-    if a.json:
-        path = Path(a.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"args": vars(a), "cores": cores, "parameters": psi, "one_process": base_runs,
-                                    "one_process_step_s": base_s, "configs": rows, "notes": notes,
-                                    "elapsed_s": elapsed, "load_average": [load, load_end]}, indent=1))
-        print(f"json: {path}")
-    if a.plot:
-        title = (f"pipeline bubble, measured vs formula: GPT {a.layers} x {a.hidden}, batch {a.batch} x {a.seq}\n"
-                 f"gloo on {cores} CPU cores, one thread per rank")
-        _plot(rows, Path(a.plot), title)
-        print(f"plot: {a.plot}")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"\n+ contended by other processes: busy cpu/wall < {CONTENDED} with no more ranks than cores "
+                     f"(load average {load:.2f} at start, {load_end:.2f} at the end): this machine was shared during "
+                     "those runs.")
+    lines += [f"\nnote: {note}" for note in notes]
+    lines.append(f"\nWall time of the sweep: {elapsed:.0f} s.\n")
+    text = "\n".join(lines)
+    print(f"\n{text}")
+    (folder / "bubble.md").write_text(text)
+    (folder / "bubble.json").write_text(json.dumps({
+        "header": header, "args": vars(a), "cores": cores, "parameters": psi, "one_process": base_runs,
+        "one_process_step_s": base_s, "configs": rows, "notes": notes, "elapsed_s": elapsed,
+        "load_average": [load, load_end]}, indent=1, default=str))
+    title = (f"pipeline bubble, measured vs formula: GPT {a.layers} x {a.hidden}, batch {a.batch} x {a.seq}\n"
+             f"gloo on {cores} CPU cores, {a.threads} thread(s) per rank")
+    _plot(rows, folder / "bubble.png", title)
+    print(f"[bench] wrote {folder / 'bubble.md'}, {folder / 'bubble.json'}, {folder / 'bubble.png'}")
+    return 0

@@ -1,8 +1,12 @@
-"""ZeRO-offload bench: per-rank bytes of parameters, gradients and optimizer state on the device vs the host, next to
+"""``--study offload``: per-rank bytes of parameters, gradients and optimizer state on the device vs the host, next to
 the formulas, and step time relative to no offload, for the reference GPT at a few sizes (2 gloo ranks on CPU).
+Writes ``offload.md`` and ``offload.json``.
 
-    python scripts/bench_offload.py                 # the table (markdown) on 2 CPU ranks
-    python scripts/bench_offload.py --largest       # on a CUDA GPU: the largest GPT that trains, with/without offload
+    python benchmarks/bench.py --study offload                   # the table on 2 CPU ranks, three GPT sizes
+    python benchmarks/bench.py --study offload --quick           # the smallest size only
+    python benchmarks/bench.py --study offload --layers 4 --hidden 256   # one size
+    python benchmarks/bench.py --study offload --device cuda     # one CUDA GPU: the largest GPT that trains,
+                                                                 # with and without offload
 
 Measured from the engine's structures (``lightning_parallel.parallel.offload.accounting``), after 3 optimizer steps,
 fp32 training (DeepSpeed keeps an fp32 master partition even then: 4 + 4 + (4 + 8) bytes per parameter of weight,
@@ -17,14 +21,12 @@ measures CPU Adam + the partition copies against torch AdamW on the same cores, 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_parallel.models import GPT
 from lightning_parallel.parallel.offload import OffloadEngineConfig, build_engine, ensure_ops, required_ops
@@ -33,7 +35,8 @@ from lightning_parallel.planner.memory import model_states
 from lightning_parallel.planner.settings import StateBytes
 from lightning_parallel.testing.distributed import run_distributed
 
-SIZES = [(2, 64), (4, 128), (4, 256)]  # (n_layer, n_embd)
+SIZES = [(2, 64), (4, 128), (4, 256)]  # (n_layer, n_embd); --layers or --hidden: that one size
+PRESETS: dict[str, dict[str, Any]] = {}
 LAYOUTS = [(2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")]
 FP32_DEEPSPEED = StateBytes(param=4, grad=4, optimizer=12)
 STEPS, BATCH, BLOCK = 3, 4, 64
@@ -98,14 +101,16 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def table(world: int = 2) -> str:
+def table(sizes: list[tuple[int, int]], world: int = 2) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown table and its records, one per size and layout."""
     ensure_ops(required_ops(accelerator="cpu", offload_optimizer="cpu", offload_param="none"))
+    records: list[dict[str, Any]] = []
     lines = [
         "| GPT (layers x width) | params | ZeRO | offload | device MB: P / G / O = total | host MB: P / G / O = total "
         "| formula device / host MB | DeepSpeed estimator device / host MB (mixed prec.) | step time vs no offload |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n_layer, n_embd in SIZES:
+    for n_layer, n_embd in sizes:
         model = GPT(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=BLOCK, vocab_size=256)
         n_params = sum(p.numel() for p in model.parameters())
         largest = max(p.numel() for p in model.parameters())
@@ -122,7 +127,10 @@ def table(world: int = 2) -> str:
                 f" | {_mb(f_dev)} / {_mb(f_host)} | {_mb(e_dev)} / {_mb(e_host)} | "
                 f"{r['step_s'] / base[r['stage']]:.2f}x ({r['step_s'] * 1e3:.0f} ms) |"
             )
-    return "\n".join(lines)
+            records.append({"layers": n_layer, "hidden": n_embd, "params": n_params, **r, "formula_device": f_dev,
+                            "formula_host": f_host, "deepspeed_device": e_dev, "deepspeed_host": e_host,
+                            "vs_no_offload": r["step_s"] / base[r["stage"]]})
+    return "\n".join(lines), records
 
 
 def largest_on_gpu() -> str:
@@ -157,14 +165,19 @@ def largest_on_gpu() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--largest", action="store_true", help="on a CUDA GPU: the largest GPT that trains")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    print(largest_on_gpu() if args.largest else table())
+def run(a: argparse.Namespace, folder: Path, header: str) -> int:
+    """CPU: the table (``offload.md``, ``offload.json``); ``--device cuda``: the largest GPT on one GPU."""
+    torch.set_num_threads(a.threads)
+    if a.device == "cuda":
+        text, records = largest_on_gpu(), []
+    else:
+        given = set(a.given) & {"layers", "hidden"}
+        sizes = [(a.layers, a.hidden)] if given else SIZES[:1] if a.quick else SIZES
+        text, records = table(sizes)
+    text = f"{header}\n\n{text}\n"
+    print(text)
+    (folder / "offload.md").write_text(text)
+    (folder / "offload.json").write_text(json.dumps({"header": header, "device": a.device, "rows": records},
+                                                    indent=1))
+    print(f"[bench] wrote {folder / 'offload.md'}, {folder / 'offload.json'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

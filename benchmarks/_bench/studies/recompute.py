@@ -1,10 +1,11 @@
-"""Activation-checkpointing bench: the bytes one training step keeps for backward, measured, under
-``activation_checkpointing`` none / selective / full, next to the planner's prediction, for the reference GPT at a few
-sizes (CPU, fp32, one process).
+"""``--study recompute``: the bytes one training step keeps for backward, measured, under ``activation_checkpointing``
+none / selective / full, next to the planner's prediction, for the reference GPT at a few sizes (CPU, fp32, one
+process).
 
-    python scripts/bench_activation_checkpointing.py            # the tables (markdown)
-    python scripts/bench_activation_checkpointing.py --quick    # the smallest size only
-    python scripts/bench_activation_checkpointing.py --time     # + step time vs none (on a quiet machine)
+    python benchmarks/bench.py --study recompute            # the tables (recompute.md)
+    python benchmarks/bench.py --study recompute --quick    # the smallest size only
+    python benchmarks/bench.py --study recompute --time     # + step time vs none (on a quiet machine)
+    python benchmarks/bench.py --study recompute --layers 4 --hidden 256 --heads 8 --seq 256 --batch 4   # one size
 
 Measured: :func:`lightning_parallel.parallel.activation_checkpointing.saved_activation_bytes` -- the distinct
 storages autograd saves for backward during one forward (``torch.autograd.graph.saved_tensors_hooks``), parameters
@@ -43,15 +44,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.models import GPT
@@ -60,9 +59,10 @@ from lightning_parallel.planner.activations import activation_bytes, layer_activ
 from lightning_parallel.planner.model import ModelShape, ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 
-# (n_layer, n_embd, n_head, seq_len, micro_batch)
+# (n_layer, n_embd, n_head, seq_len, micro_batch); any of --layers, --hidden, --heads, --seq, --batch: that one size
 SIZES = [(4, 128, 4, 128, 4), (4, 256, 8, 256, 4), (2, 512, 8, 512, 2)]
 VOCAB = 256
+PRESETS: dict[str, dict[str, Any]] = {}
 MODES = ("none", "selective", "full")
 E = 4  # fp32
 
@@ -118,17 +118,17 @@ def _step(model: GPT, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def measure(n_layer: int, h: int, a: int, s: int, b: int, dropout: float, *, rss: bool,
-            timing: bool) -> dict[str, dict[str, Any]]:
+            timing: bool, vocab: int = VOCAB) -> dict[str, dict[str, Any]]:
     """For each mode: the saved-tensor count (whole step and per layer), the RSS growth and the best step time
     (the three modes' steps interleaved, so that load from other processes hits them alike)."""
     models = {}
     for mode in MODES:
         torch.manual_seed(0)
-        models[mode] = GPT(n_layer=n_layer, n_head=a, n_embd=h, block_size=s, vocab_size=VOCAB, dropout=dropout)
+        models[mode] = GPT(n_layer=n_layer, n_head=a, n_embd=h, block_size=s, vocab_size=vocab, dropout=dropout)
         apply_activation_checkpointing(models[mode], mode)
         models[mode].train()
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
+    x, y = torch.randint(0, vocab, (b, s), generator=g), torch.randint(0, vocab, (b, s), generator=g)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(6 if timing else 0):
         for mode in MODES:
@@ -157,20 +157,24 @@ def measure(n_layer: int, h: int, a: int, s: int, b: int, dropout: float, *, rss
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the smallest size only")
-    parser.add_argument("--time", action="store_true", help="also time a step (meaningful on an idle machine)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def _sizes(args: argparse.Namespace) -> list[tuple[int, int, int, int, int]]:
+    if set(args.given) & {"layers", "hidden", "heads", "seq", "batch"}:
+        return [(args.layers, args.hidden, args.heads, args.seq, args.batch)]
+    return SIZES[:1] if args.quick else SIZES
+
+
+def run(args: argparse.Namespace, folder: Path, header: str) -> int:
+    """The two tables (per block, whole step) into ``recompute.md``, every figure into ``recompute.json``."""
+    torch.set_num_threads(args.threads)
     rss = _pin_mmap_threshold() and Path("/proc/self/statm").exists()
-    sizes = SIZES[:1] if args.quick else SIZES
     per_block, whole = [], []
-    for n_layer, h, a, s, b in sizes:
+    records: list[dict[str, Any]] = []
+    vocab = args.vocab
+    for n_layer, h, a, s, b in _sizes(args):
         for dropout in (0.0, 0.1):
             fused = _fused_attention(a, s, b, h, dropout)
             label = f"L={n_layer} h={h} a={a} s={s} b={b}"
-            measured = measure(n_layer, h, a, s, b, dropout, rss=rss, timing=args.time)
+            measured = measure(n_layer, h, a, s, b, dropout, rss=rss, timing=args.time, vocab=vocab)
             base_time = measured["none"]["time"]
             for mode in MODES:
                 m = measured[mode]
@@ -181,7 +185,7 @@ def main() -> None:
                     f"| {label} | {dropout} | {'fused' if fused else 'math'} | {mode} | {m['block']:,} | {planner:,} "
                     f"| {m['block'] / planner:.3f} | {cpu:,} | {m['block'] / cpu:.4f} |"
                 )
-                shape = ModelShape(n_layer=n_layer, n_embd=h, n_head=a, vocab_size=VOCAB, block_size=s,
+                shape = ModelShape(n_layer=n_layer, n_embd=h, n_head=a, vocab_size=vocab, block_size=s,
                                    dropout=dropout)
                 training = TrainingSettings(precision="fp32", micro_batch_size=b, seq_len=s,
                                             activation_checkpointing=mode)  # type: ignore[arg-type]
@@ -194,19 +198,24 @@ def main() -> None:
                     f"| {grown} | {saved['embed']:,} / {saved['head']:,} / {saved['other']:,} |"
                     + (f" {m['time'] / base_time:.2f}x |" if args.time else "")
                 )
-    print("Per block (a middle one), bytes kept for backward, fp32:\n")
-    print("| model | dropout | SDPA kernel | recompute | measured | planner | measured/planner | CPU formula "
-          "| measured/CPU formula |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    print("\n".join(per_block))
-    print("\nWhole step (embedding, blocks, head, loss), bytes kept for backward:\n")
-    print("| model | dropout | recompute | measured | planner activation_bytes | measured/planner | RSS growth "
-          "| embed / head / loss |" + (" step time vs none |" if args.time else ""))
-    print("|---|---|---|---:|---:|---:|---:|---|" + ("---:|" if args.time else ""))
-    print("\n".join(whole))
-    print(NOTES)
-    print(f"torch {torch.__version__}, 1 thread, RSS check {'on' if rss else 'off (not glibc / no /proc)'}.")
-
-
-if __name__ == "__main__":
-    main()
+                records.append({"layers": n_layer, "hidden": h, "heads": a, "seq": s, "batch": b, "vocab": vocab,
+                                "dropout": dropout, "sdpa": "fused" if fused else "math", "mode": mode,
+                                "block": m["block"], "block_planner": planner, "block_cpu_formula": cpu,
+                                "step": saved, "step_planner": total, "rss_growth": m["rss"],
+                                "time_vs_none": m["time"] / base_time if args.time else None})
+    text = "\n".join([
+        header, "", "Per block (a middle one), bytes kept for backward, fp32:", "",
+        "| model | dropout | SDPA kernel | recompute | measured | planner | measured/planner | CPU formula "
+        "| measured/CPU formula |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|", *per_block, "",
+        "Whole step (embedding, blocks, head, loss), bytes kept for backward:", "",
+        "| model | dropout | recompute | measured | planner activation_bytes | measured/planner | RSS growth "
+        "| embed / head / loss |" + (" step time vs none |" if args.time else ""),
+        "|---|---|---|---:|---:|---:|---:|---|" + ("---:|" if args.time else ""), *whole, NOTES,
+        f"torch {torch.__version__}, {args.threads} thread(s), RSS check "
+        f"{'on' if rss else 'off (not glibc / no /proc)'}.", ""])
+    print(text)
+    (folder / "recompute.md").write_text(text)
+    (folder / "recompute.json").write_text(json.dumps({"header": header, "rows": records}, indent=1))
+    print(f"[bench] wrote {folder / 'recompute.md'}, {folder / 'recompute.json'}")
+    return 0

@@ -1,0 +1,87 @@
+"""The command line of ``benchmarks/bench.py``: the table's options and those of the studies."""
+
+from __future__ import annotations
+
+import argparse
+
+from .cases import CASES, DEFAULT_DP, PRESETS, ROLES, SIZE_KEYS, expand
+from .studies import STUDIES, load_study
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers, each at least 1")
+    return values
+
+
+def parse_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.py", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small GPT, few steps")
+    size.add_argument("--large", action="store_true", help="a GPT that fills most of a GPU (CUDA)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, out of {','.join(CASES)}")
+    p.add_argument("--roles", default=",".join(ROLES), help="ours,torch,lightning (ours is always run)")
+    for key in SIZE_KEYS:
+        p.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
+    p.add_argument("--dp", type=_ints, default=[DEFAULT_DP], metavar="N[,N...]",
+                   help="data-parallel sizes of the data-parallel-only cases (dp, ddp, zero1-3, offload), each run "
+                        f"once per size (default {DEFAULT_DP}; e.g. 1,2,4 for their scaling)")
+    p.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches (pp, hybrid)")
+    p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank")
+    p.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
+                   help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
+    p.add_argument("--out", help="output folder (default benchmarks/<date>)")
+    p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
+    p.add_argument("--render", metavar="RESULTS_JSON",
+                   help="write the markdown table and the plots again from a results.json; run nothing")
+    s = p.add_argument_group("studies", "what the table does not show, one question each (--cases, --roles and "
+                             "--dp do not apply; the size options do, over the study's own defaults)")
+    s.add_argument("--study", choices=list(STUDIES),
+                   help="; ".join(f"{name}: {what}" for name, what in STUDIES.items()))
+    s.add_argument("--time", action="store_true", help="recompute: also time a step against `none` (idle machine)")
+    s.add_argument("--pp", type=_ints, metavar="P[,P...]", help="bubble: pipeline sizes (default 2,4; --quick 2)")
+    s.add_argument("--m-factors", type=_ints, metavar="F[,F...]",
+                   help="bubble: micro-batch counts as multiples of p (default 1,2,4; --quick 1,2)")
+    s.add_argument("--schedules", help="bubble: comma-separated schedules (default all four)")
+    a = p.parse_args(argv)
+    preset_name = "quick" if a.quick else "large" if a.large else "default"
+    preset = dict(PRESETS[preset_name])
+    if a.study is not None:
+        preset.update(load_study(a.study).PRESETS.get(preset_name, {}))
+    a.given = [key for key in SIZE_KEYS if getattr(a, key) is not None]
+    for key, value in preset.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.hidden % a.heads:
+        p.error(f"--hidden {a.hidden} must be divisible by --heads {a.heads}.")
+    if a.study is not None:
+        if a.profile is not None or a.render is not None:
+            p.error("--study runs on its own: without --profile or --render.")
+        if a.large and a.device == "cpu":
+            p.error("--large is sized for GPUs; use it with --device cuda.")
+        return a
+    a.cases = [c for c in a.cases.split(",") if c]
+    unknown = [c for c in a.cases if c not in CASES]
+    if unknown:
+        p.error(f"--cases {','.join(unknown)}: unknown; the cases are {', '.join(CASES)}.")
+    a.roles = ["ours", *[r for r in a.roles.split(",") if r and r != "ours"]]
+    if any(r not in ROLES for r in a.roles):
+        p.error(f"--roles {','.join(a.roles)}: out of {', '.join(ROLES)}.")
+    if a.reps < 3 and a.profile is None:
+        p.error(f"--reps {a.reps}: at least 3 (the table reports medians of interleaved repetitions).")
+    if a.profile is not None and a.profile not in CASES:
+        p.error(f"--profile {a.profile}: unknown; the cases are {', '.join(CASES)}.")
+    for case in expand(a.cases, a.dp):
+        if a.batch % case.dp or (case.pp > 1 and (a.batch // case.dp) % a.micro_batches):
+            p.error(f"--batch {a.batch}: case {case.name} needs it divisible by dp={case.dp}"
+                    + (f" and the per-dp batch by --micro-batches {a.micro_batches}" if case.pp > 1 else "") + ".")
+    if a.device == "cpu" and a.large:
+        p.error("--large is sized for GPUs; use it with --device cuda.")
+    return a

@@ -1,0 +1,292 @@
+"""The formulas next to the measurements, the rows of the table, ``results.md`` and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.parallel.zero.comm import ring_bytes
+
+from .cases import CASES, Case, lightning_name
+
+
+def _local_params(a: argparse.Namespace, case: Case) -> int:
+    """Parameters of the busiest pipeline stage on one tp rank, before any dp sharding (the formulas' Psi): the
+    planner's count for the GPT's shape."""
+    from lightning_parallel.models import GPT
+    from lightning_parallel.planner.detect import model_spec_from_module
+
+    with torch.device("meta"):
+        model = GPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab)
+    spec, _ = model_spec_from_module(model)
+    return spec.params_per_device(pp=case.pp, tp=case.tp)
+
+
+def _stage_layers(a: argparse.Namespace, case: Case) -> list[tuple[int, bool, bool]]:
+    """(blocks, has the embedding, has the head) of each pipeline stage."""
+    from lightning_parallel.parallel.pipeline import stage_ranges
+
+    n = a.layers + 2
+    return [(len([i for i in range(start, stop) if 0 < i < n - 1]), start == 0, stop == n)
+            for start, stop in stage_ranges(n, case.pp)]
+
+
+def states_formula(a: argparse.Namespace, case: Case) -> int:
+    """Model-state bytes of the busiest rank by the ZeRO paper's formulas (fp32 AdamW: 4 + 4 + 8 per parameter)."""
+    from lightning_parallel.planner.memory import model_states
+    from lightning_parallel.planner.settings import StateBytes
+
+    if case.key == "dp":
+        return 0
+    n = _local_params(a, case)
+    s = model_states(n, StateBytes(param=4, grad=4, optimizer=8), dp=case.dp, zero_stage=case.zero,
+                     offload=case.offload)
+    return s.device + s.host
+
+
+def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
+    """Bytes one rank sends per step by axis (ring model): the technique's textbook figure."""
+    out: dict[str, float] = {}
+    psi = _local_params(a, case) * 4
+    d, b, s, h = case.dp, a.batch // case.dp, a.seq, a.hidden
+    if d > 1 and case.key == "dp":  # lp_dp, through device 0: the weights out to and the gradients back from each of
+        # the N-1 other replicas, and their share of the token ids (inputs and targets, int64); the outputs and the
+        # loss gradient sent back are a few bytes each (docs/formulas.md, "DP versus DDP")
+        out["dp"] = 2 * (d - 1) * psi + (d - 1) / d * a.batch * s * 8 * 2
+    elif d > 1:
+        factor = 3 if case.zero == 3 else 2  # ZeRO-3: all-gather forward + backward, reduce-scatter; else 2 Psi
+        out["dp"] = factor * (d - 1) / d * psi
+    if case.tp > 1:  # per micro-batch on each stage, x = (t-1)/t (b/m) s h 4; the busiest stage
+        m = a.micro_batches if case.pp > 1 else 1
+        x = (case.tp - 1) / case.tp * (b // m) * s * h * 4
+        loss = 3 * ring_bytes("all_reduce", full_bytes=(b // m) * s * 4, world_size=case.tp)
+        stages = []
+        for blocks, embed, head in _stage_layers(a, case):
+            stages.append(8 * blocks * x + (2 * x if embed else 0.0) + (2 * x + loss if head else 0.0))
+        out["tp"] = m * max(stages)
+    if case.pp > 1:  # each micro-batch's activation forward, its gradient backward: b s h 4 per step each way
+        out["pp"] = float(b * s * h * 4)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(a: argparse.Namespace, case: Case, reps: list[dict[str, dict[str, Any]]],
+              counted: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per role: medians, paired ratios, memory and traffic."""
+    rows = []
+    roles = [r for r in reps[0] if "error" not in reps[0][r]] if reps else []
+    for role in reps[0] if reps else []:
+        row: dict[str, Any] = {"case": case.name, "key": case.key, "dp": case.dp, "title": case.title, "role": role}
+        runs = [rep[role] for rep in reps]
+        failed = next((r for r in runs if "error" in r), None)
+        if failed is not None:
+            row["error"] = failed["error"].strip().splitlines()[-1][:300]
+            row["error_full"] = failed["error"]
+            rows.append(row)
+            continue
+        per_rep = [median(run["ranks"][0]["step_s"]) for run in runs]
+        row["step_s_reps"] = per_rep
+        row["step_s"] = median(per_rep)
+        row["tokens_per_s"] = a.batch * a.seq / row["step_s"]
+        row["cpu_s"] = median([median(run["ranks"][0]["cpu_s"]) for run in runs])
+        for anchor in ("torch", "lightning"):
+            if anchor == role or role != "ours" or anchor not in roles:
+                continue
+            for key, prefix in (("step_s", "x"), ("cpu_s", "cpu_x")):  # paired: the same repetition's runs
+                ratios = [median(run["ranks"][0][key]) / median(rep[anchor]["ranks"][0][key])
+                          for run, rep in zip(runs, reps, strict=True)]
+                row[f"{prefix}_{anchor}"] = median(ratios)
+                row[f"{prefix}_{anchor}_reps"] = ratios
+        ranks = runs[-1]["ranks"]
+        last_pp = case.pp - 1
+        losses = [r["losses"] for r in ranks if r["coords"][1] == last_pp and r["coords"][2] == 0]
+        steps = len(losses[0]) if losses else 0
+        row["losses"] = [sum(ls[i] for ls in losses) / len(losses) for i in range(steps)] if losses else []
+        row["peak_bytes"] = max(r["peak_bytes"] for r in ranks)
+        if a.device == "cpu":
+            row["peak_growth_bytes"] = max(r["peak_bytes"] - r["start_bytes"] for r in ranks)
+        count = counted.get(role)
+        if count is not None and "error" not in count:
+            states = [sum(r["states"].values()) for r in count["ranks"] if r.get("states")]
+            row["states_bytes"] = max(states) if states else None
+            row["states_detail"] = max((r["states"] for r in count["ranks"] if r.get("states")),
+                                       key=lambda s: sum(s.values()), default=None)
+            comm: dict[str, float] = defaultdict(float)
+            for r in count["ranks"]:
+                for axis, v in r.get("comm", {}).items():
+                    comm[axis] = max(comm[axis], v)
+            row["comm"] = dict(comm)
+            row["comm_calls"] = count["ranks"][0].get("comm_calls", {})
+        elif count is not None:
+            row["count_error"] = count["error"].strip().splitlines()[-1][:300]
+        row["states_formula"] = states_formula(a, case)
+        row["comm_theory"] = comm_theory(a, case)
+        rows.append(row)
+    torch_row = next((r for r in rows if r["role"] == "torch" and "losses" in r), None)
+    for row in rows:
+        if torch_row is not None and row is not torch_row and row.get("losses"):
+            row["dloss"] = max(abs(x - y) for x, y in zip(row["losses"], torch_row["losses"], strict=False))
+    return rows
+
+
+def case_of(row: dict[str, Any]) -> Case:
+    """The case a row measured (rows written before ``--dp`` carry only the case's key)."""
+    case = CASES[row.get("key", row["case"])]
+    return case.with_dp(row["dp"]) if case.scalable and "dp" in row else case
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _comm_text(comm: dict[str, float]) -> str:
+    shown = [f"{axis} {v / 2**20:.2f}" for axis, v in sorted(comm.items()) if v > 0]
+    return ", ".join(shown) if shown else "0"
+
+
+def _ratio_text(row: dict[str, Any], anchor: str, prefix: str = "x") -> str:
+    """``1.013 (0.98-1.04)``: the median paired ratio and the range over repetitions."""
+    key = f"{prefix}_{anchor}"
+    if key not in row:
+        return "-"
+    reps = row.get(f"{key}_reps") or [row[key]]
+    return f"{row[key]:.3f} ({min(reps):.2f}-{max(reps):.2f})"
+
+
+def table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    memory = "peak RSS MB (growth)" if a.device == "cpu" else "peak alloc MB"
+    head = (f"| case | variant | step ms | x torch | x Lightning | CPU ms/step | CPU x torch | CPU x Lightning | "
+            f"tokens/s | states MB/rank (formula) | sent MB/step/rank by axis (theory) | {memory} | dloss vs torch |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        case = case_of(r)
+        name = {"ours": case.title, "torch": f"torch: {case.anchor}",
+                "lightning": f"Lightning `{lightning_name(case, a.device)}`"}[r["role"]]
+        if "error" in r:
+            lines.append(f"| {case.name} | {name} | failed: {r['error']} |" + " |" * 10)
+            continue
+        xt = _ratio_text(r, "torch")
+        xl = _ratio_text(r, "lightning") if "x_lightning" in r else ("-" if r["role"] != "ours" else
+                                                                     (case.lightning_missing or "-"))
+        theory = _comm_text(r["comm_theory"])
+        comm = _comm_text(r["comm"]) if "comm" in r else r.get("count_error", "-")
+        peak = f"{r['peak_bytes'] / 2**20:.0f}"
+        if "peak_growth_bytes" in r:
+            peak += f" ({r['peak_growth_bytes'] / 2**20:+.0f})"
+        dloss = f"{r['dloss']:.1e}" if "dloss" in r else "-"
+        formula = _mb(r["states_formula"]) if r["states_formula"] else "-"
+        cpu = f"{r['cpu_s'] * 1e3:.1f}" if "cpu_s" in r else "-"
+        lines.append(f"| {case.name} | {name} | {r['step_s'] * 1e3:.1f} | {xt} | {xl} | {cpu} | "
+                     f"{_ratio_text(r, 'torch', 'cpu_x')} | {_ratio_text(r, 'lightning', 'cpu_x')} | "
+                     f"{r['tokens_per_s']:.0f} | "
+                     f"{_mb(r.get('states_bytes'))} ({formula}) | {comm} ({theory}) | {peak} | {dloss} |")
+    return "\n".join(lines)
+
+
+def plots(a: argparse.Namespace, rows: list[dict[str, Any]], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ours = [r for r in rows if r["role"] == "ours" and "step_s" in r]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(ours))
+    for offset, anchor, colour in ((-0.2, "torch", "tab:blue"), (0.2, "lightning", "tab:orange")):
+        values = [r.get(f"x_{anchor}", math.nan) for r in ours]
+        ax.bar([x + offset for x in xs], values, width=0.4, color=colour,
+               label=f"library / {'hand-written torch' if anchor == 'torch' else 'Lightning built-in'}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.03, color="grey", lw=0.8, ls="--", label="+3%")
+    ax.set_xticks(list(xs), [r["case"] for r in ours])
+    ax.set_ylabel("step-time ratio (median of reps)")
+    ax.set_title(f"lightning-parallel vs anchors ({a.device}, GPT {a.layers}x{a.hidden}, batch {a.batch}x{a.seq})")
+    written.append(_save(fig, ax, folder / "step_time_ratios.png"))
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    measured = [r for r in rows if r.get("states_bytes")]
+    labels = [f"{r['case']}\n{r['role']}" for r in measured]
+    ax.bar(range(len(measured)), [r["states_bytes"] / 2**20 for r in measured], color="tab:green",
+           label="measured (busiest rank)")
+    ax.scatter(range(len(measured)), [r["states_formula"] / 2**20 for r in measured], color="black", marker="_",
+               s=400, label="ZeRO / Megatron formula", zorder=3)
+    ax.set_xticks(range(len(measured)), labels, fontsize=7)
+    ax.set_ylabel("model states per rank (MB)")
+    written.append(_save(fig, ax, folder / "memory_per_rank.png"))
+    return written
+
+
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+
+
+def split_text(prof: dict[str, Any]) -> str:
+    if "wall_ms" not in prof:
+        return "-"
+    calls = f"; {prof['aten_calls']:.0f} aten op calls/step" if "aten_calls" in prof else ""
+    return (f"{prof['wall_ms']:.1f} ms/step = compute {prof['compute_ms']:.1f} + collectives "
+            f"{prof['collectives_ms']:.1f} + other {prof['other_ms']:.1f}{calls}")
+
+
+
+def split_table(rows: list[dict[str, Any]]) -> str:
+    """Where the time goes, for the cases :func:`where_time_goes` profiled (ms per step, rank 0)."""
+    shown = [r for r in rows if "split" in r]
+    if not shown:
+        return ""
+    lines = ["| case | variant | profiled step ms | compute (aten ops) | collectives | other: Python, dispatch, "
+             "framework | other vs torch | aten op calls/step |", "|---|---|---|---|---|---|---|---|"]
+    for r in shown:
+        sp = r["split"]
+        torch_row = next((t for t in shown if t["case"] == r["case"] and t["role"] == "torch"), None)
+        delta = ("-" if torch_row is None or torch_row is r
+                 else f"{sp['other_ms'] - torch_row['split']['other_ms']:+.1f}")
+        calls = f"{sp['aten_calls']:.0f}" if "aten_calls" in sp else "-"
+        lines.append(f"| {r['case']} | {r['role']} | {sp['wall_ms']:.1f} | {sp['compute_ms']:.1f} | "
+                     f"{sp['collectives_ms']:.1f} | {sp['other_ms']:.1f} | {delta} | {calls} |")
+    return "\n".join(lines)
+
+
+def render(path: Path) -> None:
+    """The table and the plots of an earlier run, from its ``results.json`` (written next to it)."""
+    data = json.loads(path.read_text())
+    a = argparse.Namespace(**{**data["args"], "profile": None})
+    rows = data["rows"]
+    text = markdown(a, rows, data.get("header", ""), data.get("skipped", {}))
+    (path.parent / "results.md").write_text(text)
+    written = plots(a, rows, path.parent)
+    print(f"{text}\n[bench] wrote {path.parent / 'results.md'}, {', '.join(str(p) for p in written)}")
+
+
+def markdown(a: argparse.Namespace, rows: list[dict[str, Any]], header: str, skipped: dict[str, str]) -> str:
+    """``results.md``: the header, the table, where the time goes (cases above 3 %), the skipped cases."""
+    text = f"{header}\n\n{table(a, rows)}\n"
+    split = split_table(rows)
+    if split:
+        text += ("\nWhere the time goes, for the cases above 3 % (rank 0, torch.profiler over the timed steps of one "
+                 "more run of each variant; compute = self time of aten ops, collectives = c10d and functional "
+                 f"collective ops with their waits, other = the rest of the wall time):\n\n{split}\n")
+    if skipped:
+        text += "\n" + "\n".join(f"- {k}: skipped, {v}" for k, v in skipped.items()) + "\n"
+    return text
+
+

@@ -1,0 +1,23 @@
+"""The studies of ``benchmarks/bench.py --study NAME``: what the table does not show, one question each.
+
+Each module has ``PRESETS`` (its own default sizes per preset, under the command line's) and
+``run(a, folder, header) -> exit status``, which writes ``NAME.md`` and ``NAME.json`` into ``folder``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+STUDIES: dict[str, str] = {
+    "recompute": "bytes one step keeps for backward under activation checkpointing none / selective / full, measured "
+                 "next to the planner's formula (one process)",
+    "bubble": "each pipeline rank's idle time per schedule and micro-batch count next to the textbook bubble, with "
+              "the micro-batches in flight and the saved activations",
+    "offload": "ZeRO-2/3 with and without CPU offload: device and host bytes per rank next to the formulas, step "
+               "time against no offload (CUDA: the largest GPT that trains on one GPU)",
+}
+
+
+def load_study(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
