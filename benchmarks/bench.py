@@ -54,7 +54,7 @@ forked interpreter with torch and Lightning) and its growth over the start; CUDA
 
 **Scaling** (``--dp``): the data-parallel-only cases (dp, ddp, zero1-3, offload) run once per size given, each row
 named ``case-dpN`` unless N is 2 (``--dp 1`` runs them on one rank: with one GPU, the framework's cost on its own).
-lp_dp's exchanges through device 0 are counted by its engine (``ExchangeCounter``) on the counted step, as the
+lp_dp's exchanges through device 0 are counted by its engine (the library's ``CommCounter``) on the counted step, as the
 ``dp`` axis, next to the textbook figure (weights out and gradients back for each of N-1 replicas, and the inputs).
 
 **Output** (``--out``, default ``benchmarks/<date>``): ``results.json`` (every step time of every repetition),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_parallel.parallel.zero.comm import ring_bytes
+from lightning_parallel.parallel.counters import ring_bytes
 
 from .cases import CASES, Case, lightning_name
 

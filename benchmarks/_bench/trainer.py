@@ -21,6 +21,10 @@ def _probe(ctx: Ctx) -> Any:
         def __init__(self) -> None:
             self.timer = Timer(ctx)
 
+        def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+            if ctx.counter is not None and ctx.case.key == "dp":  # lp_dp counts its exchanges only when asked
+                trainer.strategy.count_communication()
+
         def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
             from torch.nn.parallel import DistributedDataParallel
 

@@ -299,11 +299,25 @@ class CommCounter:
                 originals.append((module, name, getattr(module, name, None)))
                 setattr(module, name, fn)
         try:
-            with _FunctionalCollectives(self) if functional else contextlib.nullcontext():
+            with self.functional() if functional else contextlib.nullcontext():
                 yield self
         finally:
             for module, name, fn in reversed(originals):
                 setattr(module, name, fn)
+
+    def functional(self) -> contextlib.AbstractContextManager[Any]:
+        """Count DTensor's functional collectives (tensor parallelism, ``loss_parallel``) while the block is open:
+        a ``TorchDispatchMode``, entered on the thread that runs them."""
+        return _FunctionalCollectives(self)
+
+    def by_axis_and_kind(self) -> dict[str, tuple[int, float]]:
+        """``"axis:kind"`` -> (calls, bytes), over every phase."""
+        out: dict[str, tuple[int, float]] = {}
+        with self._lock:
+            for (_, axis, kind), calls in self._calls.items():
+                c, b = out.get(f"{axis}:{kind}", (0, 0.0))
+                out[f"{axis}:{kind}"] = (c + calls, b + self._bytes[(_, axis, kind)])
+        return out
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         kind, arg, how = _WRAPPED[name]
