@@ -29,8 +29,7 @@ from typing_extensions import override
 from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
 from lightning_parallel.layouts import strategy_for_key
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
-
-from .watchdog import enable_fault_handler
+from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "check_data_modules",
            "clip_by_norm_replaced", "oversubscription_warning"]

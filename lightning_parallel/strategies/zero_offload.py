@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.parallel.faults import interrupts
 from lightning_parallel.parallel.offload import (
     LIBAIO_HELP,
     OFFLOAD_STATE_DIR,
@@ -66,7 +67,6 @@ from lightning_parallel.parallel.offload import (
 )
 from lightning_parallel.parallel.offload.config import check_nvme_folder
 
-from . import interrupts
 from .base import resolve_collective_timeout
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 

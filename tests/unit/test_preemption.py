@@ -15,7 +15,7 @@ import torch
 
 from lightning_parallel import LayoutError, LPDDPStrategy, ParallelConfig
 from lightning_parallel.cli import _resolve_last
-from lightning_parallel.strategies import interrupts
+from lightning_parallel.parallel.faults import interrupts
 from lightning_parallel.strategies.base import CPU_COLLECTIVE_TIMEOUT
 
 

@@ -103,7 +103,7 @@ def _pid_namespace() -> str:
     return " ".join(parts)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs on this host (a zombie -- dead, not yet reaped by its parent -- counts as gone)."""
     try:
         os.kill(pid, 0)
@@ -218,7 +218,7 @@ class RankWatchdog:
     def _dead_here(self, peers: list[_Peer]) -> list[_Peer]:
         """Peers on this host whose process no longer exists (no waiting: a pid look-up)."""
         dead = [p for p in peers
-                if p.namespace == self.namespace and p.pid is not None and not _process_alive(p.pid)]
+                if p.namespace == self.namespace and p.pid is not None and not process_alive(p.pid)]
         for p in dead:
             p.why = "its process no longer exists" + (
                 f"; it had stopped with {p.exit_reason}" if p.exit_reason and p.exit_reason != "finished" else "")
