@@ -134,3 +134,13 @@ def test_cpu_oversubscription_is_warned_about() -> None:
     assert oversubscription_warning(processes=2, device_type="cpu", cores=2) is None
     assert oversubscription_warning(processes=8, device_type="cuda", cores=2) is None
     assert oversubscription_warning(processes=8, device_type="cpu", cores=None) is None
+
+
+def test_schedule_names_have_one_source() -> None:
+    """config.SCHEDULES names every schedule once; the PipelineSchedule type (for the CLI and type checkers) agrees."""
+    from typing import get_args
+
+    from lightning_parallel.config import SCHEDULES, PipelineSchedule
+
+    assert tuple(SCHEDULES) == get_args(PipelineSchedule)
+    assert all(name == info.name for name, info in SCHEDULES.items())
