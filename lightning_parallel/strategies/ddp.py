@@ -83,12 +83,6 @@ class LPDDPStrategy(LayoutStrategy):
         """All-reduce calls and bytes per training step of this rank (filled with ``comm_hook="count"``)."""
 
     @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,), "zero_stage": (0,),
-                                  "offload": ("none",)},
-                         shape="replicates the whole model on every rank (layout (N, 1, 1, 0))")
-
-    @override
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """Fit: torch DDP over the dp group (its constructor broadcasts dp rank 0's weights). Otherwise: the module
         itself, with the replicas synced by one broadcast over ``dp``."""

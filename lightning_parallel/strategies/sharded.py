@@ -134,17 +134,9 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before spawning, what lp_sharded does not run: pp or tp > 1, offload, an explicit
-        ``zero_stage=0`` (plain data parallelism is ``lp_ddp``), fairscale stage 3."""
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,),
-                                  "offload": ("none",)},
-                         shape="shards the model over the dp axis only (layout (N, 1, 1, 1|2|3))")
-        if layout.zero_stage == 0:
-            raise LayoutError(
-                f"{self.strategy_name} shards the model over the dp axis (ZeRO stage 1, 2 or 3), but parallel."
-                "zero_stage=0 (no sharding). Fix: use strategy lp_ddp for plain data parallelism, or set zero_stage "
-                "to 1, 2 or 3 (or leave it unset: stage 2)."
-            )
+        """Refuse, before spawning, what lp_sharded does not run (its row of the layout table), and fairscale's
+        stage 3."""
+        super().check_layout(layout)
         if self._backend == "fairscale" and layout.zero_stage == 3:
             raise LayoutError(
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "

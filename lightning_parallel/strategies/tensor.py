@@ -143,17 +143,6 @@ class LPTensorStrategy(ComposedMixin, DCPCheckpointMixin, LayoutStrategy):
 
     # ------------------------------------------------------------------ the layout and the module
     @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "offload": ("none",)},
-                         shape="splits layers over tp and replicates them over dp (layout (N/t, 1, t, 0|1|3))")
-        if layout.zero_stage not in (None, 0, 1, 3):
-            raise LayoutError(
-                f"lp_tensor runs zero_stage 0 (gradient all-reduce over dp), 1 (ZeRO-1 on the local shards) or 3 "
-                f"(FSDP2 over dp x TP over tp), but parallel.zero_stage={layout.zero_stage}. Fix: zero_stage=1 "
-                "(same traffic as 2, the gradients stay whole) or 3."
-            )
-
-    @override
     def check_module(self, module: pl.LightningModule) -> None:
         """Before spawning: the layout's model rules, the plan hook (named, with a minimal plan), every plan key
         against the module, and each split dimension divisible by ``t``."""
