@@ -18,9 +18,9 @@ No Lightning import: the planner uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-from lightning_parallel.config import ParallelConfig
+from lightning_parallel.config import Offload, ParallelConfig
 
 __all__ = ["LAYOUT_KEYS", "LAYOUT_STRATEGIES", "LayoutStrategyEntry", "available_strategies", "entry", "refusal",
            "strategy_for", "strategy_for_key", "zero_and_offload"]
@@ -239,5 +239,5 @@ def zero_and_offload(*, pipeline: bool, tensor: bool) -> list[tuple[int, str]]:
     the layout (offload needs ZeRO 2 or 3) are :class:`ParallelConfig`'s."""
     rows = [e for e in LAYOUT_STRATEGIES if e.available and (e.pipeline or not pipeline) and (e.tensor or not tensor)]
     pairs = {(stage, offload) for e in rows for stage in e.stages for offload in e.offloads}
-    order = ("none", "cpu", "nvme")
+    order = get_args(Offload)
     return sorted(pairs, key=lambda pair: (order.index(pair[1]), pair[0]))
