@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.callbacks.zero_stats import ZeroStats  # its home is callbacks/; kept importable here
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.zero import (
     META_FILE,
@@ -68,7 +67,7 @@ from lightning_parallel.parallel.zero import (
 from .base import LayoutStrategy
 from .layout import clip_by_norm_replaced
 
-__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
+__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint"]
 
 ShardedBackend = Literal["native", "fairscale"]
 ShardedCheckpoint = Literal["full", "sharded"]
