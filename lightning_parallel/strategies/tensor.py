@@ -52,12 +52,6 @@ _MINIMAL_PLAN = ('def tensor_parallel_plan(self):\n'
                  '    return {"layers.*.fc1": "column", "layers.*.fc2": "row"}   # fc1 -> act -> fc2 per layer')
 
 
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def _is_parallelized(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
