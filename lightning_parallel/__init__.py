@@ -1,5 +1,5 @@
-"""lightning-parallel: DP, DDP, ZeRO (sharded DDP), ZeRO-offload and tensor parallelism for PyTorch Lightning; pipeline
-and hybrid parallelism are planned.
+"""lightning-parallel: DP, DDP, ZeRO (sharded DDP), ZeRO-offload, tensor, pipeline and hybrid (dp x pp x tp)
+parallelism for PyTorch Lightning, with a layout planner.
 
 Importing the package registers its strategies with Lightning (``Trainer(strategy="lp_ddp")``).
 """

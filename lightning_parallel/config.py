@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 __all__ = [
+    "SCHEDULES",
     "ActivationCheckpointing",
     "LayoutError",
     "MeshOrder",
     "Offload",
     "ParallelConfig",
     "PipelineSchedule",
+    "ScheduleInfo",
     "UserInputError",
     "ZeroStage",
+    "check_micro_batches",
     "check_model_compat",
     "unknown_key_message",
 ]
@@ -33,10 +36,57 @@ __all__ = [
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+"""The names of :data:`SCHEDULES` (a test checks that the two agree), as a type for the CLI and type checkers."""
 ActivationCheckpointing = Literal["none", "selective", "full"]
 MeshOrder = Literal["dp-pp-tp", "pp-dp-tp"]
 
 _SIZE_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """One schedule of ``parallel.pipeline_schedule``: the torch class that runs it and what it needs."""
+
+    name: str
+    torch_class: str
+    """Class name in ``torch.distributed.pipelining.schedules``."""
+    multi_stage: bool
+    """Takes a list of stages per rank (``virtual_pipeline_stages`` chunks), else exactly one."""
+    min_chunks: int
+    """Smallest ``virtual_pipeline_stages`` it runs with."""
+    stage_per_micro_batch: bool
+    """Keeps every stage busy only with at least one micro-batch per stage (``num_micro_batches >= p``)."""
+    what: str
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {s.name: s for s in (
+    ScheduleInfo("gpipe", "ScheduleGPipe", False, 1, False,
+                 "all m forwards, then all m backwards: m micro-batches of activations alive per stage"),
+    ScheduleInfo("1f1b", "Schedule1F1B", False, 1, True,
+                 "after a warm-up of p - rank forwards, one forward then one backward: at most p micro-batches of "
+                 "activations alive per stage, the same bubble as GPipe"),
+    ScheduleInfo("interleaved_1f1b", "ScheduleInterleaved1F1B", True, 2, True,
+                 "1F1B over v chunks per rank: the bubble shrinks v-fold, p2p traffic grows v-fold"),
+    ScheduleInfo("zero_bubble", "ScheduleInterleavedZeroBubble", True, 1, True,
+                 "1F1B with each backward split into the input gradient (on the critical path) and the weight "
+                 "gradient (deferred into the bubbles)"),
+)}
+"""Every pipeline schedule the layout accepts, by name: the one source of the names and of their rules (the layout's
+checks here, the runtime's torch class in :mod:`lightning_parallel.parallel.pipeline`)."""
+
+
+def check_micro_batches(schedule: str, *, p: int, m: int) -> str | None:
+    """Why ``m`` micro-batches do not run under ``schedule`` on ``p`` ranks (None if they do): torch's interleaved
+    schedules run in rounds of ``r = max(1, m // p)`` and need ``m % r == 0``."""
+    if not SCHEDULES[schedule].multi_stage or p == 1:
+        return None
+    rounds = max(1, m // p)
+    if m % rounds:
+        good = sorted({k for k in range(max(1, m - p), m + p + 1) if k % max(1, k // p) == 0})
+        return (f"the {schedule} schedule runs micro-batches in rounds of r = max(1, m // p) = {rounds} and needs "
+                f"m % r == 0, but num_micro_batches={m}: {m} % {rounds} = {m % rounds}. Fix: num_micro_batches in "
+                f"{good} (a multiple of pipeline_parallel_size={p} always works)")
+    return None
 
 
 class UserInputError(ValueError):
@@ -189,7 +239,7 @@ class ParallelConfig:
             _check_choice("zero_stage", self.zero_stage, get_args(ZeroStage))
         if self.offload is not None:
             _check_choice("offload", self.offload, get_args(Offload))
-        _check_choice("pipeline_schedule", self.pipeline_schedule, get_args(PipelineSchedule))
+        _check_choice("pipeline_schedule", self.pipeline_schedule, tuple(SCHEDULES))
         _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
         _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
         if self.mesh_order not in get_args(MeshOrder):
@@ -237,35 +287,33 @@ class ParallelConfig:
 
     def _validate_pipeline(self) -> None:
         pp, m, v = self.pipeline_parallel_size, self.micro_batches, self.virtual_pipeline_stages
-        sched = self.pipeline_schedule
-        if sched == "interleaved_1f1b" and v < 2:
+        sched, info = self.pipeline_schedule, SCHEDULES[self.pipeline_schedule]
+        if v < info.min_chunks:
             raise LayoutError(
-                f"parallel.pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_stages >= 2 (model chunks per "
-                f"rank), got {v}. Fix: virtual_pipeline_stages=2, or pipeline_schedule='1f1b'."
+                f"parallel.pipeline_schedule={sched!r} needs virtual_pipeline_stages >= {info.min_chunks} (model "
+                f"chunks per rank), got {v}. Fix: virtual_pipeline_stages={info.min_chunks}, or "
+                "pipeline_schedule='1f1b'."
             )
-        if v > 1 and sched not in ("interleaved_1f1b", "zero_bubble"):
+        if v > 1 and not info.multi_stage:
+            chunked = " and ".join(name for name, s in SCHEDULES.items() if s.multi_stage)
             raise LayoutError(
-                f"parallel.virtual_pipeline_stages={v} is only used by the interleaved_1f1b and zero_bubble "
-                f"schedules, but pipeline_schedule={sched!r}. Fix: virtual_pipeline_stages=1 or "
-                "pipeline_schedule='interleaved_1f1b'."
+                f"parallel.virtual_pipeline_stages={v} is only used by the {chunked} schedules, but "
+                f"pipeline_schedule={sched!r}. Fix: virtual_pipeline_stages=1 or pipeline_schedule='interleaved_1f1b'."
             )
         if v > 1 and pp == 1:
             raise LayoutError(
                 f"parallel.virtual_pipeline_stages={v} needs pipeline_parallel_size >= 2, got 1. "
                 "Fix: virtual_pipeline_stages=1."
             )
-        if pp > 1 and sched != "gpipe" and m < pp:
+        if pp > 1 and info.stage_per_micro_batch and m < pp:
             raise LayoutError(
                 f"parallel.num_micro_batches={m} < pipeline_parallel_size={pp}: the {sched} schedule keeps every "
                 f"stage busy only with at least one micro-batch per stage (bubble (p-1)/m = {pp - 1}/{m}). "
                 f"Fix: num_micro_batches >= {pp} (for example {2 * pp}) or pipeline_schedule='gpipe'."
             )
-        if pp > 1 and sched in ("interleaved_1f1b", "zero_bubble"):
-            from lightning_parallel.parallel.pipeline.partition import check_micro_batches
-
-            why = check_micro_batches(sched, p=pp, m=m)
-            if why:
-                raise LayoutError(f"parallel.num_micro_batches={m}: {why}.")
+        why = check_micro_batches(sched, p=pp, m=m)
+        if why:
+            raise LayoutError(f"parallel.num_micro_batches={m}: {why}.")
         layers = self.pipeline_stage_layers
         if layers is not None:
             if (not isinstance(layers, tuple) or len(layers) != pp * v

@@ -17,8 +17,7 @@ checks of the layout against the model (optional)   :meth:`~ParallelModuleMixin.
 ==================================================  ==============================================================
 
 :class:`lightning_parallel.models.GPT` implements all of them. A strategy that needs a hook the module lacks refuses
-it before launch with :func:`require_hook`, naming the hook to add. This module was ``lightning_parallel.module``;
-that name stays as an alias.
+it before launch with :func:`require_hook`, naming the hook to add.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
         import logging
         import warnings
 
-        from lightning_parallel.strategies.watchdog import enable_fault_handler
+        from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
         enable_fault_handler()  # a crashing rank prints its threads' Python stacks
         warnings.filterwarnings("ignore")

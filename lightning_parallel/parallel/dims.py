@@ -44,9 +44,9 @@ sub-groups by name (``mesh["dp"]``, ``mesh.get_group("pp")``), never by position
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, get_args
 
-from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.config import LayoutError, MeshOrder, ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,7 +55,14 @@ __all__ = ["MESH_AXES", "MESH_ORDERS", "ParallelDims", "RankCoords"]
 
 MESH_AXES: tuple[str, str, str] = ("dp", "pp", "tp")
 """The axis names, in the field order of :class:`RankCoords`; also the default mesh order (``dp-pp-tp``)."""
-MESH_ORDERS: dict[str, tuple[str, str, str]] = {"dp-pp-tp": ("dp", "pp", "tp"), "pp-dp-tp": ("pp", "dp", "tp")}
+
+
+def _axes(order: str) -> tuple[str, str, str]:
+    outer, middle, inner = order.split("-")
+    return outer, middle, inner
+
+
+MESH_ORDERS: dict[str, tuple[str, str, str]] = {order: _axes(order) for order in get_args(MeshOrder)}
 """``parallel.mesh_order`` (:data:`lightning_parallel.config.MeshOrder`) -> the mesh's axes, outermost first."""
 
 

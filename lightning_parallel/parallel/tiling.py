@@ -31,15 +31,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.parallel.data_parallel.scatter import split_sizes as balanced_split
+
 __all__ = ["TiledLinear", "split_sizes", "tile_linear_layers", "untile_linear_layers"]
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
-    """``total`` split into ``parts`` near-equal sizes (the first ones one larger), as ``torch.tensor_split``."""
+    """``total`` features split into ``parts`` non-empty tiles of near-equal sizes (the first ones one larger), as
+    ``torch.tensor_split``: the data-parallel scatter's balanced split, with every tile required to be non-empty."""
     if parts < 1 or parts > total:
         raise ValueError(f"cannot split {total} features into {parts} tiles (need 1 <= tiles <= {total}).")
-    base, extra = divmod(total, parts)
-    return [base + (1 if k < extra else 0) for k in range(parts)]
+    return balanced_split(total, parts)
 
 
 class TiledLinear(nn.Module):

@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from lightning_parallel.config import ParallelConfig
-from lightning_parallel.layouts import entry, strategy_for
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.layouts import entry, strategy_for, zero_and_offload
 from lightning_parallel.planner.cost import StepCost, cross_node_bytes_by_order, estimate_step
 from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
 from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory
@@ -162,22 +163,34 @@ def _layouts_for(
         "sequence_parallel": tp > 1,
         "num_micro_batches": training.micro_batches(pp) if pp > 1 else None,
     }
-    # Over dp: no ZeRO with one replica; ZeRO-1 at most with a pipeline; with TP, ZeRO 0, 1 or 3 (lp_tensor: ZeRO-2
-    # would shard gradients it already holds whole for the tp collectives, and is refused there).
-    zero_stages = [0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 3] if tp > 1 else [0, 1, 2, 3]
-    stages: list[tuple[int, str]] = [(z, "none") for z in zero_stages]
-    if pp == tp == 1:
-        stages += [(z, device) for device in (["cpu", "nvme"] if hardware.nvme else ["cpu"]) for z in (2, 3)]
+    # The (zero_stage, offload) pairs the layout table runs at these sizes and the layout's rules accept (offload
+    # needs ZeRO 2/3); without offload no ZeRO with one replica (nothing to shard over); NVMe only where there is one.
+    stages = [(zero, offload) for zero, offload in zero_and_offload(pipeline=pp > 1, tensor=tp > 1)
+              if (offload != "none" or dp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
+              and _accepted(zero_stage=zero, offload=offload, **_nvme(offload))]
     out = []
     for recompute in checkpointing:
         for zero, offload in stages:
-            extra = {"nvme_path": NVME_PATH} if offload == "nvme" else {}
             out.append(
                 ParallelConfig.from_dict(
-                    {**base, "zero_stage": zero, "offload": offload, "activation_checkpointing": recompute, **extra}
+                    {**base, "zero_stage": zero, "offload": offload, "activation_checkpointing": recompute,
+                     **_nvme(offload)}
                 )
             )
     return out
+
+
+def _nvme(offload: str) -> dict[str, str]:
+    return {"nvme_path": NVME_PATH} if offload == "nvme" else {}
+
+
+def _accepted(**keys: Any) -> bool:
+    """Whether a layout of these keys alone passes the layout's own rules."""
+    try:
+        ParallelConfig.from_dict(keys)
+    except LayoutError:
+        return False
+    return True
 
 
 NVME_PATH = "/local_nvme/lightning_parallel"

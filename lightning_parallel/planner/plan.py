@@ -7,8 +7,9 @@ never the other way round.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from lightning_parallel.config import Offload
 from lightning_parallel.planner.guide import (
     BRANCH_FAMILIES,
     Candidate,
@@ -89,7 +90,7 @@ def _rank_key(candidate: Candidate, families: tuple[str, ...]) -> tuple[Any, ...
     layout = candidate.layout
     family_rank = families.index(candidate.family) if candidate.family in families else len(families)
     per_token = float(f"{1.0 / candidate.cost.tokens_per_s:.3g}")
-    offload_rank = ("none", "cpu", "nvme").index(layout.offload_device)
+    offload_rank = get_args(Offload).index(layout.offload_device)
     model_parallel = layout.pipeline_parallel_size * layout.tensor_parallel_size
     return (family_rank, candidate.tiled_layers, per_token, model_parallel, layout.zero, offload_rank)
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from lightning_parallel.config import ParallelConfig, check_model_compat
+from lightning_parallel.config import SCHEDULES, ParallelConfig, check_model_compat
 from lightning_parallel.parallel.dims import MESH_AXES
+from lightning_parallel.parallel.pipeline.partition import bubble_fraction
 from lightning_parallel.planner.plan import Plan
 from lightning_parallel.planner.units import format_bytes
 
@@ -120,10 +121,10 @@ def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: s
         layout = chosen.layout
         p, v = layout.pipeline_parallel_size, layout.virtual_pipeline_stages
         m = plan.training.micro_batches(p)
-        chunks = v if layout.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        chunked = SCHEDULES[layout.pipeline_schedule].multi_stage and v > 1
+        bubble = bubble_fraction(layout.pipeline_schedule, p=p, m=m, v=v)
         notes.append(f"bubble: {layout.pipeline_schedule} over p={p} stages, m={m} micro-batches: "
-                     f"(p-1)/({'v m' if chunks > 1 else 'm'}+p-1) = {(p - 1) / (chunks * m + p - 1):.1%} of each "
-                     "step idle per stage")
+                     f"(p-1)/({'v m' if chunked else 'm'}+p-1) = {bubble:.1%} of each step idle per stage")
     nodes, per_node = plan.hardware.nodes, plan.hardware.gpus_per_node
     if nodes > 1:
         recipe_path = path or "<this recipe>"

@@ -10,7 +10,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_parallel.layouts import available_strategies
+from lightning_parallel.config import SCHEDULES
+from lightning_parallel.layouts import available_strategies, entry
 
 from .auto import LPAutoStrategy
 from .base import LayoutStrategy
@@ -27,7 +28,8 @@ __all__ = ["STRATEGIES", "LPAutoStrategy", "LPDDPStrategy", "LPDPStrategy", "LPH
 
 # name -> (class, description, preset init arguments)
 STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
-    "lp_ddp": (LPDDPStrategy, "DDP over the dp axis of a layout (N, 1, 1, 0); gloo on CPU, NCCL on CUDA", {}),
+    "lp_ddp": (LPDDPStrategy, f"DDP over the dp axis of a layout {entry('lp_ddp').region}; gloo on CPU, NCCL on CUDA",
+               {}),
     "lp_ddp_fork": (
         LPDDPStrategy,
         "lp_ddp started by fork (cheap inside an already-imported process; notebooks, tests; CPU)",
@@ -38,7 +40,8 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
     "dp": (LPDPStrategy, "alias of lp_dp: Lightning 1.x's strategy='dp', removed in Lightning 2", {}),
     "lp_sharded": (
         LPShardedStrategy,
-        "ZeRO over the dp axis (N, 1, 1, z): parallel.zero_stage 1|2|3 (default 2); backend native or fairscale",
+        f"ZeRO over the dp axis {entry('lp_sharded').region}: parallel.zero_stage (default 2); backend native or "
+        "fairscale",
         {},
     ),
     "ddp_sharded": (LPShardedStrategy, "alias of lp_sharded (ZeRO-2): Lightning 1.x's fairscale ddp_sharded", {}),
@@ -50,29 +53,30 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
                  {"zero_stage": 3}),
     "lp_tensor": (
         LPTensorStrategy,
-        "tensor parallelism over tp (the module's tensor_parallel_plan) x data parallelism over dp, (N/t, 1, t, 0|1|3)",
+        "tensor parallelism over tp (the module's tensor_parallel_plan) x data parallelism over dp, "
+        f"{entry('lp_tensor').region}",
         {},
     ),
     "lp_tensor_fork": (LPTensorStrategy, "lp_tensor started by fork (tests, notebooks; CPU)",
                        {"start_method": "fork"}),
     "lp_pipeline": (
         LPPipelineStrategy,
-        "pipeline stages over pp (the module's pipeline_layers; gpipe, 1f1b, interleaved_1f1b, zero_bubble schedules)"
-        " x data parallelism over dp, (N/p, p, 1, 0|1)",
+        f"pipeline stages over pp (the module's pipeline_layers; {', '.join(SCHEDULES)} schedules) x data "
+        f"parallelism over dp, {entry('lp_pipeline').region}",
         {},
     ),
     "lp_pipeline_fork": (LPPipelineStrategy, "lp_pipeline started by fork (tests, notebooks; CPU)",
                          {"start_method": "fork"}),
     "lp_hybrid": (
         LPHybridStrategy,
-        "data x pipeline x tensor parallelism (+ ZeRO-1) from one parallel section, (d, p, t, 0|1): TP inside a node, "
-        "PP across nodes, DP over the rest",
+        f"data x pipeline x tensor parallelism (+ ZeRO-1) from one parallel section, {entry('lp_hybrid').region}: TP "
+        "inside a node, PP across nodes, DP over the rest",
         {},
     ),
     "lp_hybrid_fork": (LPHybridStrategy, "lp_hybrid started by fork (tests, notebooks; CPU)", {"start_method": "fork"}),
     "lp_zero_offload": (
         LPZeroOffloadStrategy,
-        "DeepSpeed ZeRO (+ offload): parallel.zero_stage 1|2|3, offload none|cpu|nvme (unset: ZeRO-2 + CPU offload)",
+        f"DeepSpeed ZeRO (+ offload) {entry('lp_zero_offload').region} (unset: ZeRO-2 + CPU offload)",
         {},
     ),
     "lp_zero_offload_fork": (LPZeroOffloadStrategy, "lp_zero_offload started by fork (tests, notebooks; CPU)",

@@ -55,9 +55,9 @@ from typing_extensions import override
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
 from lightning_parallel.parallel.counters import CommCounter
+from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
-from . import interrupts, watchdog
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin, clip_by_norm_replaced
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
@@ -394,7 +394,7 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failed collective: print which rank is gone (:mod:`~lightning_parallel.strategies.watchdog`); on the
+        """A failed collective: print which rank is gone (:mod:`~lightning_parallel.parallel.faults.watchdog`); on the
         process that started the other ranks, end those that do not stop by themselves (a frozen rank)."""
         watchdog.on_exception(exception)
         super().on_exception(exception)

@@ -78,12 +78,6 @@ class LPDDPStrategy(LayoutStrategy):
         """All-reduce calls and bytes per training step of this rank (filled with ``comm_hook="count"``)."""
 
     @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,), "zero_stage": (0,),
-                                  "offload": ("none",)},
-                         shape="replicates the whole model on every rank (layout (N, 1, 1, 0))")
-
-    @override
     def data_parallel_plan(self) -> DataParallelPlan:
         """``(N, 1, 1, 0)``: torch DDP over the dp group with this strategy's bucket options."""
         return data_parallel_plan(self.layout, self.dims, ddp_options=self._ddp_kwargs)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_parallel.config import LayoutError, ParallelConfig
-
 from .pipeline import LPPipelineStrategy
 from .tensor import check_tensor_plan, require_plan_hook
 
@@ -49,18 +47,6 @@ class LPHybridStrategy(LPPipelineStrategy):
 
     strategy_name = "lp_hybrid"
     checkpoint_key = "lp_hybrid_checkpoint"
-
-    @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"offload": ("none",)}, shape="composes dp x pp x tp with ZeRO 0 or 1 "
-                                                             "(layout (d, p, t, 0|1))")
-        if layout.zero_stage not in (None, 0, 1):
-            raise LayoutError(
-                f"lp_hybrid runs zero_stage 0 (all-reduce of the stage's gradient shards over dp) or 1 (ZeRO-1 on "
-                f"them), but parallel.zero_stage={layout.zero_stage}: ZeRO-2/3 shard gradients that every "
-                "micro-batch of a pipeline step adds into. Fix: zero_stage=1 (or, without a pipeline, lp_tensor "
-                "with zero_stage=3)."
-            )
 
     @override
     def check_module(self, module: pl.LightningModule) -> None:

@@ -27,10 +27,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
-from lightning_parallel.layouts import strategy_for_key
+from lightning_parallel.layouts import refusal
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
-
-from .watchdog import enable_fault_handler
+from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "check_data_modules",
            "clip_by_norm_replaced", "oversubscription_warning"]
@@ -39,8 +38,9 @@ __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "Layou
 class LayoutMixin:
     """The layout, its preset, its resolution against the world size, and the refusals before spawn.
 
-    Subclasses set :attr:`strategy_name`, :attr:`preset` (what the strategy fills into keys the layout leaves unset)
-    and override :meth:`check_layout`. The host Lightning strategy supplies ``num_nodes`` and ``num_processes``.
+    Subclasses set :attr:`strategy_name` (its row of the layout table says which layouts it runs), :attr:`preset`
+    (what the strategy fills into keys the layout leaves unset) and extend :meth:`check_layout` with rules of their
+    own. The host Lightning strategy supplies ``num_nodes`` and ``num_processes``.
     """
 
     strategy_name = "lp_layout"
@@ -94,20 +94,12 @@ class LayoutMixin:
         self.init_layout(parallel)
 
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before anything starts, a layout this strategy does not run (subclasses)."""
-
-    def refuse_keys(self, layout: ParallelConfig, allowed: dict[str, tuple[Any, ...]], *, shape: str) -> None:
-        """Refuse a layout whose ``key`` is set to a value outside ``allowed[key]``, naming what runs it instead.
-
-        ``shape`` says what this strategy runs, e.g. ``"replicates the whole model on every rank (N, 1, 1, 0)"``.
-        """
-        for key, values in allowed.items():
-            value = getattr(layout, key)
-            if value is not None and value not in values:
-                raise LayoutError(
-                    f"{self.strategy_name} {shape}, but parallel.{key}={value!r}. Fix: set {key} to "
-                    f"{' or '.join(repr(v) for v in values)} {strategy_for_key(key)}."
-                )
+        """Refuse, before anything starts, a layout outside this strategy's row of the layout table
+        (:func:`lightning_parallel.layouts.refusal`: the key, the value, what the strategy runs and the strategy that
+        runs the layout). Subclasses add only their own rules."""
+        why = refusal(self.strategy_name, layout, preset=self.preset)
+        if why:
+            raise LayoutError(why)
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that

@@ -81,19 +81,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         self._zero_grads: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ the layout and the module
-    @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"tensor_parallel_size": (1,), "offload": ("none",)},
-                         shape="splits the layers into pipeline stages over pp and replicates them over dp "
-                               "(layout (N/p, p, 1, 0|1))")
-        if layout.zero_stage not in (None, 0, 1):
-            raise LayoutError(
-                f"lp_pipeline runs zero_stage 0 (gradient all-reduce over dp) or 1 (ZeRO-1: optimizer states "
-                f"sharded over dp), but parallel.zero_stage={layout.zero_stage}: ZeRO-2/3 shard the gradients, and "
-                "every micro-batch of a pipeline step adds into the whole gradient of its stage (the shards would "
-                "be reduce-scattered m times a step). Fix: zero_stage=1."
-            )
-
     @property
     def zero_stage(self) -> int:
         return self.layout.zero

@@ -40,7 +40,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.callbacks.zero_stats import ZeroStats  # its home is callbacks/; kept importable here
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_plan
 from lightning_parallel.parallel.zero import (
@@ -59,7 +58,7 @@ from lightning_parallel.parallel.zero import (
 
 from .base import LayoutStrategy
 
-__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint", "ZeroStats"]
+__all__ = ["DEFAULT_ZERO_STAGE", "LPShardedStrategy", "ShardedBackend", "ShardedCheckpoint"]
 
 ShardedBackend = Literal["native", "fairscale"]
 ShardedCheckpoint = Literal["full", "sharded"]
@@ -121,17 +120,9 @@ class LPShardedStrategy(LayoutStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before spawning, what lp_sharded does not run: pp or tp > 1, offload, an explicit
-        ``zero_stage=0`` (plain data parallelism is ``lp_ddp``), fairscale stage 3."""
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,),
-                                  "offload": ("none",)},
-                         shape="shards the model over the dp axis only (layout (N, 1, 1, 1|2|3))")
-        if layout.zero_stage == 0:
-            raise LayoutError(
-                f"{self.strategy_name} shards the model over the dp axis (ZeRO stage 1, 2 or 3), but parallel."
-                "zero_stage=0 (no sharding). Fix: use strategy lp_ddp for plain data parallelism, or set zero_stage "
-                "to 1, 2 or 3 (or leave it unset: stage 2)."
-            )
+        """Refuse, before spawning, what lp_sharded does not run (its row of the layout table), and fairscale's
+        stage 3."""
+        super().check_layout(layout)
         if self._backend == "fairscale" and layout.zero_stage == 3:
             raise LayoutError(
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "

@@ -49,12 +49,6 @@ _MINIMAL_PLAN = ('def tensor_parallel_plan(self):\n'
                  '    return {"layers.*.fc1": "column", "layers.*.fc2": "row"}   # fc1 -> act -> fc2 per layer')
 
 
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def _is_parallelized(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -136,17 +130,6 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
         self.applied_plan: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the layout and the module
-    @override
-    def check_layout(self, layout: ParallelConfig) -> None:
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "offload": ("none",)},
-                         shape="splits layers over tp and replicates them over dp (layout (N/t, 1, t, 0|1|3))")
-        if layout.zero_stage not in (None, 0, 1, 3):
-            raise LayoutError(
-                f"lp_tensor runs zero_stage 0 (gradient all-reduce over dp), 1 (ZeRO-1 on the local shards) or 3 "
-                f"(FSDP2 over dp x TP over tp), but parallel.zero_stage={layout.zero_stage}. Fix: zero_stage=1 "
-                "(same traffic as 2, the gradients stay whole) or 3."
-            )
-
     @override
     def check_module(self, module: pl.LightningModule) -> None:
         """Before spawning: the layout's model rules, the plan hook (named, with a minimal plan), every plan key

@@ -46,6 +46,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.layouts import refusal
+from lightning_parallel.parallel.faults import interrupts
 from lightning_parallel.parallel.offload import (
     LIBAIO_HELP,
     OFFLOAD_STATE_DIR,
@@ -66,7 +68,6 @@ from lightning_parallel.parallel.offload import (
 )
 from lightning_parallel.parallel.offload.config import check_nvme_folder
 
-from . import interrupts
 from .base import resolve_collective_timeout
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
 
@@ -139,11 +140,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def init_layout(self, parallel: ParallelConfig | dict[str, Any] | None) -> None:
         """An explicit stage 0 is refused first (before the preset's offload meets it); then the mixin's checks."""
         given = ParallelConfig.from_dict(parallel)
-        if given.zero_stage == 0:  # before the preset's offload meets it: the fix is another strategy
-            raise LayoutError(
-                f"{self.strategy_name} runs DeepSpeed ZeRO, but parallel.zero_stage=0 (no ZeRO). Fix: set zero_stage "
-                "to 1, 2 or 3 (or leave it unset: stage 2), or use strategy lp_ddp for plain data parallelism."
-            )
+        why = refusal(self.strategy_name, given, keys=("zero_stage",), preset=self.preset)
+        if why:  # before the preset's offload meets it: the fix is another strategy
+            raise LayoutError(why)
         super().init_layout(given)
 
     @override
@@ -155,14 +154,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
-        """Refuse, before anything starts: pp/tp > 1, stage 0, NVMe below stage 3, NVMe without libaio."""
-        self.refuse_keys(layout, {"pipeline_parallel_size": (1,), "tensor_parallel_size": (1,)},
-                         shape="is data parallel only (the DeepSpeed engine; layout (N, 1, 1, 1|2|3))")
-        if layout.zero == 0:
-            raise LayoutError(
-                f"{self.strategy_name} runs DeepSpeed ZeRO, but parallel.zero_stage=0 (no ZeRO). Fix: set zero_stage "
-                "to 1, 2 or 3 (or leave it unset: stage 2), or use strategy lp_ddp for plain data parallelism."
-            )
+        """Refuse, before anything starts: what its row of the layout table does not run (pp/tp > 1, stage 0), NVMe
+        below stage 3, NVMe without libaio."""
+        super().check_layout(layout)
         if layout.offload_device == "nvme" and not layout.nvme_path:
             raise LayoutError(
                 "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."

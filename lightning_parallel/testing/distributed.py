@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_parallel.strategies.watchdog import enable_fault_handler
+from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
 __all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
 

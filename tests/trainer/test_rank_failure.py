@@ -6,7 +6,7 @@ collective timeout given the documented way (``--trainer.strategy lightning_para
 test then
 
 * ``kill -9``s rank 1: rank 0's next collective fails at once (gloo: the peer's sockets closed), and the watchdog
-  (:mod:`lightning_parallel.strategies.watchdog`) names rank 1 from its pid;
+  (:mod:`lightning_parallel.parallel.faults.watchdog`) names rank 1 from its pid;
 * freezes rank 1 (``SIGSTOP``: alive but silent, as a node that dropped off the network): rank 0's collective
   times out after the collective timeout, and the watchdog names rank 1 from its stopped heartbeat.
 
@@ -30,7 +30,7 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_parallel.strategies.watchdog import RankWatchdog, _process_alive
+from lightning_parallel.parallel.faults.watchdog import RankWatchdog, process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 120.0
@@ -104,9 +104,9 @@ def _run_and_lose_rank_1(tmp_path: Path, sig: signal.Signals) -> tuple[int, floa
             code = None
         elapsed = time.monotonic() - lost_at
         settle = time.monotonic() + 10  # rank 0's launcher kills the ranks it started when it fails
-        while code is not None and time.monotonic() < settle and _process_alive(pid1):
+        while code is not None and time.monotonic() < settle and process_alive(pid1):
             time.sleep(0.2)
-        LEFT_BEHIND[sig] = pid1 if _process_alive(pid1) else None
+        LEFT_BEHIND[sig] = pid1 if process_alive(pid1) else None
     finally:
         rank0.kill()
         rank0.wait()

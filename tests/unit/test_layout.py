@@ -134,3 +134,52 @@ def test_cpu_oversubscription_is_warned_about() -> None:
     assert oversubscription_warning(processes=2, device_type="cpu", cores=2) is None
     assert oversubscription_warning(processes=8, device_type="cuda", cores=2) is None
     assert oversubscription_warning(processes=8, device_type="cpu", cores=None) is None
+
+
+def test_schedule_names_have_one_source() -> None:
+    """config.SCHEDULES names every schedule once; the PipelineSchedule type (for the CLI and type checkers) agrees."""
+    from typing import get_args
+
+    from lightning_parallel.config import SCHEDULES, PipelineSchedule
+
+    assert tuple(SCHEDULES) == get_args(PipelineSchedule)
+    assert all(name == info.name for name, info in SCHEDULES.items())
+
+
+
+def test_every_strategy_refuses_exactly_what_its_row_of_the_table_does_not_run() -> None:
+    """The refusals come from the layout table: over a grid of layouts, each strategy of the table accepts a layout
+    (with its preset filled in) exactly when its row runs it, and a refusal names the strategy that runs it."""
+    import itertools
+
+    from lightning_parallel.layouts import LAYOUT_STRATEGIES, entry, strategy_for
+    from lightning_parallel.strategies import STRATEGIES
+
+    checked = 0
+    for pp, tp, zero, offload in itertools.product((1, 2), (1, 2), (None, 0, 1, 2, 3), (None, "none", "cpu")):
+        try:
+            layout = ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp, zero_stage=zero,
+                                    offload=offload, num_micro_batches=pp if pp > 1 else None)
+        except LayoutError:
+            continue  # the layout's own rules (config.py), not the table's
+        for row in LAYOUT_STRATEGIES:
+            cls = STRATEGIES[row.name][0]
+            try:
+                filled = layout.with_preset(**cls().preset)
+            except LayoutError:
+                continue  # the preset meets the layout's own rules
+            try:
+                cls(layout)
+            except LayoutError as err:
+                refused: str | None = str(err)
+            else:
+                refused = None
+            if row.runs(filled):
+                assert refused is None, (row.name, layout.describe(), refused)
+                continue
+            assert refused is not None and refused.startswith(row.name), (row.name, layout.describe(), refused)
+            runner = strategy_for(filled)
+            if runner != row.name and entry(runner).runs(filled):
+                assert runner in refused, (row.name, layout.describe(), refused)
+            checked += 1
+    assert checked > 30

@@ -1,4 +1,6 @@
-"""The library's modules under their current names, and the old names kept as aliases for recipes and users."""
+"""The library's modules under their current names: a package re-exports its modules' public names, and recipes name
+callbacks by their current path (the 0.1.0 aliases ``lightning_parallel.module``, ``tiling_callback``, ``recipes`` and
+``planner.recipe`` are gone)."""
 
 from __future__ import annotations
 
@@ -8,21 +10,16 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "names"),
+    ("module", "package", "names"),
     [
-        ("lightning_parallel.tiling_callback", "lightning_parallel.callbacks", ["TileLinearLayers"]),
         ("lightning_parallel.callbacks.summary", "lightning_parallel.callbacks", ["RunSummary"]),
-        ("lightning_parallel.recipes", "lightning_parallel.recipe_files",
-         ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "written_batch_limits"]),
-        ("lightning_parallel.planner.recipe", "lightning_parallel.planner.recipe_writer",
-         ["recipe_dict", "recipe_text", "write_recipe"]),
     ],
 )
-def test_old_module_names_are_aliases(old: str, new: str, names: list[str]) -> None:
-    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+def test_packages_reexport_their_modules_names(module: str, package: str, names: list[str]) -> None:
+    inner, outer = importlib.import_module(module), importlib.import_module(package)
     for name in names:
-        assert getattr(old_module, name) is getattr(new_module, name), name
-    assert sorted(old_module.__all__) == sorted(names)
+        assert getattr(inner, name) is getattr(outer, name), name
+    assert sorted(inner.__all__) == sorted(names)
 
 
 def test_recipes_name_callbacks_by_their_current_path() -> None:

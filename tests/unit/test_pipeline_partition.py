@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.config import check_micro_batches
 from lightning_parallel.parallel.pipeline import (
     PrunedLayer,
     balanced_partition,
     bubble_fraction,
-    check_micro_batches,
     plan_stages,
     prune_to,
     stage_ranges,

@@ -15,7 +15,7 @@ import torch
 
 from lightning_parallel import LayoutError, LPDDPStrategy, ParallelConfig
 from lightning_parallel.cli import _resolve_last
-from lightning_parallel.strategies import interrupts
+from lightning_parallel.parallel.faults import interrupts
 from lightning_parallel.strategies.base import CPU_COLLECTIVE_TIMEOUT
 
 
@@ -33,6 +33,31 @@ def test_first_ctrl_c_asks_for_a_stop_at_the_next_step_the_second_stops_now() ->
     finally:
         interrupts.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_preemption_ends_no_rank_and_blames_none() -> None:
+    """The watchdog (no Lightning import) knows Lightning's SIGTERMException by name: after a preemption it ends no
+    rank process; after another failure it ends the ranks that do not stop within the grace period."""
+    import subprocess
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_parallel.parallel.faults import watchdog
+
+    class Frozen:
+        pid, killed = 4242, False
+
+        def wait(self, timeout: float | None = None) -> int:
+            if not self.killed:
+                raise subprocess.TimeoutExpired("rank", timeout or 0)
+            return -9
+
+        def kill(self) -> None:
+            self.killed = True
+
+    assert watchdog.end_started_ranks(SimpleNamespace(procs=[Frozen()]), SIGTERMException(), grace=0) == []
+    assert watchdog.end_started_ranks(SimpleNamespace(procs=[Frozen()]), RuntimeError("x"), grace=0) == [4242]
+    assert watchdog.on_exception(SIGTERMException()) is None
 
 
 def _args(root: Path) -> dict[str, object]:

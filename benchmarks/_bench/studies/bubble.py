@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.config import check_micro_batches
 from lightning_parallel.models import GPT
 from lightning_parallel.parallel.pipeline import (
     PipelineRunner,
     bubble_fraction,
-    check_micro_batches,
     plan_stages,
     prune_to,
 )

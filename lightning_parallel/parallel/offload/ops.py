@@ -122,7 +122,7 @@ def settle_lock(name: str, *, report: Callable[[str], None] | None = None, timeo
     or (no record) nothing has compiled in the folder for a minute -- saying so; wait for a live builder up to
     ``timeout`` seconds (:data:`BUILD_WAIT_SECONDS`), reporting every 30 s, then raise :class:`OpsUnavailableError`
     naming the folder and the lock to delete."""
-    from lightning_parallel.strategies.watchdog import _process_alive  # a zombie counts as gone
+    from lightning_parallel.parallel.faults.watchdog import process_alive  # a zombie counts as gone
 
     say = report or _say
     folder = _build_dir(name)
@@ -140,7 +140,7 @@ def settle_lock(name: str, *, report: Callable[[str], None] | None = None, timeo
             age = time.time() - lock.stat().st_mtime
         except OSError:
             continue  # the builder just finished
-        dead_owner = owner is not None and not _process_alive(owner) and not compiling
+        dead_owner = owner is not None and not process_alive(owner) and not compiling
         orphan = owner is None and not compiling and age > _STALE_AFTER
         if dead_owner or orphan:
             why = (f"its builder, pid {owner}, is no longer running" if dead_owner else

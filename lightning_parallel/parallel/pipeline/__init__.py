@@ -1,17 +1,9 @@
 """Pipeline parallelism over the ``pp`` axis on ``torch.distributed.pipelining``: cut a module's ordered layers into
-stages (:mod:`.stage`, names kept), the schedules and their bubble (:mod:`.partition`), and the runtime that runs a
-rank's stages for training and evaluation (:mod:`.runtime`). No Lightning import; the ``lp_pipeline`` strategy uses
-it."""
+stages (:mod:`.stage`, names kept), the stage arithmetic and the schedules' bubble (:mod:`.partition`; the schedules'
+names and rules are :data:`lightning_parallel.config.SCHEDULES`), and the runtime that runs a rank's stages for
+training and evaluation (:mod:`.runtime`). No Lightning import; the ``lp_pipeline`` strategy uses it."""
 
-from .partition import (
-    SCHEDULES,
-    ScheduleInfo,
-    balanced_partition,
-    bubble_fraction,
-    check_micro_batches,
-    stage_ranges,
-    stages_of_rank,
-)
+from .partition import balanced_partition, bubble_fraction, stage_ranges, stages_of_rank
 from .runtime import PipelineRunner, largest_divisor_at_most
 from .stage import (
     PrunedLayer,
@@ -24,7 +16,6 @@ from .stage import (
     prune_to,
 )
 
-__all__ = ["SCHEDULES", "PipelineRunner", "PrunedLayer", "ScheduleInfo", "StageChunk", "StagePlan",
-           "balanced_partition", "bubble_fraction", "check_micro_batches", "has_meta_tensors",
-           "largest_divisor_at_most", "layer_names", "materialize", "plan_stages", "prune_to", "stage_ranges",
-           "stages_of_rank"]
+__all__ = ["PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan", "balanced_partition", "bubble_fraction",
+           "has_meta_tensors", "largest_divisor_at_most", "layer_names", "materialize", "plan_stages", "prune_to",
+           "stage_ranges", "stages_of_rank"]

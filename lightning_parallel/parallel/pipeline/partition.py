@@ -1,5 +1,6 @@
-"""Pure arithmetic of a pipeline layout: which layers form each stage, which stages each rank runs, the schedules and
-their bubble. No process group, no Lightning import.
+"""Pure arithmetic of a pipeline layout: which layers form each stage, which stages each rank runs, and the bubble of
+the schedules (their names and rules: :data:`lightning_parallel.config.SCHEDULES`). No process group, no Lightning
+import.
 
 A module's :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers` is an ordered sequence of
 ``L`` layers. A pipeline of ``p`` ranks with ``v`` chunks per rank ("virtual stages") cuts it into ``n = p x v``
@@ -15,42 +16,10 @@ micro-batches): GPipe and 1F1B ``(p-1) / (m + p - 1)``; interleaved 1F1B ``(p-1)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-__all__ = ["SCHEDULES", "ScheduleInfo", "balanced_partition", "bubble_fraction", "check_micro_batches",
-           "stage_ranges", "stages_of_rank"]
+from lightning_parallel.config import SCHEDULES
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """One schedule of ``parallel.pipeline_schedule``: the torch class that runs it and what it needs."""
-
-    name: str
-    torch_class: str
-    """Class name in ``torch.distributed.pipelining.schedules``."""
-    multi_stage: bool
-    """Takes a list of stages per rank (``virtual_pipeline_stages`` chunks), else exactly one."""
-    min_chunks: int
-    """Smallest ``virtual_pipeline_stages`` it runs with."""
-    what: str
-
-
-SCHEDULES: dict[str, ScheduleInfo] = {
-    "gpipe": ScheduleInfo("gpipe", "ScheduleGPipe", False, 1,
-                          "all m forwards, then all m backwards: m micro-batches of activations alive per stage"),
-    "1f1b": ScheduleInfo("1f1b", "Schedule1F1B", False, 1,
-                         "after a warm-up of p - rank forwards, one forward then one backward: at most p micro-batches "
-                         "of activations alive per stage, the same bubble as GPipe"),
-    "interleaved_1f1b": ScheduleInfo("interleaved_1f1b", "ScheduleInterleaved1F1B", True, 2,
-                                     "1F1B over v chunks per rank: the bubble shrinks v-fold, p2p traffic grows "
-                                     "v-fold"),
-    "zero_bubble": ScheduleInfo("zero_bubble", "ScheduleInterleavedZeroBubble", True, 1,
-                                "1F1B with each backward split into the input gradient (on the critical path) and "
-                                "the weight gradient (deferred into the bubbles)"),
-}
+__all__ = ["balanced_partition", "bubble_fraction", "stage_ranges", "stages_of_rank"]
 
 
 def bubble_fraction(schedule: str, *, p: int, m: int, v: int = 1) -> float:
@@ -60,20 +29,6 @@ def bubble_fraction(schedule: str, *, p: int, m: int, v: int = 1) -> float:
         raise ValueError(f"p, m, v must be >= 1, got p={p}, m={m}, v={v}.")
     chunks = v if SCHEDULES[schedule].multi_stage else 1
     return (p - 1) / (chunks * m + p - 1)
-
-
-def check_micro_batches(schedule: str, *, p: int, m: int) -> str | None:
-    """Why ``m`` micro-batches do not run under ``schedule`` on ``p`` ranks (None if they do): torch's interleaved
-    schedules run in rounds of ``r = max(1, m // p)`` and need ``m % r == 0``."""
-    if not SCHEDULES[schedule].multi_stage or p == 1:
-        return None
-    rounds = max(1, m // p)
-    if m % rounds:
-        good = sorted({k for k in range(max(1, m - p), m + p + 1) if k % max(1, k // p) == 0})
-        return (f"the {schedule} schedule runs micro-batches in rounds of r = max(1, m // p) = {rounds} and needs "
-                f"m % r == 0, but num_micro_batches={m}: {m} % {rounds} = {m % rounds}. Fix: num_micro_batches in "
-                f"{good} (a multiple of pipeline_parallel_size={p} always works)")
-    return None
 
 
 def balanced_partition(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:

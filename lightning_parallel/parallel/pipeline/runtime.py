@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .partition import SCHEDULES
+from lightning_parallel.config import SCHEDULES
 
 __all__ = ["PipelineRunner", "largest_divisor_at_most", "plain"]
 
@@ -59,7 +59,7 @@ class PipelineRunner:
     Args:
         chunks: ``(stage_index, module)`` of each stage this rank runs, in order.
         num_stages: ``n = p x v``, stages of the whole pipeline.
-        schedule: a key of :data:`~lightning_parallel.parallel.pipeline.partition.SCHEDULES`.
+        schedule: a key of :data:`~lightning_parallel.config.SCHEDULES`.
         num_micro_batches: ``m`` micro-batches per training step.
         group: the ``pp`` process group; ``group_ranks``: its global ranks in pipeline order.
         device: where the stages live.

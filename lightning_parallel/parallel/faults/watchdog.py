@@ -73,6 +73,12 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _is_preemption(exc: BaseException) -> bool:
+    """Lightning's ``SIGTERMException`` (a preemption: every rank stops at the same step), known by its name: this
+    module imports no Lightning."""
+    return type(exc).__name__ == "SIGTERMException"
+
+
 def _looks_like_peer_failure(exc: BaseException) -> bool:
     """A failed collective or a launcher's signal, rather than this rank's own bug (which needs no waiting)."""
     seen: set[int] = set()
@@ -81,7 +87,7 @@ def _looks_like_peer_failure(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, (dist.DistError, ConnectionError, TimeoutError)):
             return True
-        if type(current).__name__ == "SIGTERMException":  # Lightning's, after a launcher's SIGTERM
+        if _is_preemption(current):  # after a launcher's SIGTERM
             return True
         text = str(current).lower()
         if isinstance(current, RuntimeError) and any(p in text for p in _PEER_FAILURE_TEXT):
@@ -103,7 +109,7 @@ def _pid_namespace() -> str:
     return " ".join(parts)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs on this host (a zombie -- dead, not yet reaped by its parent -- counts as gone)."""
     try:
         os.kill(pid, 0)
@@ -218,7 +224,7 @@ class RankWatchdog:
     def _dead_here(self, peers: list[_Peer]) -> list[_Peer]:
         """Peers on this host whose process no longer exists (no waiting: a pid look-up)."""
         dead = [p for p in peers
-                if p.namespace == self.namespace and p.pid is not None and not _process_alive(p.pid)]
+                if p.namespace == self.namespace and p.pid is not None and not process_alive(p.pid)]
         for p in dead:
             p.why = "its process no longer exists" + (
                 f"; it had stopped with {p.exit_reason}" if p.exit_reason and p.exit_reason != "finished" else "")
@@ -355,9 +361,7 @@ def stop() -> None:
 
 def on_exception(exception: BaseException) -> str | None:
     """Print (stderr) and return the line naming the lost rank for this rank's ``exception``, or None."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    if _ACTIVE is None or isinstance(exception, KeyboardInterrupt | SIGTERMException) or _ACTIVE.exited:
+    if _ACTIVE is None or isinstance(exception, KeyboardInterrupt) or _is_preemption(exception) or _ACTIVE.exited:
         return None  # an interrupt or a preemption stops every rank on purpose: nobody is to blame
     line = _ACTIVE.diagnose(exception)
     if line:
@@ -369,10 +373,8 @@ def end_started_ranks(launcher: Any, exception: BaseException, *, grace: float =
     """On the process that started the other ranks (Lightning's ``popen`` launcher), after this rank failed: give
     them ``grace`` seconds to stop on their own, then SIGKILL the rest -- a frozen rank (stopped, deadlocked) would
     otherwise outlive the job. Not for a preemption stop, where every rank stops by itself. Returns the pids ended."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     procs = list(getattr(launcher, "procs", None) or [])
-    if not procs or isinstance(exception, SIGTERMException | KeyboardInterrupt):
+    if not procs or isinstance(exception, KeyboardInterrupt) or _is_preemption(exception):
         return []
     deadline = time.monotonic() + grace
     ended = []
