@@ -65,7 +65,8 @@ dropped** (a weights-only checkpoint: ``load_from_checkpoint`` works, resuming a
 """
 
 from .consolidate import ConsolidateResult, consolidate, main
-from .formats import CheckpointFormat, CheckpointFormatError, CheckpointInfo, detect_format
+from .errors import CheckpointFormatError, ResumeError
+from .formats import CheckpointFormat, CheckpointInfo, detect_format
 from .read import (
     DROPPED_KEYS,
     full_checkpoint,
@@ -74,7 +75,7 @@ from .read import (
     read_checkpoint,
     strip_wrapper_prefixes,
 )
-from .resume import ResumeError, read_resumable
+from .resume import read_resumable
 
 __all__ = [
     "DROPPED_KEYS",

@@ -48,7 +48,6 @@ class LPHybridStrategy(LPPipelineStrategy):
     """
 
     strategy_name = "lp_hybrid"
-    checkpoint_key = "lp_hybrid_checkpoint"
 
     @override
     def check_layout(self, layout: ParallelConfig) -> None:
