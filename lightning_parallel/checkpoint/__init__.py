@@ -62,6 +62,14 @@ optimizer state, LR schedulers and loops -- what every strategy resumes from whe
 ``epoch``, ``global_step``, ``loops``, ``callbacks``, ...) into one file; **optimizer and LR-scheduler states are
 dropped** (a weights-only checkpoint: ``load_from_checkpoint`` works, resuming a fit from it does not), unless
 ``resumable=True`` (``--resumable``): then it writes :func:`read_resumable`'s dict, which a one-device fit resumes.
+
+Code
+----
+
+:mod:`.names` holds every on-disk name once; :mod:`.formats` one module per format (its collective write, its read
+on the layout that wrote it, its offline read), used by the strategies; :mod:`.verify` (checksums), :mod:`.atomic`
+(``<name>.partial``, then a rename) and :mod:`.rng` serve them; :mod:`.read`, :mod:`.resume` and :mod:`.consolidate`
+sit on top. Nothing in :mod:`lightning_parallel.parallel` imports this package.
 """
 
 from .consolidate import ConsolidateResult, consolidate, main
