@@ -43,7 +43,7 @@ from torch import Tensor
 from . import rng
 from .errors import CheckpointFormatError, ResumeError
 from .formats import deepspeed, sharded
-from .formats.common import SavingStrategy
+from .formats.common import CheckpointStrategy
 from .names import RESUMED_FROM_KEY
 from .read import read_checkpoint
 
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-class ResumingStrategy(SavingStrategy, Protocol):
+class ResumingStrategy(CheckpointStrategy, Protocol):
     """What :func:`resume_one_device` uses of the strategy (any of the library's)."""
 
     strategy_name: str

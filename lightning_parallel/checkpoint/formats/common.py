@@ -1,5 +1,5 @@
 """What the format modules share: the format names, :class:`CheckpointInfo`, the verified ``torch.load``, the
-removal of wrapper names, and what a strategy offers a format's writer and reader (:class:`SavingStrategy`)."""
+removal of wrapper names, and what a strategy offers a format's writer and reader (:class:`CheckpointStrategy`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..verify import verify_torch_file
 __all__ = [
     "CheckpointFormat",
     "CheckpointInfo",
-    "SavingStrategy",
+    "CheckpointStrategy",
     "expected_any",
     "load_torch_file",
     "strip_wrapper_prefixes",
@@ -37,7 +37,7 @@ the same written with NVMe offload, plus the per-rank ``lp_offload_state/`` file
 ``.distcp`` file per rank) holding tensor shards or pipeline stages under the whole model's names."""
 
 
-class SavingStrategy(Protocol):
+class CheckpointStrategy(Protocol):
     """What a format's collective writer and its per-rank reader use of the strategy (any Lightning strategy)."""
 
     @property

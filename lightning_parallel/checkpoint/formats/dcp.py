@@ -44,7 +44,7 @@ from ..names import (
     OPTIMIZER_GROUPS_KEY,
 )
 from ..verify import write_manifest
-from .common import CheckpointFormat, CheckpointInfo, SavingStrategy, strip_wrapper_prefixes
+from .common import CheckpointFormat, CheckpointInfo, CheckpointStrategy, strip_wrapper_prefixes
 
 __all__ = [
     "FORMATS",
@@ -66,7 +66,7 @@ MergeGroups = Callable[[list[list[dict[str, Any]]]], list[dict[str, Any]]]
 
 
 # ---------------------------------------------------------------------------------------------- write
-def save(strategy: SavingStrategy, checkpoint: dict[str, Any], filepath: Any, *, layout_key: str,
+def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any, *, layout_key: str,
          layout: dict[str, Any], merge_param_groups: MergeGroups) -> None:
     """Write the folder (collective: every rank calls it with its ``state_dict`` as it holds it and its optimizer
     states by parameter name). ``layout``: the record of the layout (``strategy`` and the degrees), stored under
@@ -111,7 +111,7 @@ def _write_shards(folder: Path, *, model_state: dict[str, Any], optimizer_states
 
 
 # ---------------------------------------------------------------------------------------------- read, per rank
-def load(strategy: SavingStrategy, path: Path, *, layout_key: str,
+def load(strategy: CheckpointStrategy, path: Path, *, layout_key: str,
          can_read_saved_layout: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     """``meta.pt`` of a DCP folder written under ``layout_key`` whose saved layout ``can_read_saved_layout``
     accepts, with this rank's RNG states kept for the start of training; the tensors stay in the files until

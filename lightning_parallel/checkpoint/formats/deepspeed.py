@@ -42,7 +42,7 @@ from ..names import (
     NVME_STATE_GLOB,
     nvme_state_file,
 )
-from .common import CheckpointFormat, CheckpointInfo, SavingStrategy, load_torch_file, strip_wrapper_prefixes
+from .common import CheckpointFormat, CheckpointInfo, CheckpointStrategy, load_torch_file, strip_wrapper_prefixes
 
 __all__ = [
     "FORMATS",
@@ -80,7 +80,7 @@ def is_deepspeed_folder(path: str | Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- write
-def save(strategy: SavingStrategy, checkpoint: dict[str, Any], filepath: Any, *,
+def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any, *,
          write_engine_folder: Callable[[dict[str, Any], str], None], nvme_engine: Any | None = None) -> None:
     """Write the folder (collective): every rank's RNG states go into the client state, ``write_engine_folder``
     (Lightning's ``DeepSpeedStrategy.save_checkpoint``) writes DeepSpeed's files, and with ``nvme_engine`` each rank
@@ -114,7 +114,7 @@ def save_nvme_state(engine: Any, folder: str | Path, *, rank: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- read, same layout
-def load(strategy: SavingStrategy, path: Path, *, read_engine_folder: Callable[[], dict[str, Any]],
+def load(strategy: CheckpointStrategy, path: Path, *, read_engine_folder: Callable[[], dict[str, Any]],
          nvme_engine: Any | None = None, fitting: bool = True) -> dict[str, Any]:
     """DeepSpeed's own load (``read_engine_folder``: Lightning's ``DeepSpeedStrategy.load_checkpoint``, which puts
     the partitions into the engine and returns the client state), then -- with ``nvme_engine`` -- this rank's

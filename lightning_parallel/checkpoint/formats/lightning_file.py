@@ -20,19 +20,19 @@ from torch import Tensor
 from .. import rng
 from ..errors import CheckpointFormatError
 from ..names import META_FILE, SHARDED_KEY
-from .common import CheckpointInfo, SavingStrategy, expected_any, load_torch_file, strip_wrapper_prefixes
+from .common import CheckpointInfo, CheckpointStrategy, expected_any, load_torch_file, strip_wrapper_prefixes
 
 __all__ = ["FORMATS", "detect", "read_full", "save"]
 
 FORMATS = ("lightning",)
 
 
-class _FileSavingStrategy(SavingStrategy, Protocol):
+class _FileWritingStrategy(CheckpointStrategy, Protocol):
     @property
     def checkpoint_io(self) -> Any: ...
 
 
-def save(strategy: _FileSavingStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+def save(strategy: _FileWritingStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
          ) -> None:
     """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes)."""
     rng.attach_rng_states(checkpoint)

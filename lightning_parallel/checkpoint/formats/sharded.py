@@ -26,7 +26,7 @@ from .. import rng
 from ..atomic import fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError
 from ..names import DCP_METADATA_FILE, META_FILE, RANK_FILE_GLOB, SHARDED_KEY, rank_file
-from .common import CheckpointInfo, SavingStrategy, load_torch_file, strip_wrapper_prefixes
+from .common import CheckpointInfo, CheckpointStrategy, load_torch_file, strip_wrapper_prefixes
 
 __all__ = [
     "FORMATS",
@@ -45,7 +45,7 @@ FORMATS = ("lp_sharded",)
 
 
 # ---------------------------------------------------------------------------------------------- write
-def save(strategy: SavingStrategy, checkpoint: dict[str, Any], filepath: Any, *, zero_stage: int) -> None:
+def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any, *, zero_stage: int) -> None:
     """Write the folder (collective: every rank calls it with its own ``optimizer_states`` and, at stage 3, its
     ``state_dict`` of local shards). ``meta.pt`` is written last, then the folder is renamed into place: a failed
     save never leaves a half folder under the checkpoint's name."""
@@ -80,7 +80,7 @@ def _sharded_shapes(module: Any, zero_stage: int) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- read, same layout
-def load(strategy: SavingStrategy, path: Path, *, zero_stage: int) -> dict[str, Any] | None:
+def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int) -> dict[str, Any] | None:
     """``meta.pt`` + this rank's file, as saved, with this rank's RNG states kept for the start of training -- when
     ``path`` is an lp_sharded folder written on this layout (world size and ZeRO stage); None for anything else
     (a file, another layout, another format), which the caller reads through the one-device form."""
@@ -143,7 +143,7 @@ def read_full(info: CheckpointInfo, *, trusted: bool = False) -> tuple[dict[str,
     if info.zero_stage != 3:  # stages 1-2: parameters are replicated; rank 0 wrote the full state dict into meta.pt
         if not isinstance(meta.get("state_dict"), dict):
             raise CheckpointFormatError(f"{info.files[0]}: a ZeRO-{info.zero_stage} sharded checkpoint without "
-                                        "'state_dict'; expected the full weights in meta.pt at stages 1-2.")
+                                        f"'state_dict'; expected the full weights in {META_FILE} at stages 1-2.")
         return strip_wrapper_prefixes(meta["state_dict"]), rest
     parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint")
              for f in info.files[1:]]
@@ -176,7 +176,7 @@ def join_recorded_shards(parts: list[Mapping[str, Any]], *, shapes: Mapping[str,
             raise CheckpointFormatError(f"{where}: the ranks' shards of {key} do not join ({err}); the rank files "
                                         "do not belong together.") from None
         if list(joined.shape) != list(shapes[key]):
-            raise CheckpointFormatError(f"{where}: {key} joins to shape {list(joined.shape)}, but meta.pt recorded "
+            raise CheckpointFormatError(f"{where}: {key} joins to shape {list(joined.shape)}, but {META_FILE} recorded "
                                         f"{list(shapes[key])}; the rank files do not belong together.")
         out[key] = joined
     return out
