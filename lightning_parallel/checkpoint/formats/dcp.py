@@ -173,7 +173,7 @@ def load_optimizer(folder: str | Path, index: int, model: nn.Module) -> dict[str
     folder = Path(folder)
     template = _optim_template(folder, index, model)
     dcp.load({DCP_OPTIM_KEY: {str(index): {"state": template}}}, checkpoint_id=str(folder))
-    meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=False)
+    meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=True)  # as load() read it
     return {"state": template, "param_groups": meta[OPTIMIZER_GROUPS_KEY][index]}
 
 
