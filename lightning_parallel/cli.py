@@ -316,10 +316,12 @@ def _resolve_last(section: Any) -> str | None:
     versions (Lightning looks only in the new version's empty folder and starts over). Partial saves (``.partial``,
     ``.old``) are skipped and every candidate is verified; None (start from the beginning) when there is none."""
     from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format
+    from lightning_parallel.checkpoint.names import OLD_SUFFIX, PARTIAL_SUFFIX
     from lightning_parallel.checkpoint.verify import verify_torch_file
 
     roots = [r for r in _checkpoint_roots(section) if r.is_dir()]
-    found = {p for r in roots for p in r.rglob("*.ckpt") if ".partial" not in p.name and not p.name.endswith(".old")}
+    found = {p for r in roots for p in r.rglob("*.ckpt")
+             if PARTIAL_SUFFIX not in p.name and not p.name.endswith(OLD_SUFFIX)}
     for candidate in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             detect_format(candidate) if candidate.is_dir() else verify_torch_file(candidate)

@@ -14,10 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["PARTIAL_SUFFIX", "fresh_partial", "partial_path", "remove_path", "replace_with"]
+from .names import OLD_SUFFIX, PARTIAL_SUFFIX
 
-PARTIAL_SUFFIX = ".partial"
-_OLD_SUFFIX = ".old"
+__all__ = ["PARTIAL_SUFFIX", "fresh_partial", "partial_path", "remove_path", "replace_with"]
 
 
 def partial_path(target: str | Path) -> Path:
@@ -46,7 +45,7 @@ def replace_with(partial: Path, target: str | Path) -> None:
     """Put the complete ``partial`` in place of ``target`` (a file or folder, or nothing yet): ``target`` is moved
     to ``<target>.old``, ``partial`` renamed to ``target``, then ``<target>.old`` removed."""
     target = Path(target)
-    old = target.with_name(target.name + _OLD_SUFFIX)
+    old = target.with_name(target.name + OLD_SUFFIX)
     remove_path(old)
     if target.exists() or target.is_symlink():
         os.replace(target, old)

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .formats import CheckpointFormatError, CheckpointInfo
+from .errors import CheckpointFormatError
+from .formats import CheckpointInfo, detect_format
+from .names import RESUMED_FROM_KEY
 from .read import DROPPED_KEYS, read_checkpoint
 
 __all__ = ["ConsolidateResult", "consolidate", "main"]
@@ -76,8 +78,7 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resu
     if source.exists() and out.exists() and out.resolve() == source.resolve():
         raise CheckpointFormatError(f"{out}: the output is the input checkpoint itself; write it to another file.")
     if resumable:
-        from .formats import detect_format
-        from .resume import RESUMED_FROM_KEY, read_resumable
+        from .resume import read_resumable
 
         checkpoint = read_resumable(source, trusted=trusted)
         checkpoint.pop(RESUMED_FROM_KEY, None)

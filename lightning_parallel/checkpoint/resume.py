@@ -8,7 +8,8 @@ group by group, in each group's order), ``lr_schedulers``, ``loops`` (epoch and 
 layout (``lp_ddp``/``lp_dp``: as is; ``lp_sharded``: its ZeRO optimizer shards the per-index state; ``lp_tensor``,
 ``lp_pipeline``, ``lp_hybrid``: each rank takes the tensors it holds, by name, cut like its parameters).
 
-How each format is joined (offline, in one CPU process, no process group):
+How each format is joined (offline, in one CPU process, no process group; each format's module in
+:mod:`lightning_parallel.checkpoint.formats` does it):
 
 * ``lightning`` (one file): already in that form.
 * ``lp_sharded`` folder: weights as :func:`~lightning_parallel.checkpoint.full_state_dict` joins them; the optimizer
@@ -25,19 +26,25 @@ How each format is joined (offline, in one CPU process, no process group):
   is in DeepSpeed's swap files.
 
 :func:`optimizer_by_name` / :func:`optimizer_by_index` convert between the per-index form and one keyed by parameter
-name, checking that the saved param groups match the live ones.
+name, checking that the saved param groups match the live ones. :func:`resume_one_device` is what every strategy's
+``load_checkpoint`` does with a checkpoint that is not its own format on its own layout; :func:`place_model_state` and
+:func:`place_optimizer_state` cut the one-device form for a rank of a model-parallel layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .formats import CheckpointFormatError, CheckpointInfo, load_torch_file
+from . import rng
+from .errors import CheckpointFormatError, ResumeError
+from .formats import deepspeed, sharded
+from .formats.common import CheckpointStrategy
+from .names import RESUMED_FROM_KEY
 from .read import read_checkpoint
 
 __all__ = [
@@ -49,16 +56,23 @@ __all__ = [
     "load_for_resume",
     "optimizer_by_index",
     "optimizer_by_name",
+    "place_model_state",
+    "place_optimizer_state",
     "read_resumable",
     "resume_note",
+    "resume_one_device",
 ]
 
-RESUMED_FROM_KEY = "lp_resumed_from"
-"""Set in the dict :func:`read_resumable` returns: a description of the source (format, stage, ranks)."""
 
+class ResumingStrategy(CheckpointStrategy, Protocol):
+    """What :func:`resume_one_device` uses of the strategy (any of the library's)."""
 
-class ResumeError(CheckpointFormatError):
-    """A checkpoint that cannot be resumed under the requested layout (the message says why and what to do)."""
+    strategy_name: str
+
+    @property
+    def optimizers(self) -> list[Any]: ...
+
+    def describe(self) -> str: ...
 
 
 def read_resumable(path: str | Path, *, trusted: bool = False) -> dict[str, Any]:
@@ -80,7 +94,7 @@ def read_resumable(path: str | Path, *, trusted: bool = False) -> dict[str, Any]
     checkpoint = dict(rest)
     checkpoint["state_dict"] = state
     if info.format == "lp_sharded":
-        checkpoint["optimizer_states"] = _join_sharded_optimizer(info, trusted=trusted)
+        checkpoint["optimizer_states"] = sharded.read_optimizer_states(info, trusted=trusted)
     elif info.format == "deepspeed":
         if not trusted:
             raise ResumeError(
@@ -88,151 +102,9 @@ def read_resumable(path: str | Path, *, trusted: bool = False) -> dict[str, Any]
                 "torch.load(weights_only=False) reads, which runs code stored in them. If you trust the folder, set "
                 f"{TRUST_ENV}=1 (resuming) or pass --trust (lightning-parallel consolidate --resumable)."
             )
-        checkpoint["optimizer_states"] = [_join_deepspeed_optimizer(info)]
+        checkpoint["optimizer_states"] = [deepspeed.read_optimizer_state(info)]
     checkpoint[RESUMED_FROM_KEY] = info.describe()
     return checkpoint
-
-
-# ---------------------------------------------------------------------------------------------- lp_sharded
-def _join_sharded_optimizer(info: CheckpointInfo, *, trusted: bool) -> list[dict[str, Any]]:
-    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint")
-             for f in info.files[1:]]
-    per_rank: list[list[dict[str, Any]]] = []
-    for f, part in zip(info.files[1:], parts, strict=True):
-        states = part.get("optimizer_states") if isinstance(part, dict) else None
-        if not isinstance(states, list):
-            raise CheckpointFormatError(f"{f}: no 'optimizer_states'; expected this rank's optimizer shard.")
-        per_rank.append(states)
-    n_opt = {len(s) for s in per_rank}
-    if len(n_opt) != 1:
-        raise CheckpointFormatError(f"{info.path}: the rank files hold {sorted(n_opt)} optimizers; they do not "
-                                    "belong together.")
-    joined = []
-    for i in range(n_opt.pop()):
-        shards = [s[i] for s in per_rank]
-        if info.zero_stage == 3:
-            joined.append(_join_dim0_optimizer(shards, where=info.path))
-        else:
-            joined.append(_join_flat_optimizer(shards, where=info.path))
-    return joined
-
-
-def _join_flat_optimizer(shards: Sequence[dict[str, Any]], *, where: Path) -> dict[str, Any]:
-    """Stages 1-2 (``ZeroOptimizer.state_dict()``): one flat shard per param group and rank -> per-parameter."""
-    first = shards[0]
-    if first.get("format") is None or "shapes" not in first:
-        raise CheckpointFormatError(f"{where}: the rank files' optimizer state is not a ZeroOptimizer shard "
-                                    "(no 'format'/'shapes').")
-    world = int(first["world_size"])
-    if len(shards) != world or sorted(int(s["rank"]) for s in shards) != list(range(world)):
-        raise CheckpointFormatError(f"{where}: expected the shards of ranks 0..{world - 1}, found ranks "
-                                    f"{[s.get('rank') for s in shards]}.")
-    shards = sorted(shards, key=lambda s: int(s["rank"]))
-    inner = [s["optim"] for s in shards]
-    state: dict[int, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    index = 0
-    for g, shapes in enumerate(first["shapes"]):
-        numels = [int(torch.Size(shape).numel()) for shape in shapes]
-        ids = list(range(index, index + len(shapes)))
-        # the inner optimizer holds one flat parameter per group: its state index is g
-        slots = [r["state"].get(g, r["state"].get(str(g), {})) for r in inner]
-        per_param: list[dict[str, Any]] = [{} for _ in shapes]
-        shard_numel = -(-sum(numels) // world)
-        for key, value in slots[0].items():
-            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == shard_numel:
-                flat = torch.cat([s[key] for s in slots])
-                offset = 0
-                for slot, shape, n in zip(per_param, shapes, numels, strict=True):
-                    slot[key] = flat[offset:offset + n].view(shape).clone()
-                    offset += n
-            else:  # scalars (Adam's step) are per group
-                for slot in per_param:
-                    slot[key] = value.clone() if isinstance(value, Tensor) else value
-        state.update({i: s for i, s in zip(ids, per_param, strict=True) if s})
-        saved_group = inner[0]["param_groups"][g]
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
-        index += len(shapes)
-    return {"state": state, "param_groups": groups}
-
-
-def _join_dim0_optimizer(shards: Sequence[dict[str, Any]], *, where: Path) -> dict[str, Any]:
-    """Stage 3 (FSDP2 ``Shard(0)``): each parameter's state pieces, one per rank, joined along dim 0."""
-    first = shards[0]
-    state: dict[Any, dict[str, Any]] = {}
-    for idx, slot in first["state"].items():
-        out: dict[str, Any] = {}
-        for key, value in slot.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                try:
-                    out[key] = torch.cat([s["state"][idx][key] for s in shards], dim=0)
-                except (KeyError, RuntimeError) as err:
-                    raise CheckpointFormatError(f"{where}: the ranks' optimizer shards of parameter {idx} do not "
-                                                f"join ({err}); the rank files do not belong together.") from None
-            else:
-                out[key] = value
-        state[idx] = out
-    return {"state": state, "param_groups": first["param_groups"]}
-
-
-# ---------------------------------------------------------------------------------------------- DeepSpeed
-_DS_SKIP_GROUP_KEYS = frozenset({"params", "bias_correction"})  # DeepSpeed CPU Adam only: torch Adam always corrects
-
-
-def _join_deepspeed_optimizer(info: CheckpointInfo) -> dict[str, Any]:
-    """Adam's per-parameter state from a DeepSpeed ZeRO folder: each state key's flat partitions (one per rank and
-    param group) put through DeepSpeed's own ``zero_to_fp32`` reconstruction, as the fp32 masters are."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    from .read import deepspeed_quietly
-
-    assert info.tag is not None
-    folder = info.path / info.tag
-    with deepspeed_quietly():
-        model_states = z.parse_model_states(z.get_model_state_files(str(folder)))
-        files = z.get_optim_files(str(folder))
-        parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
-    stage = int(parts[0]["zero_stage"])
-    # the host optimizer over each rank's flat partitions (ZeRO-1/2: base_optimizer_state; ZeRO-3: optimizer_state_dict)
-    base = [p.get("base_optimizer_state") or p["optimizer_state_dict"] for p in parts]
-    n_groups = len(model_states[0].param_shapes)  # the user's param groups (ZeRO-1/2 keep one flat group each)
-    if stage == 3 and len(base[0]["param_groups"]) != n_groups:
-        raise ResumeError(
-            f"{info.path}: a ZeRO-3 DeepSpeed folder whose optimizer holds {len(base[0]['param_groups'])} sub-groups "
-            f"for {n_groups} param groups; the files do not say which sub-group belongs to which group (their "
-            "hyper-parameters, such as weight decay, may differ). Fix: resume it with lp_zero_offload at ZeRO-3, or "
-            "save with a sub_group_size at least the model's parameter count."
-        )
-    first = base[0]["state"][min(base[0]["state"])] if base[0]["state"] else {}
-    keys = [k for k, v in first.items() if isinstance(v, Tensor) and v.dim() == 1]
-    step = first.get("step", base[0]["param_groups"][0].get("step", 0))
-    per_key: dict[str, dict[str, Tensor]] = {}
-    for key in keys:
-        if stage <= 2:
-            flat = [[b["state"][g][key] for g in range(n_groups)] for b in base]
-            paddings = parts[0].get("param_alignment_paddings")
-            with deepspeed_quietly():
-                rebuilt = z._get_fp32_state_dict_from_zero2_checkpoint(len(parts), flat, model_states, True, paddings)
-        else:  # one flat partition per sub-group, in the host optimizer's order
-            flat3 = [[b["state"][i][key] for i in sorted(b["state"])] for b in base]
-            with deepspeed_quietly():
-                rebuilt = z.to_torch_tensor(  # ZeRO-3 returns lazily gathered tensors
-                    z._get_fp32_state_dict_from_zero3_checkpoint(len(parts), flat3, model_states, True))
-        per_key[key] = {k: v.detach().clone() for k, v in rebuilt.items()}
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
-    for g, shapes in enumerate(model_states[0].param_shapes):
-        ids = []
-        for name in shapes:
-            state[index] = {key: per_key[key][name] for key in keys}
-            state[index]["step"] = torch.tensor(float(step))
-            ids.append(index)
-            index += 1
-        saved = base[0]["param_groups"][min(g, len(base[0]["param_groups"]) - 1)]
-        groups.append({**{k: v for k, v in saved.items() if k not in _DS_SKIP_GROUP_KEYS and k != "step"},
-                       "params": ids})
-    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------------------------- by name / index
@@ -380,3 +252,87 @@ def _hparams_diff(saved: Any, live: Any) -> str:
     except (KeyError, TypeError):
         return ""
     return f" (hyper-parameters: {'; '.join(diffs[:4])})" if diffs else ""
+
+
+# ---------------------------------------------------------------------------------------------- for the strategies
+def resume_one_device(strategy: ResumingStrategy, path: str | Path, *, optimizers: Sequence[Any] | None = None,
+                      whole_module: bool = True, place: Callable[[dict[str, Any]], None] | None = None
+                      ) -> dict[str, Any]:
+    """What a strategy's ``load_checkpoint`` returns for a checkpoint written under any layout: the one-device form
+    (:func:`load_for_resume`), refused if it does not fit the module (:func:`check_fits` with ``optimizers``, the
+    strategy's own by default, and ``whole_module``), put into the strategy's state by ``place`` where the strategy
+    loads it itself, a note on rank 0 when it was re-sharded, and this rank's RNG states kept for the start of
+    training. ``path`` is the same on every rank (broadcast by the caller)."""
+    checkpoint = load_for_resume(path, strategy=strategy.strategy_name)
+    module = strategy.lightning_module
+    if module is not None:
+        check_fits(checkpoint, module=module, optimizers=strategy.optimizers if optimizers is None else optimizers,
+                   path=path, whole_module=whole_module)
+    if place is not None:
+        place(checkpoint)
+    note = resume_note(checkpoint, strategy=strategy.strategy_name, layout=strategy.describe())
+    if note and strategy.is_global_zero:
+        print(note, flush=True)
+    rng.restore_rng_states(checkpoint, rank=strategy.global_rank, world_size=strategy.world_size, module=module)
+    return checkpoint
+
+
+def place_model_state(module: torch.nn.Module, full: dict[str, Any], *, strict: bool = True) -> None:
+    """Copy a one-device ``state_dict`` into a model-parallel module, each whole tensor placed as this rank holds it
+    (a DTensor is cut by its placements; no collective). Tensors this rank does not hold (other pipeline stages) are
+    skipped; with ``strict``, a tensor of this rank missing from ``full`` is a ``KeyError``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state = dict(module.state_dict())
+    missing = [name for name in state if name not in full]
+    if missing and strict:
+        raise KeyError(f"the checkpoint has no {missing[:5]} ({len(missing)} tensors of this rank missing).")
+    with torch.no_grad():
+        for name, current in state.items():
+            if name not in full:
+                continue
+            value = full[name]
+            if isinstance(current, DTensor):
+                value = distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements)
+            current.copy_(value)
+
+
+def place_optimizer_state(module: torch.nn.Module, raw: Any, saved: dict[str, Any],
+                          merge_param_groups: Callable[[list[list[dict[str, Any]]]], list[dict[str, Any]]]
+                          ) -> dict[str, Any]:
+    """A one-device (per-index) optimizer state -> by name, only the parameters this rank holds, each state
+    tensor cut like its parameter (a DTensor for tp-sharded ones; cut locally, no collective).
+
+    The indices are matched to names by the one-device numbering: every rank's param-group names, gathered
+    and joined by ``merge_param_groups`` as they are joined when saving (one ``all_gather_object``)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+    name_of = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    own_groups = raw.original_params if isinstance(raw, LocalShardZeroOptimizer) else [
+        list(g["params"]) for g in raw.param_groups]
+    live = [{"params": [name_of[id(p)] for p in group]} for group in own_groups]
+    gathered: list[Any] = [live]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, live)
+    names = [g["params"] for g in merge_param_groups(gathered)]
+    by_name = optimizer_by_name(saved, names, where="the checkpoint")
+    params = dict(module.named_parameters())
+    check_state_shapes(by_name, {n: p.shape for n, p in params.items()}, where="the checkpoint")
+    state: dict[str, Any] = {}
+    for name, slot in by_name["state"].items():
+        p = params.get(name)
+        if p is None:
+            continue  # held by another pipeline stage
+        placed: dict[str, Any] = {}
+        for key, value in slot.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = value.to(device=p.device)
+                if isinstance(p, DTensor):
+                    value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+            placed[key] = value
+        state[name] = placed
+    return {"state": state, "param_groups": by_name["param_groups"]}

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .names import RNG_KEY
+
 __all__ = ["RNG_KEY", "apply_restored_rng_states", "attach_rng_states", "restore_rng_states"]
 
-RNG_KEY = "lp_rng_states"
 _pending: list[dict[str, Any]] = []
 
 

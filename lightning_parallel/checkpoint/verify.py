@@ -6,6 +6,10 @@ loads and trains. :func:`verify_torch_file` reads the archive's records against 
 refuses, naming the file and the record, and -- for a tensor's record -- the tensor (the state-dict key whose bytes
 have the checksum the damaged record has now). It also tells an empty file, a truncated one (a zip archive whose
 index, written last, is missing) and one that is not a torch archive at all apart, each with one message.
+
+A folder's files are checked against its :data:`~lightning_parallel.checkpoint.names.MANIFEST_FILE`
+(:func:`write_manifest` when saving, :func:`verify_folder` before loading). This module imports no format module:
+the format modules use it for every file they load.
 """
 
 from __future__ import annotations
@@ -14,19 +18,17 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["MANIFEST_FILE", "verify_folder", "verify_torch_file", "write_manifest"]
+from .errors import CheckpointFormatError
+from .names import MANIFEST_FILE
 
-MANIFEST_FILE = "checksums.json"
-"""A checkpoint folder's CRC-32 per file (DCP's ``.distcp`` shards carry none of their own)."""
+__all__ = ["MANIFEST_FILE", "verify_folder", "verify_folder_on_rank_zero", "verify_torch_file", "write_manifest"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header: 30 bytes
 
 
 def _error(message: str) -> Exception:
-    from lightning_parallel.checkpoint.formats import CheckpointFormatError
-
     return CheckpointFormatError(message)
 
 
@@ -77,7 +79,7 @@ def _tensor_with_crc(file: Path, crc: int) -> str | None:
 
 
 def verify_torch_file(file: str | Path, *, expected: str = "a checkpoint written by trainer.save_checkpoint") -> None:
-    """Raise :class:`~lightning_parallel.checkpoint.formats.CheckpointFormatError` for a file that is empty,
+    """Raise :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` for a file that is empty,
     truncated, not a torch archive, or whose records fail their checksums; return quietly otherwise."""
     path = Path(file)
     size = path.stat().st_size
@@ -132,7 +134,7 @@ def write_manifest(folder: str | Path) -> Path:
 def verify_folder(folder: str | Path) -> None:
     """Check every file of a checkpoint folder against its ``checksums.json``; a folder without one (lp_sharded,
     DeepSpeed, or written before the list existed) has each of its ``.pt`` torch archives checked against the
-    CRC-32 of their records instead; raise :class:`~lightning_parallel.checkpoint.formats.CheckpointFormatError` naming
+    CRC-32 of their records instead; raise :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` naming
     the file that is missing, of another size, or changed."""
     import json
 
@@ -160,3 +162,26 @@ def verify_folder(folder: str | Path) -> None:
             raise _error(f"{file}: checksum mismatch (CRC-32 {crc}, written as {entry['crc32']}): its bytes changed "
                          "after the save (disk or copy corruption). The folder is refused rather than trained from. "
                          "Fix: use another checkpoint or copy it again.")
+
+
+class _Ranks(Protocol):
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+def verify_folder_on_rank_zero(strategy: _Ranks, path: str | Path) -> None:
+    """:func:`verify_folder` on rank 0 for a checkpoint folder (a file is left to its reader); every rank raises
+    the same :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` on a mismatch (a collective)."""
+    if not Path(path).is_dir():
+        return
+    problem = ""
+    if strategy.is_global_zero:
+        try:
+            verify_folder(path)
+        except CheckpointFormatError as err:
+            problem = str(err)
+    problem = strategy.broadcast(problem)
+    if problem:
+        raise CheckpointFormatError(problem)

@@ -343,30 +343,20 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's one-file save (rank 0 writes), with every rank's RNG states added (a collective)."""
-        from lightning_parallel.checkpoint.rng import attach_rng_states
+        """Lightning's one-file save (rank 0 writes), with every rank's RNG states added (a collective;
+        :mod:`lightning_parallel.checkpoint.formats.lightning_file`)."""
+        from lightning_parallel.checkpoint.formats import lightning_file
 
-        attach_rng_states(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        lightning_file.save(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Any checkpoint the library writes, under any layout: read into the one-device form (whole weights,
         per-index optimizer state, loops) by :func:`~lightning_parallel.checkpoint.resume.read_resumable`, with
         ``torch.load(weights_only=True)``; the strategy's ``load_*_state_dict`` re-shard it for this layout."""
-        from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
+        from lightning_parallel.checkpoint.resume import resume_one_device
 
-        path = self.broadcast(str(checkpoint_path))
-        from lightning_parallel.checkpoint.rng import restore_rng_states
-
-        checkpoint = load_for_resume(path, strategy=self.strategy_name)
-        if self.lightning_module is not None:
-            check_fits(checkpoint, module=self.lightning_module, optimizers=self.optimizers, path=path)
-        restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
-        note = resume_note(checkpoint, strategy=self.strategy_name, layout=self.describe())
-        if note and self.is_global_zero:
-            print(note, flush=True)
-        return checkpoint
+        return resume_one_device(self, self.broadcast(str(checkpoint_path)))
 
     @override
     def model_to_device(self) -> None:

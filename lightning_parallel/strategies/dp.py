@@ -347,24 +347,15 @@ class LPDPStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's one-file save, with the RNG states added."""
-        from lightning_parallel.checkpoint.rng import attach_rng_states
+        from lightning_parallel.checkpoint.formats import lightning_file
 
-        attach_rng_states(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        lightning_file.save(self, checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Any checkpoint the library writes, joined into the one-device form (what this one process holds)."""
-        from lightning_parallel.checkpoint.resume import check_fits, load_for_resume, resume_note
-        from lightning_parallel.checkpoint.rng import restore_rng_states
+        from lightning_parallel.checkpoint.resume import resume_one_device
 
-        checkpoint = load_for_resume(checkpoint_path, strategy=self.strategy_name)
-        restore_rng_states(checkpoint, rank=0, world_size=1, module=self.lightning_module)
-        if self.lightning_module is not None:
-            check_fits(checkpoint, module=self.lightning_module, optimizers=self.optimizers, path=checkpoint_path)
-        note = resume_note(checkpoint, strategy=self.strategy_name, layout=self.describe())
-        if note:
-            print(note, flush=True)
-        return checkpoint
+        return resume_one_device(self, checkpoint_path)
 
     def describe(self) -> str:
         kind = self.root_device.type

@@ -46,7 +46,6 @@ class LPHybridStrategy(LPPipelineStrategy):
     """
 
     strategy_name = "lp_hybrid"
-    checkpoint_key = "lp_hybrid_checkpoint"
 
     @override
     def check_module(self, module: pl.LightningModule) -> None:

@@ -68,7 +68,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     """
 
     strategy_name = "lp_pipeline"
-    checkpoint_key = "lp_pipeline_checkpoint"
     preset = {"zero_stage": 0, "offload": "none"}
     shape_checks = ("n_head", "vocab_size")
     pipelined = True

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,13 +39,11 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.checkpoint.formats import sharded as sharded_format
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.compose import DataParallelPlan, data_parallel_plan
 from lightning_parallel.parallel.zero import (
-    META_FILE,
-    SHARDED_KEY,
     ZeroOptimizer,
-    rank_file,
     require_fairscale,
     zero3_full_model_state,
     zero3_full_optimizer_state,
@@ -203,42 +200,11 @@ class LPShardedStrategy(LayoutStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """``full``: rank 0 writes one file. ``sharded``: a folder, ``meta.pt`` from rank 0 and one file per rank,
         written into ``<path>.partial`` and renamed into place once every rank is done (never a half folder under
-        the checkpoint's name)."""
-        from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
-
+        the checkpoint's name; :mod:`lightning_parallel.checkpoint.formats.sharded`)."""
         if self._checkpoint_kind == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        from lightning_parallel.checkpoint.rng import attach_rng_states
-
-        attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
-        target = Path(self.broadcast(str(filepath)))
-        path = partial_path(target)
-        if self.is_global_zero:
-            fresh_partial(target)
-        self.barrier("lp_sharded_mkdir")
-        own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
-        if self.zero_stage == 3:
-            own["state_dict"] = checkpoint.pop("state_dict")
-        torch.save(own, path / rank_file(self.global_rank))
-        if self.is_global_zero:
-            checkpoint[SHARDED_KEY] = {"zero_stage": self.zero_stage, "world_size": self.world_size,
-                                       "sharded_shapes": self._sharded_shapes()}
-        self.barrier("lp_sharded_rank_files")
-        if self.is_global_zero:  # metadata last, then the rename
-            torch.save(checkpoint, path / META_FILE)
-            replace_with(path, target)
-        self.barrier("lp_sharded_saved")
-
-    def _sharded_shapes(self) -> dict[str, list[int]]:
-        """Stage 3: the full shapes of the state-dict entries that are dim-0 shards (DTensors), so that a reader
-        joins exactly those and keeps replicated entries (buffers) once."""
-        from torch.distributed.tensor import DTensor
-
-        module = self.lightning_module
-        if self.zero_stage != 3 or module is None:
-            return {}
-        return {k: list(v.shape) for k, v in module.state_dict().items() if isinstance(v, DTensor)}
+        sharded_format.save(self, checkpoint, filepath, zero_stage=self.zero_stage)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -254,19 +220,8 @@ class LPShardedStrategy(LayoutStrategy):
         file, a sharded folder of another world size or stage, another strategy's folder -- is joined into the
         one-device form and re-sharded (:meth:`LayoutStrategy.load_checkpoint`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta_file = path / META_FILE
-        if path.is_dir() and meta_file.is_file() and not (path / ".metadata").exists():
-            checkpoint: dict[str, Any] = torch.load(meta_file, map_location="cpu", weights_only=True)
-            saved = checkpoint.get(SHARDED_KEY) or {}
-            if saved.get("world_size") == self.world_size and saved.get("zero_stage") == self.zero_stage:
-                checkpoint.update(torch.load(path / rank_file(self.global_rank), map_location="cpu",
-                                             weights_only=True))
-                from lightning_parallel.checkpoint.rng import restore_rng_states
-
-                restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size,
-                                   module=self.lightning_module)
-                return checkpoint
-        return super().load_checkpoint(path)
+        checkpoint = sharded_format.load(self, path, zero_stage=self.zero_stage)
+        return checkpoint if checkpoint is not None else super().load_checkpoint(path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -275,7 +230,7 @@ class LPShardedStrategy(LayoutStrategy):
         assert module is not None
         state = checkpoint["state_dict"]
         if self.zero_stage == 3 and _is_fsdp(module):
-            if SHARDED_KEY in checkpoint:
+            if sharded_format.loaded_as_shards(checkpoint):
                 zero3_load_local_state(module, None, {"model": state})
             else:
                 zero3_load_full_model_state(module, state, strict=strict)
@@ -288,7 +243,7 @@ class LPShardedStrategy(LayoutStrategy):
         module = self.lightning_module
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             if self.zero_stage == 3 and module is not None and _is_fsdp(module):
-                if SHARDED_KEY in checkpoint:
+                if sharded_format.loaded_as_shards(checkpoint):
                     zero3_load_local_state(module, optimizer, {"optim": state})
                 else:
                     zero3_load_full_optimizer_state(module, optimizer, state)

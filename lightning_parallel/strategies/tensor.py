@@ -122,7 +122,6 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
     """
 
     strategy_name = "lp_tensor"
-    checkpoint_key = "lp_tensor_checkpoint"
     preset = {"zero_stage": 0, "offload": "none"}
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:

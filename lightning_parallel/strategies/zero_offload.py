@@ -19,7 +19,7 @@ written (``offload: none`` is DeepSpeed ZeRO without offload, with the module's 
 
 CPU runs use DeepSpeed's CPU accelerator over gloo; ``root_device`` is ``cpu:<local_rank>``. Checkpoints are the
 engine's folders; NVMe-offloaded state, which DeepSpeed 0.19.8 neither saves nor restores, is written per rank next
-to them and restored and verified on resume (:mod:`lightning_parallel.parallel.offload.state`).
+to them and restored and verified on resume (:mod:`lightning_parallel.checkpoint.formats.deepspeed`).
 :meth:`LPZeroOffloadStrategy.consolidated_state_dict` and :func:`convert_to_fp32_state_dict` give one fp32 state
 dict that loads on one device.
 """
@@ -45,26 +45,24 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.checkpoint.formats import deepspeed as deepspeed_format
+from lightning_parallel.checkpoint.formats.deepspeed import convert_to_fp32_state_dict
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.layouts import refusal
 from lightning_parallel.parallel.faults import interrupts
 from lightning_parallel.parallel.offload import (
     LIBAIO_HELP,
-    OFFLOAD_STATE_DIR,
     OffloadConfigError,
     OffloadEngineConfig,
     OpsUnavailableError,
     build_engine,
     check_batch_sizes,
     consolidated_state_dict,
-    convert_to_fp32_state_dict,
     ensure_ops,
     libaio_available,
     load_deepspeed_config,
-    load_local_state,
     offload_targets,
     required_ops,
-    save_local_state,
 )
 from lightning_parallel.parallel.offload.config import check_nvme_folder
 
@@ -329,24 +327,12 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         """DeepSpeed's folder (and, with NVMe offload, each rank's state under ``lp_offload_state/``), written into
         ``<path>.partial`` and renamed into place once every rank is done: a crash mid-save leaves the previous
-        checkpoint of that name whole."""
-        from lightning_parallel.checkpoint.atomic import fresh_partial, partial_path, replace_with
-        from lightning_parallel.checkpoint.rng import attach_rng_states
-
-        attach_rng_states(checkpoint)  # every rank's, in the client state (a collective)
-        target = Path(self.broadcast(str(filepath)))
-        partial = partial_path(target)
-        if self.is_global_zero:
-            fresh_partial(target)  # DeepSpeed copies the NVMe swap folder with copytree: the target must be new
-            partial.rmdir()
-        self.barrier("lp_zero_offload_partial")
-        super().save_checkpoint(checkpoint, str(partial), storage_options)
-        if self.offloads_to_nvme:
-            save_local_state(self.deepspeed_engine, partial / OFFLOAD_STATE_DIR, rank=self.global_rank)
-        self.barrier("lp_zero_offload_saved")
-        if self.is_global_zero:
-            replace_with(partial, target)
-        self.barrier("lp_zero_offload_renamed")
+        checkpoint of that name whole (:func:`lightning_parallel.checkpoint.formats.deepspeed.save`)."""
+        deepspeed_format.save(
+            self, checkpoint, filepath,
+            write_engine_folder=lambda c, path: super(LPZeroOffloadStrategy, self).save_checkpoint(c, path,
+                                                                                              storage_options),
+            nvme_engine=self.deepspeed_engine if self.offloads_to_nvme else None)
 
     def check_resume_source(self, path: _PATH) -> None:
         """Before spawning (``--ckpt_path``) and when loading: a DeepSpeed folder, or -- at ZeRO-1/2 without NVMe
@@ -359,81 +345,41 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         (ZeRO-1/2, CPU offload or none): read into the one-device form; each rank puts the fp32 masters and Adam's
         moments into its partitions with DeepSpeed's ``safe_set_full_*``
         (:mod:`lightning_parallel.parallel.offload.resume`)."""
-        from lightning_parallel.checkpoint.formats import DEEPSPEED_LATEST_FILE
+        from lightning_parallel.checkpoint.resume import ResumeError
 
         self.check_resume_source(checkpoint_path)
         path = Path(checkpoint_path)
-        if not (path.is_dir() and (path / DEEPSPEED_LATEST_FILE).is_file()):
+        if not deepspeed_format.is_deepspeed_folder(path):
             return self._load_other_layout(path)
-        mismatch = self._deepspeed_layout_mismatch(path)
+        mismatch = deepspeed_format.layout_mismatch(path, zero_stage=int(self._layout.zero),
+                                                    world_size=self.world_size)
         if mismatch is not None:
             if int(self._layout.zero) in (1, 2) and not self.offloads_to_nvme:
                 return self._load_other_layout(path)  # through the one-device form
-            from lightning_parallel.checkpoint.resume import ResumeError
-
             raise ResumeError(mismatch)
-        client_state = super().load_checkpoint(checkpoint_path, weights_only)
-        if self.offloads_to_nvme and self.lightning_module is not None:
-            folder = Path(checkpoint_path) / OFFLOAD_STATE_DIR
-            if not folder.is_dir():
-                raise RuntimeError(
-                    f"{checkpoint_path} has no {OFFLOAD_STATE_DIR}/ folder: it was not written by lp_zero_offload "
-                    "with NVMe offload, and DeepSpeed's own checkpoint does not restore NVMe-offloaded state "
-                    "(it would resume from the initial weights). Refusing to resume from it."
-                )
-            if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-                raise RuntimeError(
-                    f"validate/test/predict from the NVMe-offloaded checkpoint {checkpoint_path}: DeepSpeed's engine "
-                    "would evaluate without the saved weights. Fix: load lightning_parallel.strategies.zero_offload."
-                    "convert_to_fp32_state_dict(path) into the module and evaluate it without offload."
-                )
-            load_local_state(self.deepspeed_engine, folder, rank=self.global_rank)
-            self.barrier("lp_zero_offload_nvme_state_loaded")
-        from lightning_parallel.checkpoint.rng import restore_rng_states
-
-        restore_rng_states(client_state, rank=self.global_rank, world_size=self.world_size,
-                           module=self.lightning_module)
-        return client_state
-
-    def _deepspeed_layout_mismatch(self, path: Path) -> str | None:
-        """Why DeepSpeed's own load cannot resume this folder of another ZeRO stage or world size (it resumes on the
-        same ones only), or None."""
-        from lightning_parallel.checkpoint.formats import CheckpointFormatError, detect_format
-
-        try:
-            info = detect_format(path)
-        except CheckpointFormatError:
-            return None  # DeepSpeed's own load says what is wrong with the folder
-        stage = int(self._layout.zero)
-        if info.zero_stage in (None, stage) and info.world_size in (None, self.world_size):
-            return None
-        return (
-            f"{path} was saved by lp_zero_offload at ZeRO-{info.zero_stage} on {info.world_size} ranks; this run is "
-            f"ZeRO-{stage} on {self.world_size} ranks, and DeepSpeed resumes its folders on the same stage and world "
-            "size only (ZeRO-1/2 runs read other layouts' state themselves; this one cannot). Fix: resume with that "
-            "layout, or at ZeRO-1/2 with CPU offload."
-        )
+        module, nvme_engine, fitting = self.lightning_module, None, True
+        if self.offloads_to_nvme and module is not None:
+            nvme_engine, fitting = self.deepspeed_engine, module.trainer.state.fn == TrainerFn.FITTING
+        return deepspeed_format.load(
+            self, path, nvme_engine=nvme_engine, fitting=fitting,
+            read_engine_folder=lambda: super(LPZeroOffloadStrategy, self).load_checkpoint(checkpoint_path,
+                                                                                         weights_only))
 
     def _load_other_layout(self, path: Path) -> dict[str, Any]:
-        from lightning_parallel.checkpoint.resume import ResumeError, check_fits, load_for_resume, resume_note
+        from lightning_parallel.checkpoint.resume import ResumeError, resume_one_device
         from lightning_parallel.parallel.offload.resume import load_one_device_state
 
-        checkpoint = load_for_resume(path, strategy="lp_zero_offload")
         module = self.lightning_module
         assert module is not None and self.deepspeed_engine is not None
-        check_fits(checkpoint, module=module, optimizers=[], path=path)
-        try:
-            load_one_device_state(self.deepspeed_engine, checkpoint,
-                                  load_optimizer=module.trainer.state.fn == TrainerFn.FITTING)
-        except ValueError as err:
-            raise ResumeError(f"lp_zero_offload cannot resume from {path}: {err}") from None
-        note = resume_note(checkpoint, strategy="lp_zero_offload", layout=self.describe())
-        if note and self.is_global_zero:
-            print(note, flush=True)
-        from lightning_parallel.checkpoint.rng import restore_rng_states
 
-        restore_rng_states(checkpoint, rank=self.global_rank, world_size=self.world_size, module=self.lightning_module)
-        return checkpoint
+        def place(checkpoint: dict[str, Any]) -> None:
+            try:
+                load_one_device_state(self.deepspeed_engine, checkpoint,
+                                      load_optimizer=module.trainer.state.fn == TrainerFn.FITTING)
+            except ValueError as err:
+                raise ResumeError(f"lp_zero_offload cannot resume from {path}: {err}") from None
+
+        return resume_one_device(self, path, optimizers=[], place=place)
 
     @override
     def on_train_start(self) -> None:
@@ -474,11 +420,10 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 def check_resume_source(path: _PATH, *, zero_stage: int, offload: str) -> None:
     """What ``lp_zero_offload`` resumes: its DeepSpeed folders; at ZeRO-1/2 without NVMe offload also every other
     checkpoint of the library (through the one-device form). Anything else is refused with the reason and the fix."""
-    from lightning_parallel.checkpoint.formats import DEEPSPEED_LATEST_FILE
     from lightning_parallel.checkpoint.resume import ResumeError
 
     folder = Path(path)
-    if folder.is_dir() and (folder / DEEPSPEED_LATEST_FILE).is_file():
+    if deepspeed_format.is_deepspeed_folder(folder):
         return
     if not folder.exists():
         raise ResumeError(f"lp_zero_offload cannot resume from {path}: no such file or folder.")

@@ -61,7 +61,7 @@ if KIND == "lightning":
     local.LocalFileOpener.write = kill_midway(local.LocalFileOpener.write)
     layout = rm.LAYOUTS["1 device"]
 elif KIND == "lp_sharded":
-    import lightning_parallel.strategies.sharded as sharded
+    import lightning_parallel.checkpoint.formats.sharded as sharded
     sharded.torch.save = kill_midway(torch.save)
     layout = rm.LAYOUTS["lp_sharded z1 x2"]
 elif KIND == "lp_pipeline":

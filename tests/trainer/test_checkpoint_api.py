@@ -101,7 +101,7 @@ def test_zero3_sharded_folder_keeps_replicated_buffers_once(tmp_path: Path) -> N
     used to come out world-size times as long)."""
     import lightning.pytorch as pl
 
-    from lightning_parallel.parallel.zero import consolidate_checkpoint
+    from lightning_parallel.checkpoint.formats.sharded import consolidate_checkpoint
     from lightning_parallel.strategies import LPShardedStrategy
     from tests.helpers import TRAINER_QUIET, SequentialTokens
 

@@ -229,7 +229,7 @@ def test_dcp_checkpoint_resumes_and_reads_offline(tmp_path: Path, layout: dict[s
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_parallel.checkpoint import consolidate, detect_format, full_state_dict
-    from lightning_parallel.parallel.tensor import read_full_checkpoint
+    from lightning_parallel.checkpoint.formats.dcp import read_full_checkpoint
 
     dp = devices // layout["pipeline_parallel_size"]
     kw: dict[str, Any] = {"steps": 6, "accumulate_grad_batches": 1}

@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel.callbacks import ZeroStats
+from lightning_parallel.checkpoint.formats.sharded import consolidate_checkpoint
 from lightning_parallel.cli import resolve_strategy
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.models import GPT
-from lightning_parallel.parallel.zero import consolidate_checkpoint, zero_comm_theory, zero_memory_formula
+from lightning_parallel.parallel.zero import zero_comm_theory, zero_memory_formula
 from lightning_parallel.strategies import LPShardedStrategy
 
 T, B, STEPS = 16, 2, 4

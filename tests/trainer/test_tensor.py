@@ -187,7 +187,7 @@ def test_dcp_checkpoint_resumes_exactly_and_reads_offline(tmp_path: Path, layout
     (docs/limits.md)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_parallel.parallel.tensor import read_full_checkpoint
+    from lightning_parallel.checkpoint.formats.dcp import read_full_checkpoint
 
     dp = devices // 2
     kw: dict[str, Any] = {"steps": 6, "accumulate_grad_batches": 1}

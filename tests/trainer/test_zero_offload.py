@@ -20,15 +20,9 @@ from torch.utils.data import TensorDataset
 
 pytest.importorskip("deepspeed", reason="lp_zero_offload needs DeepSpeed: pip install -e '.[deepspeed]'")
 
-from lightning_parallel.parallel.offload import (
-    convert_to_fp32_state_dict,
-    ensure_ops,
-    libaio_available,
-    missing_ops,
-    required_ops,
-)
+from lightning_parallel.parallel.offload import ensure_ops, libaio_available, missing_ops, required_ops
 from lightning_parallel.parallel.offload.optim import rebind_scheduler, to_host_optimizer
-from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy
+from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy, convert_to_fp32_state_dict
 from tests.helpers import TRAINER_QUIET, SequentialTokens, max_abs_diff, max_rel_diff
 from tests.helpers import tiny_gpt as _tiny_gpt
 

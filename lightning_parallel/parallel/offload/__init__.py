@@ -5,7 +5,8 @@
 * :mod:`.ops` -- which C++ ops a run needs, building them once with a progress message, the libaio check;
 * :mod:`.optim` -- the user's Adam/AdamW mapped to DeepSpeed's CPU Adam, the LR scheduler re-bound;
 * :mod:`.engine` -- ``deepspeed.initialize`` from the above;
-* :mod:`.state` -- a consolidated fp32 state dict, and NVMe-offloaded state saved and restored (verified) per rank;
+* :mod:`.state` -- a consolidated fp32 state dict, and NVMe-offloaded state taken and restored (verified) per rank
+  (stored on disk by :mod:`lightning_parallel.checkpoint.formats.deepspeed`);
 * :mod:`.accounting` -- per-rank bytes of parameters, gradients and optimizer state on the device and on the host.
 """
 
@@ -24,19 +25,10 @@ from .config import (
 from .engine import build_engine, offload_targets
 from .ops import LIBAIO_HELP, OpsUnavailableError, ensure_ops, libaio_available, missing_ops, required_ops
 from .optim import OptimizerNotOffloadableError, rebind_scheduler, to_host_optimizer
-from .state import (
-    OFFLOAD_STATE_DIR,
-    ResumeVerificationError,
-    assemble_local_states,
-    consolidated_state_dict,
-    convert_to_fp32_state_dict,
-    load_local_state,
-    save_local_state,
-)
+from .state import ResumeVerificationError, consolidated_state_dict, local_state, restore_local_state
 
 __all__ = [
     "LIBAIO_HELP",
-    "OFFLOAD_STATE_DIR",
     "AioConfig",
     "OffloadConfigError",
     "OffloadDevice",
@@ -47,20 +39,18 @@ __all__ = [
     "OptimizerNotOffloadableError",
     "ResumeVerificationError",
     "ZeroOptimizationConfig",
-    "assemble_local_states",
     "build_engine",
     "check_batch_sizes",
     "consolidated_state_dict",
-    "convert_to_fp32_state_dict",
     "deep_merge",
     "ensure_ops",
     "libaio_available",
     "load_deepspeed_config",
-    "load_local_state",
+    "local_state",
     "missing_ops",
     "offload_targets",
     "rebind_scheduler",
     "required_ops",
-    "save_local_state",
+    "restore_local_state",
     "to_host_optimizer",
 ]

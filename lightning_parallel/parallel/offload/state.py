@@ -6,47 +6,35 @@ parameter is one collective: stage 1-2 all-reduce the fragments of the fp32 mast
 partition (swapped in from NVMe first when it lives there). Every rank gets the full tensors.
 
 NVMe offload (ZeRO-Infinity, stage 3): DeepSpeed 0.19.8 trains, but its ``save_checkpoint`` writes the swapped-out
-(empty) fp32 partitions and its ``load_checkpoint`` restores nothing, silently. :func:`save_local_state` therefore
-writes each rank's own partition -- fp32 master weights and the optimizer moments of every parameter, plus the
+(empty) fp32 partitions and its ``load_checkpoint`` restores nothing, silently. :func:`local_state` therefore
+gathers this rank's own partition -- fp32 master weights and the optimizer moments of every parameter, plus the
 optimizer step counts -- swapped in through DeepSpeed's public ``safe_get_local_*`` API (no collective, 1/N_d of the
-state per rank); :func:`load_local_state` writes them back with ``safe_set_local_*`` (which swaps them out again),
+state per rank); :func:`restore_local_state` writes them back with ``safe_set_local_*`` (which swaps them out again),
 refreshes the working (16-bit or fp32) parameter partitions from the masters the way the engine's step does, and then
-*verifies* every restored value against the file, so a resume that did not resume raises instead of training on.
+*verifies* every restored value against what was saved, so a resume that did not resume raises instead of training on.
+Where that state is stored (one file per rank beside DeepSpeed's folder) is the checkpoint format's business:
+:mod:`lightning_parallel.checkpoint.formats.deepspeed`.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "LOCAL_STATE_FILE",
-    "OFFLOAD_STATE_DIR",
     "ResumeVerificationError",
-    "assemble_local_states",
     "consolidated_state_dict",
-    "convert_to_fp32_state_dict",
-    "load_local_state",
-    "local_state_path",
-    "save_local_state",
+    "local_state",
+    "restore_local_state",
 ]
 
-OFFLOAD_STATE_DIR = "lp_offload_state"
-"""Sub-folder of a checkpoint folder holding the per-rank NVMe-offloaded state."""
-LOCAL_STATE_FILE = "lp_offload_rank{rank:05d}.pt"
 _FORMAT = 1
 
 
 class ResumeVerificationError(RuntimeError):
     """The engine's state after a restore differs from the saved state (a resume that did not resume)."""
-
-
-def local_state_path(folder: str | Path, rank: int) -> Path:
-    return Path(folder) / LOCAL_STATE_FILE.format(rank=rank)
 
 
 def _full_fp32(param: nn.Parameter) -> Tensor:
@@ -120,19 +108,16 @@ def _local_entries(engine: Any, keys: list[str]) -> dict[str, dict[str, Tensor]]
     return out
 
 
-def save_local_state(engine: Any, folder: str | Path, *, rank: int) -> Path:
-    """Write this rank's ZeRO-3 partition (fp32 masters, optimizer moments, step counts) to ``folder``."""
+def local_state(engine: Any, *, rank: int) -> dict[str, Any]:
+    """This rank's ZeRO-3 partition (fp32 masters, optimizer moments, step counts, the parameters' full shapes), as
+    plain CPU tensors in plain containers (``torch.load(weights_only=True)`` reads it back)."""
     if int(engine.zero_optimization_stage()) != 3:
-        raise ValueError("save_local_state reads ZeRO-3 partitions; stages 1-2 are saved by the engine itself.")
+        raise ValueError("local_state reads ZeRO-3 partitions; stages 1-2 are saved by the engine itself.")
     keys = _optimizer_keys(engine)
     _materialize_optimizer_state(engine, keys)  # a checkpoint before the first step saves zeros, as CPU Adam starts
-    payload = {"format": _FORMAT, "world_size": engine.dp_world_size, "rank": rank, "keys": keys,
-               "steps": _steps(engine), "params": _local_entries(engine, keys),
-               "shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}}
-    path = local_state_path(folder, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(payload, path)
-    return path
+    return {"format": _FORMAT, "world_size": engine.dp_world_size, "rank": rank, "keys": keys,
+            "steps": _steps(engine), "params": _local_entries(engine, keys),
+            "shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}}
 
 
 def _set_steps(engine: Any, steps: list[Any]) -> None:
@@ -158,27 +143,24 @@ def _refresh_working_params(engine: Any) -> None:
     opt._post_step(timers)
 
 
-def load_local_state(engine: Any, folder: str | Path, *, rank: int) -> int:
-    """Restore this rank's partition saved by :func:`save_local_state`, then verify it; returns the tensors checked.
+def restore_local_state(engine: Any, payload: dict[str, Any], *, where: str = "the checkpoint") -> int:
+    """Restore this rank's partition from :func:`local_state`'s ``payload``, then verify it; returns the tensors
+    checked. ``where`` names the source in the errors.
 
-    Raises ``FileNotFoundError`` without the file, ``ValueError`` for another world size or model, and
-    :class:`ResumeVerificationError` if any restored value differs from the saved one.
+    Raises ``ValueError`` for another world size or model, and :class:`ResumeVerificationError` if any restored value
+    differs from the saved one.
     """
     from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-    path = local_state_path(folder, rank)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: this checkpoint holds no NVMe-offloaded state for rank {rank}.")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload["world_size"] != engine.dp_world_size:
         raise ValueError(
-            f"{path} was saved by {payload['world_size']} data-parallel ranks, this run has {engine.dp_world_size}: "
+            f"{where} was saved by {payload['world_size']} data-parallel ranks, this run has {engine.dp_world_size}: "
             "NVMe-offloaded partitions resume only on the same number of ranks."
         )
     params = dict(engine.module.named_parameters())
     missing = sorted(set(payload["params"]) - set(params))
     if missing:
-        raise ValueError(f"{path} holds parameters this model does not have: {missing[:5]}.")
+        raise ValueError(f"{where} holds parameters this model does not have: {missing[:5]}.")
     _materialize_optimizer_state(engine, payload["keys"])
     for name, entry in payload["params"].items():
         safe_set_local_fp32_param(params[name], entry["fp32"])
@@ -216,53 +198,3 @@ def _verify(engine: Any, payload: dict[str, Any]) -> int:
                 )
             checked += 1
     return checked
-
-
-def assemble_local_states(folder: str | Path) -> dict[str, Tensor]:
-    """Full fp32 parameters from the per-rank files of :func:`save_local_state` (offline, no process group):
-    each ZeRO-3 parameter is its ranks' partitions concatenated, padding dropped, reshaped."""
-    files = sorted(Path(folder).glob("lp_offload_rank*.pt"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no lp_offload_rank*.pt files.")
-    payloads = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
-    world = payloads[0]["world_size"]
-    if len(payloads) != world:
-        raise ValueError(f"{folder} holds {len(payloads)} rank files, but they were written by {world} ranks.")
-    out: dict[str, Tensor] = {}
-    for name, shape in payloads[0]["shapes"].items():
-        if name not in payloads[0]["params"]:
-            continue
-        flat = torch.cat([p["params"][name]["fp32"].flatten() for p in payloads])
-        out[name] = flat[: math.prod(shape)].reshape(shape).clone()
-    return out
-
-
-def convert_to_fp32_state_dict(checkpoint_dir: str | Path, output_file: str | Path | None = None, *,
-                               tag: str = "checkpoint") -> dict[str, Tensor]:
-    """One fp32 state dict (keyed as ``module.state_dict()``) from a ZeRO checkpoint folder, loadable on one device.
-
-    Parameters come from the NVMe state files when the folder has them (DeepSpeed's own files hold no NVMe-offloaded
-    values), else from DeepSpeed's ``zero_to_fp32`` reconstruction of the rank partitions; buffers from the engine's
-    model-states file. ``output_file`` (optional) receives ``{"state_dict": ...}`` (``torch.load`` it on one device).
-    """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    folder = Path(checkpoint_dir)
-    nvme = folder / OFFLOAD_STATE_DIR
-    if nvme.is_dir():
-        state = assemble_local_states(nvme)
-        model_file = next(iter(sorted((folder / tag).glob("*model_states.pt"))), None)
-        if model_file is not None:  # buffers: named at the file's top level, their values in its "module" dict
-            saved = torch.load(model_file, map_location="cpu", weights_only=False)
-            module = saved.get("module") or {}
-            for name in saved.get("buffer_names") or []:
-                if name in module:
-                    state.setdefault(name, module[name])
-    else:
-        from lightning_parallel.checkpoint.read import deepspeed_quietly
-
-        with deepspeed_quietly():
-            state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
-    if output_file is not None:
-        torch.save({"state_dict": state}, output_file)
-    return state

@@ -195,7 +195,7 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
     # ------------------------------------------------------------------ checkpoints by parameter name
     def state_by_name(self, model: nn.Module) -> dict[str, Any]:
         """The whole optimizer state per parameter name, each state tensor laid out like its parameter (a DTensor
-        for tp-sharded ones): the format of :func:`~lightning_parallel.parallel.tensor.checkpoint.
+        for tp-sharded ones): the format of :func:`~lightning_parallel.parallel.tensor.state.
         optimizer_state_by_name`. Collective over ``dp`` (all-gathers the flat shards)."""
         name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         full = self.consolidated_state_dict()

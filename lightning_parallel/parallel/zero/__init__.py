@@ -8,7 +8,6 @@ rank, and moves ``2 Psi`` (1, 2) or ``3 Psi`` (3) elements x ``(N-1)/N`` per ran
 """
 
 from .comm import all_gather_into, broadcast_module_states, reduce_scatter_mean
-from .convert import META_FILE, SHARDED_KEY, consolidate_checkpoint, rank_file
 from .fairscale_backend import FairscaleUnavailableError, exact_oss, fairscale_sharded_ddp, require_fairscale
 from .flat import FlatShard
 from .memory import ModelStateBytes, measure_model_state, zero_comm_theory, zero_memory_formula
@@ -24,8 +23,6 @@ from .stage3 import (
 )
 
 __all__ = [
-    "META_FILE",
-    "SHARDED_KEY",
     "FairscaleUnavailableError",
     "FlatShard",
     "ModelStateBytes",
@@ -33,11 +30,9 @@ __all__ = [
     "all_gather_into",
     "apply_zero3",
     "broadcast_module_states",
-    "consolidate_checkpoint",
     "exact_oss",
     "fairscale_sharded_ddp",
     "measure_model_state",
-    "rank_file",
     "reduce_scatter_mean",
     "require_fairscale",
     "zero3_full_model_state",
