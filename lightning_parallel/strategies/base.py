@@ -58,7 +58,7 @@ from lightning_parallel.parallel.counters import CommCounter
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
-from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin, clip_by_norm_replaced
+from .layout import LayoutMixin, clip_by_norm_replaced
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -172,16 +172,6 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def _configure_launcher(self) -> None:
-        self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
-                                                       self.num_nodes)
-        else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:

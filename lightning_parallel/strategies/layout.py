@@ -93,6 +93,20 @@ class LayoutMixin:
         """Replace the layout (the CLI's ``parallel`` section); only before the Trainer is built."""
         self.init_layout(parallel)
 
+    def _configure_launcher(self) -> None:
+        """Lightning's hook, in ``Trainer.__init__`` before any process exists: resolve the layout against the world
+        size (refused with the arithmetic when it does not fit), then the checked launcher of the start method."""
+        self.resolve_dims()
+        environment = getattr(self, "cluster_environment", None)
+        assert environment is not None
+        start_method: Any = getattr(self, "_start_method", "popen")
+        launcher: Any
+        if start_method == "popen":
+            launcher = CheckedSubprocessLauncher(self, environment, self.num_processes, self.num_nodes)
+        else:
+            launcher = CheckedMultiProcessingLauncher(self, start_method=start_method)
+        self._launcher = launcher
+
     def check_layout(self, layout: ParallelConfig) -> None:
         """Refuse, before anything starts, a layout outside this strategy's row of the layout table
         (:func:`lightning_parallel.layouts.refusal`: the key, the value, what the strategy runs and the strategy that

@@ -67,7 +67,7 @@ from lightning_parallel.parallel.offload import (
 from lightning_parallel.parallel.offload.config import check_nvme_folder
 
 from .base import resolve_collective_timeout
-from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin
+from .layout import LayoutMixin
 
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
 
@@ -253,16 +253,6 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
     def _on_cpu(self) -> bool:
         return not isinstance(self.accelerator, CUDAAccelerator)
-
-    @override
-    def _configure_launcher(self) -> None:
-        self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
-                                                       self.num_nodes)
-        else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     def before_launch(self) -> None:
         """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmark's own runs: ~1-2 min
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -56,6 +56,7 @@ def test_torch_strategies(case: Case, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(1800)  # the first offload fit may wait for DeepSpeed's cold op build (minutes on 2 cores)
+@pytest.mark.slow  # DeepSpeed engines, NVMe offload included: ~20-25 s each
 @pytest.mark.parametrize("case", ZERO_OFFLOAD, ids=_ids(ZERO_OFFLOAD))
 def test_zero_offload(case: Case, tmp_path: Path) -> None:
     """lp_zero_offload: ZeRO-2 and ZeRO-3 with CPU offload (DeepSpeed's fp32 partitions), ZeRO-3 with NVMe offload

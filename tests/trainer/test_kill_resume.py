@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+
+pytestmark = pytest.mark.slow  # kill -9 of a real CLI run and its resume: ~40 s
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_AT, EVERY, STEPS = 13, 5, 20

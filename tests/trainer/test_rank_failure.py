@@ -144,6 +144,7 @@ def test_rank_killed_mid_run_is_named_and_rank_0_stops(tmp_path: Path) -> None:
     assert line.endswith("this rank (0) stops")
 
 
+@pytest.mark.slow  # waits for the collective timeout: ~40 s
 def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(tmp_path: Path) -> None:
     code, elapsed, output, pid1 = _run_and_lose_rank_1(tmp_path, signal.SIGSTOP)
     line = _message(output)

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader
 from lightning_parallel.checkpoint.resume import TRUST_ENV
 from lightning_parallel.testing import resume_matrix as rm
 
+pytestmark = pytest.mark.slow  # 9 layouts saved x 9 resumed and DeepSpeed folders: ~4 min here
+
 TOL = 1e-5
 
 
