@@ -147,6 +147,15 @@ class ParallelConfig:
     the strategy's preset decides (lp_zero_offload cpu, every other strategy none)."""
     nvme_path: str | None = None
     """Folder for NVMe offload; required when offload='nvme'."""
+    data_parallel_shard_size: int | None = None
+    """HSDP: the dp ranks each FSDP2 shard group spans (shard inside, replicate across): dp = replicate x shard, the
+    mesh's dp axis splits into ``dp_replicate`` x ``dp_shard``. None = the whole dp axis (plain FSDP / ZeRO). Bounds:
+    >= 1, divides data_parallel_size; needs zero_stage 2 or 3; on several nodes it should not exceed a node."""
+    reshard_after_forward: bool | Literal["auto"] = "auto"
+    """FSDP2 (zero_stage 2 or 3): free the gathered parameters after each forward (true: least memory, an all-gather
+    again in backward) or keep them to the backward (false: ZeRO-2's traffic). 'auto': zero_stage 3 reshards, 2 does
+    not; in a pipeline the last stage does not either under the 1F1B-family schedules, where each micro-batch's
+    backward follows its forward at once."""
     num_micro_batches: int | None = None
     """Micro-batches per pipeline step; None = pipeline_parallel_size. Bounds: >= 1 (>= pp for 1F1B schedules)."""
     pipeline_schedule: PipelineSchedule = "1f1b"
@@ -250,6 +259,7 @@ class ParallelConfig:
                 "mesh_order='pp-dp-tp'."
             )
         self._validate_zero()
+        self._validate_fsdp()
         self._validate_pipeline()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise LayoutError(
@@ -259,13 +269,6 @@ class ParallelConfig:
 
     def _validate_zero(self) -> None:
         pp, z, offload = self.pipeline_parallel_size, self.zero, self.offload_device
-        if pp > 1 and z >= 2:
-            raise LayoutError(
-                f"parallel.zero_stage={z} with pipeline_parallel_size={pp}: ZeRO-2/3 shard gradients that every "
-                "micro-batch of a pipeline accumulates into, so they do not combine with pipeline parallelism "
-                "(neither in DeepSpeed nor here). Fix: pipeline_parallel_size=1, or zero_stage=1 (the stage "
-                "that combines with a pipeline)."
-            )
         if offload != "none" and self.zero_stage is not None and z < 2:
             raise LayoutError(
                 f"parallel.offload={offload!r} needs ZeRO stage 2 or 3, but zero_stage={z}. "
@@ -283,6 +286,37 @@ class ParallelConfig:
             raise LayoutError(
                 f"parallel.nvme_path={self.nvme_path!r} is only used with offload='nvme', but offload="
                 f"{offload!r}. Fix: set offload='nvme' or remove nvme_path."
+            )
+
+    def _validate_fsdp(self) -> None:
+        shard, z = self.data_parallel_shard_size, self.zero
+        if shard is not None:
+            _check_positive_int("data_parallel_shard_size", shard)
+            if self.zero_stage is not None and z < 2:
+                raise LayoutError(
+                    f"parallel.data_parallel_shard_size={shard} shards the model states over FSDP2 groups of {shard} "
+                    f"dp ranks (HSDP), but zero_stage={z} shards nothing of the parameters or gradients. Fix: "
+                    "zero_stage=3 (or 2), or remove data_parallel_shard_size."
+                )
+            if isinstance(self.data_parallel_size, int) and self.data_parallel_size % shard:
+                raise LayoutError(
+                    f"parallel.data_parallel_shard_size={shard} does not divide data_parallel_size="
+                    f"{self.data_parallel_size}: {self.data_parallel_size} % {shard} = "
+                    f"{self.data_parallel_size % shard} (dp = replicate x shard). Fix: a divisor of "
+                    f"{self.data_parallel_size}, e.g. {_largest_divisor(self.data_parallel_size, shard)}."
+                )
+            if self.offload_device != "none":
+                raise LayoutError(
+                    f"parallel.data_parallel_shard_size={shard} (HSDP, FSDP2) with offload={self.offload_device!r} "
+                    "(the DeepSpeed engine): the two do not combine. Fix: remove one of them."
+                )
+        if self.reshard_after_forward not in ("auto", True, False):
+            raise LayoutError(f"parallel.reshard_after_forward={self.reshard_after_forward!r} is not one of "
+                              "['auto', True, False].")
+        if self.reshard_after_forward != "auto" and self.zero_stage is not None and z < 2:
+            raise LayoutError(
+                f"parallel.reshard_after_forward={self.reshard_after_forward} is an FSDP2 setting (zero_stage 2 or "
+                f"3), but zero_stage={z}. Fix: remove reshard_after_forward, or zero_stage=3."
             )
 
     def _validate_pipeline(self) -> None:
@@ -342,9 +376,15 @@ class ParallelConfig:
             text += f" offload={self.offload}"
         if self.activation_checkpointing != "none":
             text += f" recompute={self.activation_checkpointing}"
+        if self.data_parallel_shard_size is not None:
+            text += f" shard={self.data_parallel_shard_size}"
         if self.mesh_order != "dp-pp-tp":
             text += f" order={self.mesh_order}"
         return text
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def check_model_compat(

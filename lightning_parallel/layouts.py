@@ -95,9 +95,6 @@ def _runs(allowed: tuple[Any, ...], value: Any) -> bool:
     return not allowed or value in allowed
 
 
-_PIPELINE_WHY = ("ZeRO-2/3 shard the gradients, and every micro-batch of a pipeline step adds into the whole gradient "
-                 "of ")
-
 LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
     # strategy_for takes the first row that runs a layout: the narrower regions come first.
     LayoutStrategyEntry(
@@ -118,10 +115,10 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
                  "data parallelism"),
     LayoutStrategyEntry(
         "lp_pipeline", pipeline=True, tensor=False,
-        zero_stages=((0, "gradient all-reduce over dp"), (1, "ZeRO-1: optimizer states sharded over dp")),
-        offloads=("none",), shape="splits the layers into pipeline stages over pp and replicates them over dp",
-        zero_why=f": {_PIPELINE_WHY}its stage (the shards would be reduce-scattered m times a step)",
-        zero_fix="zero_stage=1"),
+        zero_stages=((0, "gradient all-reduce over dp"), (1, "ZeRO-1: optimizer states sharded over dp"),
+                     (2, "FSDP2 per stage, parameters gathered once per step"),
+                     (3, "FSDP2 per stage, parameters resharded after forward")),
+        offloads=("none",), shape="splits the layers into pipeline stages over pp and replicates them over dp"),
     LayoutStrategyEntry(
         "lp_tensor", pipeline=False, tensor=True,
         zero_stages=((0, "gradient all-reduce over dp"), (1, "ZeRO-1 on the local shards"),
@@ -130,10 +127,10 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
         zero_fix="zero_stage=1 (same traffic as 2, the gradients stay whole) or 3"),
     LayoutStrategyEntry(
         "lp_hybrid", pipeline=True, tensor=True,
-        zero_stages=((0, "all-reduce of the stage's gradient shards over dp"), (1, "ZeRO-1 on them")),
-        offloads=("none",), shape="composes dp x pp x tp (+ ZeRO-1)",
-        zero_why=f": {_PIPELINE_WHY}its stage", zero_fix="zero_stage=1 (or, without a pipeline, lp_tensor with "
-                                                         "zero_stage=3)"),
+        zero_stages=((0, "all-reduce of the stage's gradient shards over dp"), (1, "ZeRO-1 on them"),
+                     (2, "FSDP2 on each stage's TP shards, gathered once per step"),
+                     (3, "FSDP2 on each stage's TP shards, resharded after forward")),
+        offloads=("none",), shape="composes dp x pp x tp (+ ZeRO 1, 2 or 3 over dp)"),
 )
 
 _BY_NAME = {e.name: e for e in LAYOUT_STRATEGIES}

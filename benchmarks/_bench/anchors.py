@@ -102,7 +102,13 @@ def _fsdp(model: Any, mesh: Any = None, reshard: bool = True) -> None:
 
 def hand_fsdp(ctx: Ctx, reshard: bool = True) -> dict[str, Any]:
     model = ctx.model().to(ctx.device)
-    _fsdp(model, reshard=reshard)
+    mesh = None
+    if ctx.case.shard:  # HSDP: shard inside groups of `shard`, replicate across
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.case.dp // ctx.case.shard, ctx.case.shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    _fsdp(model, mesh=mesh, reshard=reshard)
     opt = _adamw(model)
     out = _hand_loop(ctx, _plain_step(model, model, opt))
     out["states"] = _states(model, opt)
@@ -233,6 +239,15 @@ def hand_pipeline(ctx: Ctx) -> dict[str, Any]:
     tp = ctx.case.tp > 1
     if tp:
         apply_tp(model, mesh["tp"])
+    fsdp = ctx.case.zero >= 2
+    if fsdp:  # FSDP2 on the stage over dp; the last stage keeps its parameters from forward to backward (1F1B)
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = ctx.case.zero == 3 and ctx.coords.pp < ctx.case.pp - 1
+        for unit in [*model.blocks.values(), model.embed, model.head]:
+            if unit is not None:
+                fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
     stage = PipelineStage(model, ctx.coords.pp, ctx.case.pp, ctx.device, group=mesh["pp"].get_group())
     first, last = ctx.coords.pp == 0, ctx.coords.pp == ctx.case.pp - 1
 
@@ -241,7 +256,7 @@ def hand_pipeline(ctx: Ctx) -> dict[str, Any]:
 
     schedule = Schedule1F1B(stage, ctx.a.micro_batches, loss_fn=loss_fn)
     opt = _adamw(model)
-    dp_group = mesh["dp"].get_group() if ctx.case.dp > 1 else None
+    dp_group = mesh["dp"].get_group() if ctx.case.dp > 1 and not fsdp else None  # FSDP2 reduces on its own
 
     def step(x: Tensor, y: Tensor) -> float | None:
         opt.zero_grad(set_to_none=True)
@@ -274,6 +289,7 @@ HAND: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "dp": hand_one, "ddp": hand_ddp, "zero1": functools.partial(hand_ddp, zero=True),
     "zero2": functools.partial(hand_fsdp, reshard=False), "zero3": hand_fsdp, "offload": hand_deepspeed,
     "tp": hand_tp, "tp2d": hand_tp, "pp": hand_pipeline, "hybrid": hand_pipeline,
+    "ppzero3": hand_pipeline, "hsdp": hand_fsdp,
 }
 
 

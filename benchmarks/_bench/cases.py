@@ -30,6 +30,8 @@ class Case:
     lightning_missing: str = ""
     processes: int | None = None
     """Processes to start (default dp x pp x tp; lp_dp: one)."""
+    shard: int = 0
+    """HSDP's shard-group size (0: none, FSDP2 over the whole dp axis)."""
     label: str = ""
     """The row's name when it differs from ``key`` (a case run at another ``--dp``)."""
 
@@ -48,7 +50,7 @@ class Case:
     @property
     def scalable(self) -> bool:
         """Data parallelism alone: ``--dp`` sets its size."""
-        return self.pp == 1 and self.tp == 1
+        return self.pp == 1 and self.tp == 1 and not self.shard
 
     def with_dp(self, n: int) -> Case:
         """This case on ``n`` data-parallel ranks (lp_dp: ``n`` replicas), named ``key-dpN`` unless ``n`` is the
@@ -80,6 +82,12 @@ CASES: dict[str, Case] = {c.key: c for c in (
          lightning_missing="Lightning 2 removed pipelines"),
     Case("hybrid", "lp_hybrid dp2 x pp2 x tp2", dp=2, pp=2, tp=2,
          anchor="pipelining over DTensor TP + dp gradient all-reduce", lightning_missing="no hybrid in Lightning"),
+    Case("ppzero3", "lp_pipeline dp2 x pp2 zero3 1F1B", dp=2, pp=2, zero=3,
+         anchor="torch.distributed.pipelining Schedule1F1B over fully_shard stages (FSDP2 per stage over dp)",
+         lightning_missing="Lightning 2 removed pipelines"),
+    Case("hsdp", "lp_sharded zero3 HSDP 2 replicas x 2 shards", dp=4, zero=3, shard=2,
+         anchor="FSDP2 fully_shard per block + root on a 2-D (replicate, shard) mesh",
+         lightning_missing="Lightning's ModelParallelStrategy has no HSDP"),
 )}
 
 

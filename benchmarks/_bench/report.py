@@ -29,6 +29,18 @@ def _local_params(a: argparse.Namespace, case: Case) -> int:
     return spec.params_per_device(pp=case.pp, tp=case.tp)
 
 
+def _stage_params(a: argparse.Namespace, case: Case) -> list[int]:
+    """Parameters of each pipeline stage as the library cuts the GPT (balanced by parameter count)."""
+    from lightning_parallel.models import GPT
+    from lightning_parallel.parallel.pipeline import plan_stages
+
+    with torch.device("meta"):
+        model = GPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab)
+    layers = model.pipeline_layers()
+    plan = plan_stages(model, layers, pp=case.pp, chunks=1, pp_rank=0)
+    return [sum(p.numel() for layer in layers[start:stop] for p in layer.parameters()) for start, stop in plan.ranges]
+
+
 def _stage_layers(a: argparse.Namespace, case: Case) -> list[tuple[int, bool, bool]]:
     """(blocks, has the embedding, has the head) of each pipeline stage."""
     from lightning_parallel.parallel.pipeline import stage_ranges
@@ -46,8 +58,9 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
     if case.key == "dp":
         return 0
     n = _local_params(a, case)
+    # measured at the end of a step: at rest, FSDP2 inside pipeline stages holds everything sharded too
     s = model_states(n, StateBytes(param=4, grad=4, optimizer=8), dp=case.dp, zero_stage=case.zero,
-                     offload=case.offload)
+                     offload=case.offload, shard=case.shard or None)
     return s.device + s.host
 
 
@@ -60,6 +73,16 @@ def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
         # the N-1 other replicas, and their share of the token ids (inputs and targets, int64); the outputs and the
         # loss gradient sent back are a few bytes each (docs/formulas.md, "DP versus DDP")
         out["dp"] = 2 * (d - 1) * psi + (d - 1) / d * a.batch * s * 8 * 2
+    elif d > 1 and case.shard:  # HSDP: ZeRO-3 inside each shard group, the gradient shards all-reduced across
+        s, r = case.shard, d // case.shard
+        out["dp_shard"] = 3 * (s - 1) / s * psi
+        out["dp_replicate"] = 2 * (r - 1) / r * psi / s
+    elif d > 1 and case.pp > 1 and case.zero >= 2:  # FSDP2 per stage: one reduce-scatter per step; all-gathers:
+        # m + 1 on a stage that reshards after forward (every stage but the last under 1F1B), else 1
+        per_stage = _stage_params(a, case)
+        m = a.micro_batches
+        out["dp"] = max(((m + 1 if i < len(per_stage) - 1 and case.zero == 3 else 1) + 1) * n * 4
+                        for i, n in enumerate(per_stage)) * (d - 1) / d
     elif d > 1:
         factor = 3 if case.zero == 3 else 2  # ZeRO-3: all-gather forward + backward, reduce-scatter; else 2 Psi
         out["dp"] = factor * (d - 1) / d * psi

@@ -129,6 +129,11 @@ def _our_strategy(ctx: Ctx) -> Any:
         return LPDDPStrategy()
     if c.key in ("zero1", "zero2", "zero3"):
         return LPShardedStrategy(zero_stage=c.zero)
+    if c.key == "hsdp":
+        return LPShardedStrategy({"zero_stage": c.zero, "data_parallel_shard_size": c.shard})
+    if c.key == "ppzero3":
+        return LPPipelineStrategy({"data_parallel_size": c.dp, "pipeline_parallel_size": c.pp, "zero_stage": c.zero,
+                                   "num_micro_batches": m, "pipeline_schedule": "1f1b"})
     if c.key == "offload":
         return LPZeroOffloadStrategy(zero_stage=c.zero, offload=c.offload)  # type: ignore[arg-type]
     if c.key in ("tp", "tp2d"):

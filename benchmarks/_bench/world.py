@@ -64,7 +64,8 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
                                     device_id=device if a.device == "cuda" else None)
         from lightning_parallel.parallel.dims import ParallelDims
 
-        dims = ParallelDims(dp=case.dp if case.processes is None else 1, pp=case.pp, tp=case.tp, world_size=world)
+        dims = ParallelDims(dp=case.dp if case.processes is None else 1, pp=case.pp, tp=case.tp, world_size=world,
+                            dp_shard=case.shard)
         counter = None
         if job["count"]:
             counter = CommCount(local_rank, dims)

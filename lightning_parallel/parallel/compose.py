@@ -21,7 +21,8 @@
    ddp        ``(N,1,1,0)``                               torch DDP (fit); bucketed all-reduce in backward
    allreduce  zero 0 with pp or tp > 1                    broadcast; one flat all-reduce at the step's end
    zero       zero 1/2 (ZeRO-1 also with pp, tp)          broadcast; reduce-scatter + all-gather by the optimizer
-   fsdp       zero 3, pp = 1 (over TP shards when tp > 1) broadcast, then FSDP2 ``fully_shard`` over ``dp``
+   fsdp       zero 3; zero 2 in a pipeline or HSDP      broadcast, then FSDP2 ``fully_shard`` over ``dp``
+                                                          (or ``(dp_replicate, dp_shard)``), per pipeline stage
    fairscale  lp_sharded's fairscale backend, zero 1/2    DDP (zero 1) or broadcast (zero 2: SDP with the optimizer)
    ========== =========================================== ==============================================
 
@@ -49,7 +50,8 @@ from .pipeline import StageChunk, StagePlan, has_meta_tensors, materialize, plan
 
 __all__ = ["COMPOSITION_ORDER", "Composition", "CompositionOrderError", "DataParallelPlan", "DataParallelSync",
            "apply_recomputation", "apply_tensor_plan", "compose", "composition_of", "composition_path",
-           "data_parallel_plan", "ddp_wrapper", "place", "split_pipeline", "steps_done", "wrap_data_parallel"]
+           "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy", "split_pipeline", "steps_done",
+           "wrap_data_parallel"]
 
 COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "activation checkpointing", "data-parallel wrap")
 """The steps of :func:`compose`, in the only order they may run."""
@@ -73,6 +75,10 @@ class DataParallelPlan:
     zero_stage: int
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of torch DDP (``bucket_cap_mb``, ``static_graph``, ...) for ``sync="ddp"``."""
+    reshard_after_forward: bool | None = None
+    """FSDP2 (``sync="fsdp"``): free gathered parameters after forward; None = per stage (:func:`reshard_policy`)."""
+    hsdp: bool = False
+    """FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` mesh: shard inside a group, all-reduce across groups."""
 
     @property
     def wraps_module(self) -> bool:
@@ -82,26 +88,60 @@ class DataParallelPlan:
 
 def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: ShardingBackend = "native",
                        ddp_options: Mapping[str, Any] | None = None) -> DataParallelPlan:
-    """The data-parallel wrap and step sync of ``layout`` (its ``zero_stage`` read with "unset" as 0)."""
+    """The data-parallel wrap and step sync of ``layout`` (its ``zero_stage`` read with "unset" as 0).
+
+    ZeRO-3 is FSDP2 everywhere (over TP shards, inside pipeline stages, HSDP). ZeRO-2 is the flat-shard optimizer
+    for plain data parallelism and FSDP2 without resharding after forward where that optimizer cannot go (inside
+    pipeline stages, whose micro-batches add into the whole gradient of the step; under HSDP): parameters gathered
+    once per step, gradients reduce-scattered once per step -- ZeRO-2's traffic.
+    """
     zero = layout.zero
+    reshard = None if layout.reshard_after_forward == "auto" else bool(layout.reshard_after_forward)
+    if dims.hsdp and zero < 2:
+        raise LayoutError(
+            f"parallel.data_parallel_shard_size={dims.dp_shard} (HSDP over FSDP2) needs zero_stage 2 or 3, but "
+            f"zero_stage={zero}. Fix: zero_stage=3 (or 2), or remove data_parallel_shard_size.")
     if backend == "fairscale":
-        if zero not in (1, 2) or dims.pp > 1 or dims.tp > 1:
+        if zero not in (1, 2) or dims.pp > 1 or dims.tp > 1 or dims.hsdp:
             raise LayoutError(f"the fairscale backend runs ZeRO stage 1 or 2 over dp alone, got zero_stage={zero}, "
-                              f"pp={dims.pp}, tp={dims.tp}. Fix: backend='native'.")
+                              f"pp={dims.pp}, tp={dims.tp}, data_parallel_shard_size={dims.dp_shard}. "
+                              "Fix: backend='native'.")
         return DataParallelPlan("fairscale", zero)
     if zero == 3:
-        if dims.pp > 1:
-            raise LayoutError(f"parallel.zero_stage=3 with pipeline_parallel_size={dims.pp} is not composed in this "
-                              "version. Fix: zero_stage=1 with the pipeline, or pipeline_parallel_size=1.")
-        return DataParallelPlan("fsdp", 3)
-    if zero in (1, 2):
-        if zero == 2 and (dims.pp > 1 or dims.tp > 1):
-            raise LayoutError(f"parallel.zero_stage=2 with pp={dims.pp}, tp={dims.tp} is not composed in this "
-                              "version. Fix: zero_stage=1 (the same traffic; the gradients stay whole).")
-        return DataParallelPlan("zero", zero)
+        return DataParallelPlan("fsdp", 3, reshard_after_forward=reshard, hsdp=dims.hsdp)
+    if zero == 2:
+        if dims.tp > 1 and dims.pp == 1:
+            raise LayoutError(
+                f"parallel.zero_stage=2 with tensor_parallel_size={dims.tp} and no pipeline is not composed: "
+                "zero_stage=1 moves the same bytes (the gradients stay whole), zero_stage=3 shards the parameters "
+                "too. Fix: zero_stage=1 or 3.")
+        if dims.pp > 1 or dims.hsdp:
+            return DataParallelPlan("fsdp", 2, reshard_after_forward=False if reshard is None else reshard,
+                                    hsdp=dims.hsdp)
+        return DataParallelPlan("zero", 2)
+    if zero == 1:
+        return DataParallelPlan("zero", 1)
     if dims.pp == 1 and dims.tp == 1:
         return DataParallelPlan("ddp", 0, dict(ddp_options or {}))
     return DataParallelPlan("allreduce", 0)
+
+
+def reshard_policy(plan: DataParallelPlan, *, stage: int | None, num_stages: int, schedule: str) -> bool:
+    """FSDP2's ``reshard_after_forward`` for one FSDP root (the whole module, or pipeline stage ``stage``).
+
+    Set in the layout, it is used as set. ``auto``: ZeRO-2 never reshards (parameters gathered once per step);
+    ZeRO-3 reshards (memory: only one unit's parameters gathered at a time, at the price of an all-gather again in
+    backward) -- except on a pipeline's last stage under the 1F1B-family schedules, where each micro-batch's backward
+    runs right after its forward, so freeing the parameters in between would only add an all-gather per
+    micro-batch. Inside a pipeline the backward keeps them gathered across micro-batches and frees them after the
+    step's last one (torch pipelining defers the reduce-scatter to it).
+    """
+    if plan.reshard_after_forward is not None:
+        return plan.reshard_after_forward
+    if plan.zero_stage < 3:
+        return False
+    last = stage is not None and stage == num_stages - 1
+    return not (last and schedule != "gpipe")
 
 
 @dataclass
@@ -189,12 +229,15 @@ def apply_recomputation(module: nn.Module, *, mode: str) -> list[str]:
 
 
 def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh, dp_src: int,
-                       fitting: bool) -> nn.Module:
+                       fitting: bool, stages: list[tuple[int, nn.Module]] | None = None, num_stages: int = 1,
+                       schedule: str = "1f1b") -> nn.Module:
     """Step 5: make the dp replicas equal and wrap as ``plan`` says; returns what the loops call.
 
     Every replica's tensors (local TP shards included) := those of global rank ``dp_src`` (dp rank 0 of this rank's
-    dp group), then: ``fsdp`` -- FSDP2 ``fully_shard`` over the dp sub-mesh (in place); ``ddp`` (and fairscale
-    stage 1) when fitting -- torch DDP over the dp group (see :func:`ddp_wrapper`).
+    dp group), then: ``fsdp`` -- FSDP2 ``fully_shard`` (in place) over the dp sub-mesh, or over
+    ``(dp_replicate, dp_shard)`` for HSDP, with the whole module as the root or, in a pipeline, each of this rank's
+    ``stages`` (``(stage index, stage module)``) as a root of its own; ``ddp`` (and fairscale stage 1) when
+    fitting -- torch DDP over the dp group (see :func:`ddp_wrapper`).
     """
     from lightning_parallel.parallel.zero.comm import broadcast_module_states
 
@@ -203,7 +246,14 @@ def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: Devic
     if plan.sync == "fsdp":
         from lightning_parallel.parallel.zero import apply_zero3
 
-        return apply_zero3(module, mesh=mesh["dp"])
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if plan.hsdp else mesh["dp"]
+        if not stages:
+            return apply_zero3(module, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
+                plan, stage=None, num_stages=1, schedule=schedule))
+        for index, stage in stages:
+            apply_zero3(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
+                plan, stage=index, num_stages=num_stages, schedule=schedule))
+        return module
     return ddp_wrapper(module, plan=plan, mesh=mesh) if fitting else module
 
 
@@ -266,8 +316,13 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
         elif step == "activation checkpointing":
             out.recomputed = apply_recomputation(module, mode=layout.activation_checkpointing)
         else:
+            stages: list[tuple[int, nn.Module]] | None = None
+            if out.stage_plan is not None:
+                stages = list(zip(out.stage_plan.my_stages, out.chunks, strict=True))
             out.module = wrap_data_parallel(module, plan=data_parallel, mesh=mesh,
-                                            dp_src=dims.group_ranks("dp", rank)[0], fitting=fitting)
+                                            dp_src=dims.group_ranks("dp", rank)[0], fitting=fitting, stages=stages,
+                                            num_stages=out.stage_plan.num_stages if out.stage_plan else 1,
+                                            schedule=layout.pipeline_schedule)
     object.__setattr__(module, _COMPOSITION, out)
     return out
 

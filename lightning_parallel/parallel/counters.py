@@ -166,6 +166,10 @@ class CommCounter:
         for axis in axes:
             if self.dims.size(axis) > 1 and sorted(ranks) == sorted(self.dims.group_ranks(axis, self.rank)):
                 return axis
+        if getattr(self.dims, "hsdp", False):
+            for part in ("dp_shard", "dp_replicate"):
+                if sorted(ranks) == sorted(self.dims.dp_subgroup_ranks(part, self.rank)):
+                    return part
         return "other"
 
     def axis_of_peer(self, peer: int) -> str:

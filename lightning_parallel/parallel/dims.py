@@ -37,6 +37,13 @@ Worked example, ``dp=2 x pp=2 x tp=2`` on 2 nodes of 4 devices (node 0: ranks 0-
                dp groups [0,2] [1,3] [4,6] [5,7]   inside a node
                pp groups [0,4] [1,5] [2,6] [3,7]   every one crosses nodes (activations, point to point)
 
+**HSDP** (``parallel.data_parallel_shard_size = s < dp``): the dp axis splits into ``dp_replicate = dp / s`` (outer)
+x ``dp_shard = s`` (inner), so a shard group is ``s`` consecutive dp coordinates (``stride(dp)`` apart) and a
+replicate group the ranks ``s x stride(dp)`` apart. The mesh then has the four dims ``dp_replicate, dp_shard`` in
+place of ``dp`` (plus ``pp``, ``tp``) and ``dp`` is their flattened view: ``mesh["dp"]`` is the whole dp axis for
+the sampler, the broadcasts and every strategy that does not use HSDP; FSDP2 takes ``mesh["dp_replicate",
+"dp_shard"]`` (shard inside, all-reduce across). Ranks keep their coordinates and dp groups.
+
 Nothing else in the library creates process groups: strategies ask this object for the mesh and address its
 sub-groups by name (``mesh["dp"]``, ``mesh.get_group("pp")``), never by position. No Lightning import here.
 """
@@ -89,6 +96,9 @@ class ParallelDims:
     world_size: int
     order: tuple[str, str, str] = MESH_AXES
     """The mesh axes, outermost first: ``("dp", "pp", "tp")`` or ``("pp", "dp", "tp")``; tp is always innermost."""
+    dp_shard: int = 0
+    """HSDP: the dp ranks of one FSDP2 shard group (``parallel.data_parallel_shard_size``); 0 (or ``dp``) = the whole
+    dp axis, no HSDP. Divides ``dp``."""
 
     def __post_init__(self) -> None:
         for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("world_size", self.world_size)):
@@ -101,6 +111,14 @@ class ParallelDims:
                 "'dp-pp-tp' or 'pp-dp-tp')."
             )
         object.__setattr__(self, "order", tuple(self.order))
+        if self.dp_shard == 0:
+            object.__setattr__(self, "dp_shard", self.dp)
+        if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 1 or \
+                self.dp % self.dp_shard:
+            raise LayoutError(
+                f"data_parallel_shard_size={self.dp_shard!r} must divide data_parallel_size={self.dp} (dp = replicate "
+                f"x shard). Fix: one of {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}, or remove it."
+            )
         if self.dp * self.pp * self.tp != self.world_size:
             raise LayoutError(
                 f"data_parallel_size ({self.dp}) x pipeline_parallel_size ({self.pp}) x tensor_parallel_size "
@@ -145,9 +163,55 @@ class ParallelDims:
                 "peers exchange activations twice per layer and must share a node's fast links. "
                 f"Fix: tensor_parallel_size <= {devices_per_node}; use pipeline_parallel_size across nodes."
             )
-        return cls(dp=dp, pp=pp, tp=tp, world_size=world_size, order=MESH_ORDERS[config.mesh_order])
+        shard = config.data_parallel_shard_size
+        if shard is not None and dp % shard:
+            raise LayoutError(
+                f"parallel.data_parallel_shard_size={shard} does not divide the data-parallel size dp={dp}{where}: "
+                f"{dp} % {shard} = {dp % shard} (dp = replicate x shard). Fix: data_parallel_shard_size in "
+                f"{[d for d in range(1, dp + 1) if dp % d == 0]}."
+            )
+        dims = cls(dp=dp, pp=pp, tp=tp, world_size=world_size, order=MESH_ORDERS[config.mesh_order],
+                   dp_shard=shard or dp)
+        if dims.hsdp and devices_per_node is not None and num_nodes > 1 and \
+                dims.shard_group_crosses_nodes(devices_per_node):
+            import warnings
+
+            warnings.warn(
+                f"parallel.data_parallel_shard_size={dims.dp_shard}: a shard group spans {dims.dp_shard} dp ranks "
+                f"{dims.stride('dp')} apart, which crosses nodes of {devices_per_node} devices, so FSDP2's "
+                "all-gathers and reduce-scatters (every step, 3 x the parameters) run over the inter-node links. "
+                f"Fix: data_parallel_shard_size <= {max(1, devices_per_node // dims.stride('dp'))} (one node's dp "
+                "ranks), so only the all-reduce of the gradient shards crosses nodes.", stacklevel=2)
+        return dims
 
     # ------------------------------------------------------------------ pure arithmetic
+    @property
+    def hsdp(self) -> bool:
+        """True when the dp axis is split into ``dp_replicate x dp_shard`` (``dp_shard < dp``)."""
+        return self.dp_shard < self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """FSDP2 replicas of each shard (``dp / dp_shard``; 1 without HSDP)."""
+        return self.dp // self.dp_shard
+
+    def dp_subgroup_ranks(self, part: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s ``dp_shard`` group (``s`` consecutive dp coordinates) or ``dp_replicate``
+        group (the ranks holding the same shard), in dp order."""
+        dp_group, coord = self.group_ranks("dp", rank), self.coords(rank).dp
+        if part == "dp_shard":
+            start = coord - coord % self.dp_shard
+            return dp_group[start:start + self.dp_shard]
+        if part == "dp_replicate":
+            return dp_group[coord % self.dp_shard::self.dp_shard]
+        raise ValueError(f"unknown dp sub-axis {part!r}; the sub-axes are ('dp_replicate', 'dp_shard').")
+
+    def shard_group_crosses_nodes(self, devices_per_node: int) -> bool:
+        """Whether some ``dp_shard`` group spans ranks of more than one node (launchers fill nodes in rank order:
+        rank ``r`` on node ``r // devices_per_node``)."""
+        return any(len({r // devices_per_node for r in self.dp_subgroup_ranks("dp_shard", rank)}) > 1
+                   for rank in range(self.world_size))
+
     @property
     def mesh_order(self) -> str:
         """:attr:`order` as ``parallel.mesh_order`` spells it, e.g. ``pp-dp-tp``."""
@@ -196,7 +260,12 @@ class ParallelDims:
 
     def describe(self) -> str:
         """``dp=2 x pp=2 x tp=2 = 8 ranks``: axes outermost first, ``, mesh_order pp-dp-tp`` when not the default."""
-        text = " x ".join(f"{a}={self.size(a)}" for a in self.order) + f" = {self.world_size} ranks"
+        def axis(a: str) -> str:
+            if a == "dp" and self.hsdp:
+                return f"dp={self.dp} ({self.dp_replicate} replicas x {self.dp_shard} shards)"
+            return f"{a}={self.size(a)}"
+
+        text = " x ".join(axis(a) for a in self.order) + f" = {self.world_size} ranks"
         return text if self.order == MESH_AXES else f"{text}, mesh_order {self.mesh_order}"
 
     # ------------------------------------------------------------------ the mesh
@@ -217,7 +286,20 @@ class ParallelDims:
                 f"the layout was resolved for {self.world_size} ranks ({self.describe()}), but the process group "
                 f"has {dist.get_world_size()}. Fix: launch {self.world_size} processes."
             )
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
+        if not self.hsdp:
+            return init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
+        names: list[str] = []
+        shape: list[int] = []
+        for a in self.order:
+            if a == "dp":
+                names += ["dp_replicate", "dp_shard"]
+                shape += [self.dp_replicate, self.dp_shard]
+            else:
+                names.append(a)
+                shape.append(self.size(a))
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # mesh["dp"]: the whole dp axis, in dp order
+        return mesh
 
 
 def _check_axis(axis: str) -> str:

@@ -138,8 +138,8 @@ class TrainStep:
         if self.dims.tp == 1 and self.dims.pp == 1:
             return None
         groups = [self.group("tp"), self.group("pp")]
-        if self.plan.sync == "fsdp":
-            groups.append(self.group("dp"))
+        if self.plan.sync == "fsdp":  # gradients sharded over dp (over each HSDP shard group, replicated across)
+            groups.append(self.mesh.get_group("dp_shard") if self.dims.hsdp else self.group("dp"))
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return clip_grad_norm_(params, max_norm, tp_size=self.dims.tp, groups=groups)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDims
 from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
+from lightning_parallel.planner.memory import reshards
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 
@@ -96,13 +97,28 @@ def axis_links(layout: ParallelConfig, hardware: Hardware) -> dict[str, str]:
     nodes (rank ``r`` on node ``r // gpus_per_node``), else intra-node."""
     intra, inter = f"intra-node {hardware.intra_node}", f"inter-node {hardware.inter_node}"
     g = hardware.gpus_per_node
-    out = {axis: intra for axis in MESH_AXES}
+    out = {axis: intra for axis in (*MESH_AXES, *DP_PARTS)}
     if hardware.nodes > 1:
         dims = layout_dims(layout, hardware)
-        for axis in MESH_AXES:
-            if any(_nodes_spanned(group, g) > 1 for group in dims.axis_groups(axis)):
+        for axis in (*MESH_AXES, *DP_PARTS):
+            if any(_nodes_spanned(group, g) > 1 for group in _groups(dims, axis)):
                 out[axis] = inter
     return {**out, "offload": "host PCIe", "nvme": "NVMe"}
+
+
+DP_PARTS = ("dp_shard", "dp_replicate")
+"""HSDP's two parts of the dp axis: the FSDP2 shard groups and the groups of replicas of one shard."""
+
+
+def _groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+    """Every group of a mesh axis, or of one of HSDP's dp parts (each once, ordered by first rank)."""
+    if axis in MESH_AXES:
+        return dims.axis_groups(axis)
+    seen: dict[int, list[int]] = {}
+    for rank in range(dims.world_size):
+        group = dims.dp_subgroup_ranks(axis, rank)
+        seen.setdefault(group[0], group)
+    return [seen[k] for k in sorted(seen)]
 
 
 def cross_node_bytes(
@@ -138,10 +154,10 @@ def cross_node_bytes(
     if gpus_per_node < 1 or virtual_stages < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node} and virtual_stages={virtual_stages} must be >= 1.")
     out: dict[str, float] = {}
-    for axis in MESH_AXES:
+    for axis in (*MESH_AXES, *DP_PARTS):
         per_rank = float(bytes_per_rank.get(axis, 0.0))
         edges = 0
-        for group in dims.axis_groups(axis) if per_rank and dims.size(axis) > 1 else []:
+        for group in _groups(dims, axis) if per_rank and len(_groups(dims, axis)[0]) > 1 else []:
             if axis == "pp":
                 nodes = [rank // gpus_per_node for rank in group]
                 chain = sum(a != b for a, b in itertools.pairwise(nodes))
@@ -149,7 +165,8 @@ def cross_node_bytes(
             else:
                 k = _nodes_spanned(group, gpus_per_node)
                 edges += k if k > 1 else 0
-        out[axis] = per_rank * edges
+        key = "dp" if axis in DP_PARTS else axis  # HSDP's parts are the dp axis's traffic
+        out[key] = out.get(key, 0.0) + per_rank * edges
     return out
 
 
@@ -186,7 +203,7 @@ def axis_bytes_per_rank(
     pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
     s = training.sequence_length(model.shape.block_size if model.shape else 2048)
     traffic = _traffic(model, training, layout, hardware, local=model.params_per_device(pp=pp, tp=tp), seq_len=s)
-    return {axis: traffic[axis] for axis in MESH_AXES if axis in traffic}
+    return {axis: traffic[axis] for axis in (*MESH_AXES, *DP_PARTS) if axis in traffic}
 
 
 def cross_node_bytes_by_order(
@@ -219,8 +236,20 @@ def _traffic(
     b, m = training.micro_batch_size, training.micro_batches(pp)
     out: dict[str, float] = {}
     if dp > 1:
-        factor = 3 if layout.zero == 3 else 2
-        out["dp"] = factor * state.grad * local * (dp - 1) / dp
+        if pp > 1 and layout.zero >= 2:
+            # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
+            # resharding after forward (ZeRO-3), one per micro-batch and one more
+            gathers = m + 1 if reshards(layout) else 1
+            per_param = gathers * state.param + state.grad
+        else:
+            per_param = (3 if layout.zero == 3 else 2) * state.grad
+        s = layout.data_parallel_shard_size or dp
+        if s < dp:  # HSDP: FSDP2's collectives inside each shard group, then an all-reduce of the shards across
+            r = dp // s
+            out["dp_shard"] = per_param * local * (s - 1) / s
+            out["dp_replicate"] = 2 * state.grad * (local / s) * (r - 1) / r
+        else:
+            out["dp"] = per_param * local * (dp - 1) / dp
     shape = model.shape
     if shape is not None and tp > 1:
         collectives = 6 if layout.activation_checkpointing == "full" else 4

@@ -60,14 +60,14 @@ BRANCH_FAMILIES: dict[str, tuple[str, ...]] = {
     "one-gpu/does-not-fit": ("offload",),
     "one-gpu/largest-layer-does-not-fit": ("offload",),
     "one-node/fits": ("ddp", "zero"),
-    "one-node/does-not-fit/nvlink": ("zero", "pp", "tp", "hybrid", "offload"),
-    "one-node/does-not-fit/pcie": ("pp", "zero", "tp", "hybrid", "offload"),
-    "one-node/largest-layer-does-not-fit": ("zero", "offload", "tp", "hybrid"),
+    "one-node/does-not-fit/nvlink": ("zero", "pp", "tp", "fsdp-pp", "hybrid", "offload"),
+    "one-node/does-not-fit/pcie": ("pp", "zero", "tp", "fsdp-pp", "hybrid", "offload"),
+    "one-node/largest-layer-does-not-fit": ("zero", "offload", "tp", "fsdp-pp", "hybrid"),
     "several-nodes/fits": ("ddp", "zero"),
-    "several-nodes/does-not-fit/fast": ("zero", "3d-zero1", "hybrid", "pp", "tp", "offload"),
-    "several-nodes/does-not-fit/slow": ("3d-zero1", "hybrid", "pp", "tp", "zero", "offload"),
-    "several-nodes/largest-layer-does-not-fit/fast": ("zero", "3d-zero1", "hybrid", "tp", "offload"),
-    "several-nodes/largest-layer-does-not-fit/slow": ("3d-zero1", "hybrid", "tp", "zero", "offload"),
+    "several-nodes/does-not-fit/fast": ("zero", "fsdp-pp", "3d-zero1", "hybrid", "pp", "tp", "offload"),
+    "several-nodes/does-not-fit/slow": ("3d-zero1", "fsdp-pp", "hybrid", "pp", "tp", "zero", "offload"),
+    "several-nodes/largest-layer-does-not-fit/fast": ("zero", "fsdp-pp", "3d-zero1", "hybrid", "tp", "offload"),
+    "several-nodes/largest-layer-does-not-fit/slow": ("3d-zero1", "fsdp-pp", "hybrid", "tp", "zero", "offload"),
 }
 """For each branch of the guide, the families of layouts in the order the guide prefers them."""
 
@@ -115,10 +115,14 @@ def strategy_name(layout: ParallelConfig, *, world_size: int) -> str:
 
 
 def family_of(layout: ParallelConfig, *, world_size: int) -> str:
-    """single | ddp | zero | offload | pp | tp | 3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | hybrid (other mixes)."""
+    """single | ddp | zero (HSDP included) | offload | pp | tp | 3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | fsdp-pp
+    (ZeRO-2/3 over FSDP2 inside pipeline stages, with or without TP: torchtitan's FSDP x TP x PP) | hybrid (other
+    mixes)."""
     pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero
     if int(layout.data_parallel_size) > 1 and pp > 1 and tp > 1 and zero == 1:
         return "3d-zero1"
+    if int(layout.data_parallel_size) > 1 and pp > 1 and zero >= 2 and layout.offload_device == "none":
+        return "fsdp-pp"
     if layout.offload_device != "none":
         return "offload"
     if world_size == 1:
@@ -168,16 +172,30 @@ def _layouts_for(
     stages = [(zero, offload) for zero, offload in zero_and_offload(pipeline=pp > 1, tensor=tp > 1)
               if (offload != "none" or dp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
               and _accepted(zero_stage=zero, offload=offload, **_nvme(offload))]
+    shard = _node_shard(dp, pp, tp, hardware)
     out = []
     for recompute in checkpointing:
         for zero, offload in stages:
-            out.append(
-                ParallelConfig.from_dict(
-                    {**base, "zero_stage": zero, "offload": offload, "activation_checkpointing": recompute,
-                     **_nvme(offload)}
-                )
-            )
+            keys = {**base, "zero_stage": zero, "offload": offload, "activation_checkpointing": recompute,
+                    **_nvme(offload)}
+            out.append(ParallelConfig.from_dict(keys))
+            if shard is not None and zero >= 2 and offload == "none" and (pp > 1 or tp == 1 or zero == 3):
+                out.append(ParallelConfig.from_dict({**keys, "data_parallel_shard_size": shard}))
     return out
+
+
+def _node_shard(dp: int, pp: int, tp: int, hardware: Hardware) -> int | None:
+    """HSDP on several nodes: the largest shard-group size whose groups stay inside a node (so only the all-reduce
+    of the gradient shards crosses nodes); None on one node or when no split of dp does."""
+    from lightning_parallel.parallel.dims import ParallelDims
+
+    if hardware.nodes == 1 or dp == 1:
+        return None
+    for s in sorted((d for d in _divisors(dp) if d < dp), reverse=True):
+        dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dp * pp * tp, dp_shard=s)
+        if s > 1 and not dims.shard_group_crosses_nodes(hardware.gpus_per_node):
+            return s
+    return None
 
 
 def _nvme(offload: str) -> dict[str, str]:

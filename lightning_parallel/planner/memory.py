@@ -16,6 +16,11 @@ the 16-bit weights too (``+ p P / N_d``, DeepSpeed's 18). Gradients then stream 
 N_d`` (measured with DeepSpeed's CPU offload: 16 bytes per partition element on the host at stage 2 and at stage 3,
 where the offloaded weight partition is the optimizer's copy).
 
+Inside pipeline stages ZeRO-2/3 run as FSDP2 whose reduce-scatter waits for a step's last micro-batch: at the peak
+of a step the stage's gradient is whole (``g P``) and, unless resharded after forward (ZeRO-3), so are its
+parameters: ZeRO-2 ``(p + g) P + K P / N_d`` (ZeRO-1's figure), ZeRO-3 ``g P + (p + K) P / N_d``; between steps
+``(p + g + K) P / N_d``. HSDP (``data_parallel_shard_size = s``) divides by ``s`` instead of ``N_d``.
+
 Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
 and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
 ``(p + g) x largest layer / tp`` (DeepSpeed's ``4 x largest_layer_params``).
@@ -40,6 +45,7 @@ __all__ = [
     "estimate_memory",
     "model_states",
     "model_states_bytes",
+    "reshards",
 ]
 
 BUFFER_FRACTION = 0.10
@@ -64,15 +70,24 @@ class ModelStates:
 
 
 def model_states(
-    n_params: int, state: StateBytes, *, dp: int = 1, zero_stage: int = 0, offload: str = "none"
+    n_params: int, state: StateBytes, *, dp: int = 1, zero_stage: int = 0, offload: str = "none",
+    shard: int | None = None, pipeline: bool = False, reshard: bool = True,
 ) -> ModelStates:
-    """The ZeRO paper's formulas for ``n_params`` parameters on a device, sharded ``zero_stage``-deep over dp."""
+    """The ZeRO paper's formulas for ``n_params`` parameters on a device, sharded ``zero_stage``-deep over dp.
+
+    ``shard``: HSDP's shard-group size (model states divide by it instead of ``dp``; the other dp ranks hold
+    replicas). ``pipeline``: ZeRO-2/3 over FSDP2 inside pipeline stages, at the peak of a step: each micro-batch's
+    gradient adds into the stage's whole, unsharded gradient until the step's last micro-batch reduce-scatters it
+    (``g P``), and the parameters stay gathered through the step unless ``reshard`` (ZeRO-3's default) frees them
+    after each forward; between steps everything is sharded, ``(p + g + K) P / s``."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3.")
-    full, shard = n_params, math.ceil(n_params / dp)
-    params = state.param * (shard if zero_stage >= 3 else full)
-    grads = state.grad * (shard if zero_stage >= 2 else full)
-    optimizer = state.optimizer * (shard if zero_stage >= 1 else full)
+    full, shard_n = n_params, math.ceil(n_params / (shard or dp))
+    in_pipeline = pipeline and zero_stage >= 2
+    params = state.param * (shard_n if zero_stage >= 3 and (reshard or not in_pipeline) else full)
+    grads = state.grad * (full if in_pipeline or zero_stage < 2 else shard_n)
+    optimizer = state.optimizer * (shard_n if zero_stage >= 1 else full)
+    shard = shard_n
     if offload == "none":
         return ModelStates(params=params, grads=grads, optimizer=optimizer)
     if zero_stage < 2:
@@ -131,7 +146,8 @@ def estimate_memory(
     dp, pp, tp = _degrees(layout)
     n_local = model.params_per_device(pp=pp, tp=tp)
     state = training.state_bytes
-    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero, offload=layout.offload_device)
+    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero, offload=layout.offload_device,
+                          shard=layout.data_parallel_shard_size, pipeline=pp > 1, reshard=reshards(layout))
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:
@@ -146,6 +162,13 @@ def estimate_memory(
         host_per_node=round(states.host * ranks_per_node * (1 + BUFFER_FRACTION)),
         nvme_per_node=states.nvme * ranks_per_node,
     )
+
+
+def reshards(layout: ParallelConfig) -> bool:
+    """Whether FSDP2 frees gathered parameters after forward on the busiest (first) stage: as set, else at ZeRO-3."""
+    if layout.reshard_after_forward != "auto":
+        return bool(layout.reshard_after_forward)
+    return layout.zero == 3
 
 
 def _degrees(layout: ParallelConfig) -> tuple[int, int, int]:

@@ -58,6 +58,7 @@ _FAMILY_TEXT: dict[str, str] = {
     "pp": "PP",
     "tp": "TP",
     "3d-zero1": "DP+PP+TP+ZeRO-1",
+    "fsdp-pp": "ZeRO-2/3 (FSDP2) inside pipeline stages, with or without TP",
     "hybrid": "other PP/TP/ZeRO mixes",
 }
 

@@ -200,7 +200,9 @@ def _recommendation_text(plan: Plan) -> str:
             f"Recommendation: {rec['strategy']} (data_parallel_size={rec['data_parallel_size']}, "
             f"pipeline_parallel_size={rec['pipeline_parallel_size']}, tensor_parallel_size="
             f"{rec['tensor_parallel_size']}, zero_stage={rec['zero_stage']}, offload={rec['offload']}, "
-            f"tiled_layers={rec['tiled_layers']}"
+            + (f"data_parallel_shard_size={rec['data_parallel_shard_size']}, "
+               if rec.get("data_parallel_shard_size") else "")
+            + f"tiled_layers={rec['tiled_layers']}"
             + (f", mesh_order={rec['mesh_order']})" if plan.hardware.nodes > 1 else ")")
         )
     return f"{head}\nBranch: {plan.branch}\nWhy: {plan.reason}"
@@ -216,6 +218,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "pipeline_parallel_size": lay.pipeline_parallel_size,
         "tensor_parallel_size": lay.tensor_parallel_size,
         "zero_stage": lay.zero_stage,
+        "data_parallel_shard_size": lay.data_parallel_shard_size,
         "offload": lay.offload,
         "sequence_parallel": lay.sequence_parallel,
         "mesh_order": lay.mesh_order,
@@ -251,6 +254,7 @@ def recommendation_json(plan: Plan) -> dict[str, Any]:
         "pipeline_parallel_size": lay.pipeline_parallel_size,
         "tensor_parallel_size": lay.tensor_parallel_size,
         "zero_stage": lay.zero_stage,
+        "data_parallel_shard_size": lay.data_parallel_shard_size,
         "offload": lay.offload,
         "tiled_layers": chosen.tiled_layers,
         "sequence_parallel": lay.sequence_parallel,

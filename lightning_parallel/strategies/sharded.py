@@ -172,7 +172,7 @@ class LPShardedStrategy(LayoutStrategy):
         """Full weights (stage 3: all-gathered on every rank, a collective) or, for sharded checkpoints at stage 3,
         this rank's local shards; stages 1-2 copy their replicated parameters out of the flat buffers."""
         assert self.model is not None and self.lightning_module is not None
-        if self.zero_stage == 3 and _is_fsdp(self.lightning_module):
+        if _is_fsdp(self.lightning_module):
             if self._checkpoint_kind == "sharded":
                 return zero3_local_state(self.lightning_module)["model"]
             return zero3_full_model_state(self.lightning_module)
@@ -186,7 +186,7 @@ class LPShardedStrategy(LayoutStrategy):
         sharded = self._checkpoint_kind == "sharded"
         if isinstance(raw, ZeroOptimizer):
             return raw.state_dict() if sharded else raw.consolidated_state_dict()
-        if self.zero_stage == 3 and self.lightning_module is not None and _is_fsdp(self.lightning_module):
+        if self.lightning_module is not None and _is_fsdp(self.lightning_module):
             if sharded:
                 return zero3_local_state(None, raw)["optim"]
             return zero3_full_optimizer_state(self.lightning_module, raw)
@@ -204,7 +204,9 @@ class LPShardedStrategy(LayoutStrategy):
         if self._checkpoint_kind == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        sharded_format.save(self, checkpoint, filepath, zero_stage=self.zero_stage)
+        sharded_format.save(self, checkpoint, filepath, zero_stage=self.zero_stage,
+                            shard_ranks=self.dims.dp_subgroup_ranks("dp_shard", 0),
+                            fsdp=self.lightning_module is not None and _is_fsdp(self.lightning_module))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -229,7 +231,7 @@ class LPShardedStrategy(LayoutStrategy):
         module = self.lightning_module
         assert module is not None
         state = checkpoint["state_dict"]
-        if self.zero_stage == 3 and _is_fsdp(module):
+        if _is_fsdp(module):
             if sharded_format.loaded_as_shards(checkpoint):
                 zero3_load_local_state(module, None, {"model": state})
             else:
@@ -242,7 +244,7 @@ class LPShardedStrategy(LayoutStrategy):
         """Into the wrapped optimizers: a per-parameter state is re-sharded, a sharded one loaded as is."""
         module = self.lightning_module
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            if self.zero_stage == 3 and module is not None and _is_fsdp(module):
+            if module is not None and _is_fsdp(module):
                 if sharded_format.loaded_as_shards(checkpoint):
                     zero3_load_local_state(module, optimizer, {"optim": state})
                 else:

@@ -155,6 +155,12 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         """Refuse, before anything starts: what its row of the layout table does not run (pp/tp > 1, stage 0), NVMe
         below stage 3, NVMe without libaio."""
         super().check_layout(layout)
+        if layout.data_parallel_shard_size is not None:
+            raise LayoutError(
+                f"{self.strategy_name} runs DeepSpeed's ZeRO over the whole dp axis, but parallel."
+                f"data_parallel_shard_size={layout.data_parallel_shard_size} asks for HSDP (FSDP2 over replicate x "
+                "shard groups). Fix: remove data_parallel_shard_size, or use strategy lp_sharded (zero_stage 2 or 3) "
+                "for HSDP without offload.")
         if layout.offload_device == "nvme" and not layout.nvme_path:
             raise LayoutError(
                 "NVMe offload needs parallel.nvme_path: a folder on a fast local disk the swapper writes into."

@@ -70,6 +70,10 @@ def _layouts() -> dict[str, Layout]:
         Layout("lp_pipeline pp2", lambda: LPPipelineStrategy(pp, **fork), 2, 1),
         Layout("lp_hybrid 2x2x2", lambda: LPHybridStrategy(
             {**pp, "data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, **fork), 8, 2),
+        Layout("lp_hybrid 2x2x2 z3", lambda: LPHybridStrategy(
+            {**pp, "data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, **fork), 8, 2),
+        Layout("lp_sharded hsdp 2x2 z3", lambda: LPShardedStrategy(
+            {"zero_stage": 3, "data_parallel_shard_size": 2}, checkpoint="sharded", **fork), 4, 4),
     ]
     if _deepspeed_ready():
         from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy

@@ -159,8 +159,8 @@ def test_refusals_before_spawn() -> None:
     with pytest.raises(LayoutError, match=r"tensor_parallel_size \(4\) exceeds the devices of one node \(2\)"):
         pl.Trainer(accelerator="cpu", devices=2, num_nodes=4, strategy=_hy(pipeline_parallel_size=2,
                                                                           tensor_parallel_size=4, num_micro_batches=2))
-    with pytest.raises(LayoutError, match=r"zero_stage=3 with pipeline_parallel_size=2.*Fix"):
-        _hy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=3)
+    with pytest.raises(LayoutError, match=r"(?s)offload='cpu' runs on the DeepSpeed engine.*Fix"):
+        _hy(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=3, offload="cpu")
     with pytest.raises(LayoutError, match=r"n_head=2, 2 % 4 = 2\. Fix: tensor_parallel_size in \[1, 2\]"):
         _refusal(_hy(pipeline_parallel_size=2, tensor_parallel_size=4, num_micro_batches=2), _gpt(), 8)
     with pytest.raises(LayoutError, match=r"= 8 stages, but GPT\.pipeline_layers\(\) returns 4 layers"):

@@ -187,8 +187,10 @@ def test_refusals_before_spawn() -> None:
         _pp(pipeline_parallel_size=2, num_micro_batches=1)
     with pytest.raises(LayoutError, match=r"interleaved_1f1b' needs virtual_pipeline_stages >= 2"):
         _pp(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
-    with pytest.raises(LayoutError, match=r"(?s)zero_stage=2 with pipeline_parallel_size=2.*Fix: .*zero_stage=1"):
-        _pp(pipeline_parallel_size=2, zero_stage=2)
+    # ZeRO-2/3 run inside pipelines (FSDP2 per stage, tests/trainer/test_fsdp_layouts.py); offload does not
+    with pytest.raises(LayoutError, match=r"(?s)offload='cpu' runs on the DeepSpeed engine.*pipeline_parallel_size=2"
+                                          r".*Fix"):
+        _pp(pipeline_parallel_size=2, zero_stage=2, offload="cpu")
     with pytest.raises(LayoutError, match=r"num_micro_batches=7: .*r = max\(1, m // p\) = 3 .* 7 % 3 = 1"):
         _pp(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2,
             num_micro_batches=7)

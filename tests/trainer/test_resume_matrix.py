@@ -2,7 +2,7 @@
 
 Each cell: the resumed run's loss at the first step after the checkpoint vs the uninterrupted one-device run, and
 the largest weight difference after 3 more AdamW steps (:mod:`lightning_parallel.testing.resume_matrix`). The whole
-matrix runs here (81 cells of forked CPU ranks with DeepSpeed's ops built, 64 without; about 2.5 minutes); ``-s``
+matrix runs here (121 cells of forked CPU ranks with DeepSpeed's ops built, 100 without; about 5 minutes); ``-s``
 prints every cell.
 """
 

@@ -55,6 +55,11 @@ def _dims(world: int, **layout: Any) -> tuple[ParallelConfig, ParallelDims]:
     ({"tensor_parallel_size": 2, "zero_stage": 3}, 4, "native", "fsdp"),
     ({"pipeline_parallel_size": 2}, 4, "native", "allreduce"),
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 8, "native", "zero"),
+    ({"pipeline_parallel_size": 2, "zero_stage": 2}, 4, "native", "fsdp"),
+    ({"pipeline_parallel_size": 2, "zero_stage": 3}, 4, "native", "fsdp"),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 8, "native", "fsdp"),
+    ({"zero_stage": 2, "data_parallel_shard_size": 2}, 4, "native", "fsdp"),
+    ({"zero_stage": 3, "data_parallel_shard_size": 2}, 4, "native", "fsdp"),
 ])
 def test_data_parallel_plan_picks_the_sync_of_each_layout(layout: dict[str, Any], world: int, backend: Any,
                                                           sync: str) -> None:
@@ -65,11 +70,28 @@ def test_data_parallel_plan_picks_the_sync_of_each_layout(layout: dict[str, Any]
 
 def test_data_parallel_plan_refuses_what_is_not_composed() -> None:
     config, dims = _dims(4, tensor_parallel_size=2, zero_stage=2)
-    with pytest.raises(LayoutError, match="zero_stage=2 with pp=1, tp=2"):
+    with pytest.raises(LayoutError, match="zero_stage=2 with tensor_parallel_size=2 and no pipeline"):
         data_parallel_plan(config, dims)
     config, dims = _dims(4, tensor_parallel_size=2, zero_stage=1)
     with pytest.raises(LayoutError, match="fairscale backend runs ZeRO stage 1 or 2 over dp alone"):
         data_parallel_plan(config, dims, backend="fairscale")
+
+
+def test_reshard_policy_per_stage_and_schedule() -> None:
+    """ZeRO-3 reshards after forward except on a pipeline's last stage under 1F1B-family schedules; ZeRO-2 never;
+    an explicit setting wins."""
+    from lightning_parallel.parallel.compose import reshard_policy
+
+    z3 = data_parallel_plan(*_dims(4, pipeline_parallel_size=2, zero_stage=3))
+    z2 = data_parallel_plan(*_dims(4, pipeline_parallel_size=2, zero_stage=2))
+    assert [reshard_policy(z3, stage=s, num_stages=2, schedule="1f1b") for s in (0, 1)] == [True, False]
+    assert [reshard_policy(z3, stage=s, num_stages=2, schedule="gpipe") for s in (0, 1)] == [True, True]
+    assert reshard_policy(z3, stage=None, num_stages=1, schedule="1f1b") is True
+    assert [reshard_policy(z2, stage=s, num_stages=2, schedule="1f1b") for s in (0, 1)] == [False, False]
+    forced = data_parallel_plan(*_dims(4, pipeline_parallel_size=2, zero_stage=3, reshard_after_forward=False))
+    assert reshard_policy(forced, stage=0, num_stages=2, schedule="gpipe") is False
+    hsdp = data_parallel_plan(*_dims(4, zero_stage=3, data_parallel_shard_size=2))
+    assert hsdp.hsdp and not data_parallel_plan(*_dims(4, zero_stage=3)).hsdp
 
 
 def test_composition_path_of_every_layout_strategy() -> None:

@@ -20,7 +20,7 @@ BAD_LAYOUTS: list[tuple[dict[str, Any], int, int, int, tuple[str, ...]]] = [
     ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8, 1, ("= 4", "world size is 8", "data_parallel_size=4")),
     ({"tensor_parallel_size": 4}, 8, 2, 4, ("tensor_parallel_size (4)", "one node (2)")),
     ({"zero_stage": 4}, 2, 2, 1, ("zero_stage", "[0, 1, 2, 3]")),
-    ({"zero_stage": 2, "pipeline_parallel_size": 2}, 2, 2, 1, ("zero_stage=2", "pipeline", "zero_stage=1")),
+    ({"zero_stage": 3, "data_parallel_shard_size": 3}, 4, 4, 1, ("data_parallel_shard_size=3", "4 % 3 = 1", "Fix")),
     ({"offload": "gpu"}, 2, 2, 1, ("offload", "'cpu'")),
     ({"offload": "cpu", "zero_stage": 1}, 2, 2, 1, ("offload='cpu'", "zero_stage=1", "zero_stage=2")),
     ({"offload": "nvme", "zero_stage": 3}, 2, 2, 1, ("nvme_path",)),

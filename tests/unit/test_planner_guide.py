@@ -123,8 +123,13 @@ def test_several_nodes_fits_uses_ddp() -> None:
 def test_several_nodes_fast_uses_zero_as_the_zero_paper() -> None:
     plan = _plan(ModelSpec.from_params(7_500_000_000), nodes=8, gpus_per_node=8, gpu_memory="32GB")
     assert plan.branch == "several-nodes/does-not-fit/fast"
-    assert _rec(plan) == ("lp_sharded", 64, 1, 1, 2, "none")  # ZeRO-1 needs 31.4 GB of states: too much
-    assert "ZeRO-1 of the same shape does not fit" in plan.reason
+    # HSDP: ZeRO-3 sharded inside each node of 8, replicated across the 8 nodes -- only the all-reduce of the
+    # gradient shards crosses nodes, so it beats plain ZeRO-2 over all 64 ranks (which ZeRO-1 could not: 31.4 GB of
+    # states is too much)
+    assert _rec(plan) == ("lp_sharded", 64, 1, 1, 3, "none")
+    assert plan.recommended is not None and plan.recommended.layout.data_parallel_shard_size == 8
+    plain = [c for c in plan.candidates if c.fits and c.layout.data_parallel_shard_size is None and c.family == "zero"]
+    assert plain[0].layout.zero == 2 and plain[0].cost.step_s > plan.recommended.cost.step_s
 
 
 def test_several_nodes_slow_uses_dp_pp_tp_zero1() -> None:
@@ -171,7 +176,8 @@ def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) ->
     for key in ("strategy", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "zero_stage",
                 "offload", "tiled_layers", "branch", "reason"):
         assert key in rec
-    assert rec["strategy"] == "lp_sharded" and rec["zero_stage"] == 2 and rec["tiled_layers"] is False
+    assert rec["strategy"] == "lp_sharded" and rec["zero_stage"] == 3 and rec["tiled_layers"] is False
+    assert rec["data_parallel_shard_size"] == 8  # HSDP inside each node (see the test above)
 
 
 def test_plan_json_lives_in_report_and_plan_does_not_import_it() -> None:

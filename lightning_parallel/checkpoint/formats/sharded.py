@@ -45,10 +45,14 @@ FORMATS = ("lp_sharded",)
 
 
 # ---------------------------------------------------------------------------------------------- write
-def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any, *, zero_stage: int) -> None:
+def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any, *, zero_stage: int,
+         shard_ranks: Sequence[int] | None = None, fsdp: bool | None = None) -> None:
     """Write the folder (collective: every rank calls it with its own ``optimizer_states`` and, at stage 3, its
     ``state_dict`` of local shards). ``meta.pt`` is written last, then the folder is renamed into place: a failed
-    save never leaves a half folder under the checkpoint's name."""
+    save never leaves a half folder under the checkpoint's name. ``shard_ranks``: the ranks whose files together
+    hold one whole copy (HSDP: one shard group; the other groups hold replicas); None = every rank. ``fsdp``: the
+    parameters are FSDP2 ``Shard(0)`` DTensors (each rank writes its local shards); default: at stage 3."""
+    fsdp = zero_stage == 3 if fsdp is None else fsdp
     rng.attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
     target = Path(strategy.broadcast(str(filepath)))
     path = partial_path(target)
@@ -56,12 +60,16 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         fresh_partial(target)
     strategy.barrier("lp_sharded_mkdir")
     own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
-    if zero_stage == 3:
+    if fsdp:
         own["state_dict"] = checkpoint.pop("state_dict")
     torch.save(own, path / rank_file(strategy.global_rank))
     if strategy.is_global_zero:
         checkpoint[SHARDED_KEY] = {"zero_stage": zero_stage, "world_size": strategy.world_size,
-                                   "sharded_shapes": _sharded_shapes(strategy.lightning_module, zero_stage)}
+                                   "sharded_shapes": _sharded_shapes(strategy.lightning_module, fsdp)}
+        if fsdp and zero_stage != 3:  # ZeRO-2 over FSDP2 (HSDP): stored like stage 3
+            checkpoint[SHARDED_KEY]["fsdp"] = True
+        if shard_ranks is not None and list(shard_ranks) != list(range(strategy.world_size)):
+            checkpoint[SHARDED_KEY]["shard_ranks"] = [int(r) for r in shard_ranks]
     strategy.barrier("lp_sharded_rank_files")
     if strategy.is_global_zero:  # metadata last, then the rename
         torch.save(checkpoint, path / META_FILE)
@@ -69,12 +77,12 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     strategy.barrier("lp_sharded_saved")
 
 
-def _sharded_shapes(module: Any, zero_stage: int) -> dict[str, list[int]]:
-    """Stage 3: the full shapes of the state-dict entries that are dim-0 shards (DTensors), so that a reader
+def _sharded_shapes(module: Any, fsdp: bool) -> dict[str, list[int]]:
+    """FSDP2: the full shapes of the state-dict entries that are dim-0 shards (DTensors), so that a reader
     joins exactly those and keeps replicated entries (buffers) once."""
     from torch.distributed.tensor import DTensor
 
-    if zero_stage != 3 or module is None:
+    if not fsdp or module is None:
         return {}
     return {k: list(v.shape) for k, v in module.state_dict().items() if isinstance(v, DTensor)}
 
@@ -140,14 +148,14 @@ def read_full(info: CheckpointInfo, *, trusted: bool = False) -> tuple[dict[str,
     meta = info.checkpoint
     assert meta is not None and info.world_size is not None
     rest = {k: v for k, v in meta.items() if k not in ("state_dict", SHARDED_KEY)}
-    if info.zero_stage != 3:  # stages 1-2: parameters are replicated; rank 0 wrote the full state dict into meta.pt
+    if not _fsdp_files(info):  # stages 1-2: parameters are replicated; rank 0 wrote the full state dict into meta.pt
         if not isinstance(meta.get("state_dict"), dict):
             raise CheckpointFormatError(f"{info.files[0]}: a ZeRO-{info.zero_stage} sharded checkpoint without "
                                         f"'state_dict'; expected the full weights in {META_FILE} at stages 1-2.")
         return strip_wrapper_prefixes(meta["state_dict"]), rest
-    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint")
-             for f in info.files[1:]]
-    for f, part in zip(info.files[1:], parts, strict=True):
+    files = _one_copy(info)
+    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint") for f in files]
+    for f, part in zip(files, parts, strict=True):
         if not isinstance(part, dict) or not isinstance(part.get("state_dict"), dict):
             raise CheckpointFormatError(f"{f}: no 'state_dict'; expected this rank's ZeRO-3 shards (lp_sharded "
                                         "checkpoint='sharded' at stage 3).")
@@ -158,6 +166,20 @@ def read_full(info: CheckpointInfo, *, trusted: bool = False) -> tuple[dict[str,
         n_params = _optimizer_param_count(parts[0])
         state = join_zero3_shards([p["state_dict"] for p in parts], n_params=n_params, where=info.path)
     return strip_wrapper_prefixes(state), rest
+
+
+def _fsdp_files(info: CheckpointInfo) -> bool:
+    """Whether the rank files hold FSDP2 ``Shard(0)`` pieces (stage 3, or stage 2 over FSDP2 under HSDP)."""
+    return info.zero_stage == 3 or bool(((info.checkpoint or {}).get(SHARDED_KEY) or {}).get("fsdp"))
+
+
+def _one_copy(info: CheckpointInfo) -> list[Path]:
+    """The rank files that together hold one whole copy, in shard order: every rank's, or under HSDP the ranks of one
+    shard group (``shard_ranks`` in ``meta.pt``; the other groups' files are replicas)."""
+    meta = info.checkpoint or {}
+    ranks = (meta.get(SHARDED_KEY) or {}).get("shard_ranks")
+    files = list(info.files[1:])
+    return files if ranks is None else [files[int(r)] for r in ranks]
 
 
 def join_recorded_shards(parts: list[Mapping[str, Any]], *, shapes: Mapping[str, list[int]],
@@ -251,10 +273,10 @@ def read_optimizer_states(info: CheckpointInfo, *, trusted: bool = False) -> lis
     """Every optimizer's state in torch's one-device per-index form, joined from the rank files: stages 1-2 each
     param group's flat shards concatenated in rank order and cut back into per-parameter tensors by the recorded
     shapes (the padding at the end dropped); stage 3 each parameter's ``Shard(0)`` state pieces joined along dim 0."""
-    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint")
-             for f in info.files[1:]]
+    files = _one_copy(info)
+    parts = [load_torch_file(f, trusted=trusted, what="a rank file of an lp_sharded checkpoint") for f in files]
     per_rank: list[list[dict[str, Any]]] = []
-    for f, part in zip(info.files[1:], parts, strict=True):
+    for f, part in zip(files, parts, strict=True):
         states = part.get("optimizer_states") if isinstance(part, dict) else None
         if not isinstance(states, list):
             raise CheckpointFormatError(f"{f}: no 'optimizer_states'; expected this rank's optimizer shard.")
@@ -266,7 +288,7 @@ def read_optimizer_states(info: CheckpointInfo, *, trusted: bool = False) -> lis
     joined = []
     for i in range(n_opt.pop()):
         shards = [s[i] for s in per_rank]
-        if info.zero_stage == 3:
+        if _fsdp_files(info):
             joined.append(_join_dim0_optimizer(shards, where=info.path))
         else:
             joined.append(_join_flat_optimizer(shards, where=info.path))

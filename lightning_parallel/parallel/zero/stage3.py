@@ -49,14 +49,16 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
-    """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh.
+    """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh (or
+    HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
 
     In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it.
     """
     from torch.distributed.fsdp import fully_shard
 
-    if mesh.ndim != 1:
-        raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
+                         f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
     for unit in _units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
