@@ -1,9 +1,10 @@
-"""``lp_pipeline``: pipeline parallelism over the ``pp`` axis, data parallelism (plain or ZeRO-1) over ``dp``.
+"""``lp_pipeline``: pipeline parallelism over the ``pp`` axis, data parallelism (plain, ZeRO-1 or FSDP2) over ``dp``.
 
-Layout ``(N/p, p, 1, 0|1)``: the module's :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers`
-are cut into ``n = p x v`` contiguous stages (balanced by parameter count, or ``parallel.pipeline_stage_layers``);
-pipeline rank ``r`` keeps stages ``r, r + p, ...`` and deletes the other layers from its copy of the module, so each
-rank holds ``~1/p`` of the weights, gradients and optimizer state, under the whole model's parameter names. ``d = N/p``
+Layout ``(N/p, p, 1, z)``, z in 0..3: the module's
+:meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers` are cut into ``n = p x v`` contiguous
+stages (balanced by parameter count, or ``parallel.pipeline_stage_layers``); pipeline rank ``r`` keeps stages
+``r, r + p, ...`` and deletes the other layers from its copy of the module, so each rank holds ``~1/p`` of the
+weights, gradients and optimizer state, under the whole model's parameter names. ``d = N/p``
 replicas of the pipeline split the global batch (the sampler takes rank and size from ``dp``).
 
 Each training batch (``b`` samples per dp rank) is split into ``m = num_micro_batches`` micro-batches that flow
@@ -13,7 +14,14 @@ through the stages under ``pipeline_schedule`` (:mod:`lightning_parallel.paralle
 
 * 0 -- one all-reduce (mean) of this stage's gradients after the step's last backward;
 * 1 -- ZeRO-1 on this stage's parameters: reduce-scatter of the flat gradient, the optimizer steps ``1/d`` of it,
-  all-gather of the parameters (ZeRO-2/3 are refused: every micro-batch adds into the whole gradient).
+  all-gather of the parameters;
+* 2, 3 -- FSDP2 ``fully_shard`` on each of this rank's stage chunks over ``dp`` (over ``(dp_replicate, dp_shard)``
+  with ``parallel.data_parallel_shard_size``): parameters, gradients and optimizer state sharded ``1/d`` between
+  steps; the micro-batches' gradients add into the stage's whole gradient and torch's schedule reduce-scatters it
+  once, after the step's last micro-batch. Parameters are all-gathered in forward; ``reshard_after_forward``
+  (:func:`~lightning_parallel.parallel.compose.reshard_policy`) decides whether they are freed after each forward:
+  ZeRO-2 never (one all-gather per step), ZeRO-3 on every stage but the last under the 1F1B-family schedules (an
+  all-gather per micro-batch and one more).
 
 Lightning integration: the module's ``training_step`` / ``validation_step`` / ``test_step`` are not called (they
 define the one-device computation); the strategy runs the schedule on ``pipeline_batch(batch) -> (input, target)``
@@ -58,12 +66,13 @@ _MINIMAL_HOOKS = (
 
 
 class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
-    """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0 or 1).
+    """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1, 2 or 3).
 
     Args:
         parallel: the layout: ``pipeline_parallel_size``, ``data_parallel_size`` (auto or d), ``num_micro_batches``,
             ``pipeline_schedule`` (gpipe, 1f1b, interleaved_1f1b, zero_bubble), ``virtual_pipeline_stages``,
-            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset) or 1; tp = 1.
+            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset), 1, 2 or 3,
+            ``reshard_after_forward``, ``data_parallel_shard_size``; tp = 1.
         kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
     """
 
