@@ -180,8 +180,10 @@ class ParallelDims:
                 f"parallel.data_parallel_shard_size={dims.dp_shard}: a shard group spans {dims.dp_shard} dp ranks "
                 f"{dims.stride('dp')} apart, which crosses nodes of {devices_per_node} devices, so FSDP2's "
                 "all-gathers and reduce-scatters (every step, 3 x the parameters) run over the inter-node links. "
-                f"Fix: data_parallel_shard_size <= {max(1, devices_per_node // dims.stride('dp'))} (one node's dp "
-                "ranks), so only the all-reduce of the gradient shards crosses nodes.", stacklevel=2)
+                + (f"Fix: data_parallel_shard_size <= {devices_per_node // dims.stride('dp')} (one node's dp ranks), "
+                   if devices_per_node // dims.stride("dp") >= 2 else
+                   "Fix: mesh_order='pp-dp-tp' (dp ranks next to each other inside a node), ")
+                + "so that only the all-reduce of the gradient shards crosses nodes.", stacklevel=2)
         return dims
 
     # ------------------------------------------------------------------ pure arithmetic

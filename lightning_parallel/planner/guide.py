@@ -171,7 +171,8 @@ def _layouts_for(
     # needs ZeRO 2/3); without offload no ZeRO with one replica (nothing to shard over); NVMe only where there is one.
     stages = [(zero, offload) for zero, offload in zero_and_offload(pipeline=pp > 1, tensor=tp > 1)
               if (offload != "none" or dp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
-              and _accepted(zero_stage=zero, offload=offload, **_nvme(offload))]
+              and _accepted(zero_stage=zero, offload=offload, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                            **_nvme(offload))]
     shard = _node_shard(dp, pp, tp, hardware)
     out = []
     for recompute in checkpointing:

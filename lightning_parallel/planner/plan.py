@@ -232,6 +232,7 @@ def _cheaper_not_fitting(chosen: Candidate, ranked: list[Candidate]) -> str:
         and c.layout.pipeline_parallel_size == chosen.layout.pipeline_parallel_size
         and c.layout.tensor_parallel_size == chosen.layout.tensor_parallel_size
         and c.layout.offload_device == chosen.layout.offload_device
+        and c.layout.data_parallel_shard_size == chosen.layout.data_parallel_shard_size
     ]
     if not lighter:
         return ""

@@ -69,7 +69,7 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> lis
     cells = [
         rank,
         c.strategy + ("" if c.available else " (n/a)"),
-        str(lay.data_parallel_size),
+        str(lay.data_parallel_size) + (f" s{lay.data_parallel_shard_size}" if lay.data_parallel_shard_size else ""),
         str(lay.pipeline_parallel_size),
         str(lay.tensor_parallel_size),
         str(lay.zero),

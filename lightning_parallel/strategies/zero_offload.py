@@ -155,6 +155,10 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         """Refuse, before anything starts: what its row of the layout table does not run (pp/tp > 1, stage 0), NVMe
         below stage 3, NVMe without libaio."""
         super().check_layout(layout)
+        if layout.reshard_after_forward != "auto":
+            raise LayoutError(
+                f"parallel.reshard_after_forward={layout.reshard_after_forward} is an FSDP2 setting; "
+                f"{self.strategy_name} runs DeepSpeed's engine, which decides that itself. Fix: remove it.")
         if layout.data_parallel_shard_size is not None:
             raise LayoutError(
                 f"{self.strategy_name} runs DeepSpeed's ZeRO over the whole dp axis, but parallel."
