@@ -206,6 +206,19 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch: its sampler's indices are fast-forwarded
+        past the batches a restored checkpoint already ran (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
     # ------------------------------------------------------------------ the module: one composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -174,6 +174,18 @@ class LPDPStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module

@@ -264,6 +264,18 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         else:
             self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
     def before_launch(self) -> None:
         """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""
         self.prepare_ops()
