@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 __all__ = ["STATE_KIND", "FastForwardSampler", "is_resumable", "make_resumable", "resume_warning",
            "trainer_position"]
@@ -133,14 +133,24 @@ class FastForward:
                              "the checkpoint's training DataLoader was another stateful loader.")
         self.pending = dict(state)
 
+    @staticmethod
+    def fallback_note(epoch: int, batches: int) -> str:
+        """The warning for a checkpoint without this loader's saved state whose sampler draws a random order."""
+        return (f"lightning-parallel: the checkpoint holds no position of the training DataLoader (written before it "
+                f"was made resumable, or by another loader); the run skips the {batches} batch(es) already run in "
+                f"epoch {epoch}, but the sampler draws its random order now, not from the RNG state of the saved "
+                "run, so the remaining batches of this epoch may differ from the uninterrupted run's. Checkpoints "
+                "written from now on hold the position and its RNG state.")
+
     def iterate(self, inner: Any) -> Iterator[Any]:
         """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
         pending, self.pending = self.pending, None
         if pending is not None and int(pending["epoch"]) != int(self.current_epoch()):
             pending = None  # saved at an epoch's end: the next epoch starts from its beginning
         generators = _generators(inner)
-        if pending is not None and len(pending["generators"]) == len(generators):
-            for gen, state in zip(generators, pending["generators"], strict=True):
+        saved = pending.get("generators") if pending is not None else None
+        if saved is not None and len(saved) == len(generators):
+            for gen, state in zip(generators, saved, strict=True):
                 gen.set_state(state)
         rng = pending.get("rng") if pending is not None else None
         self.drawn_from = {"generators": [g.get_state() for g in generators],
@@ -247,10 +257,21 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     loader = make_resumable(loader, position=lambda: trainer_position(trainer),
                             current_epoch=lambda: int(trainer.current_epoch))
     fit_loop = trainer.fit_loop
-    if fit_loop.restarting:
-        epoch, batches = trainer_position(trainer)
-        mid_epoch = fit_loop.epoch_progress.current.processed < fit_loop.epoch_progress.current.started
-        message = resume_warning(loader, epoch=epoch, batches=batches) if mid_epoch else None
+    if not fit_loop.restarting:
+        return loader
+    epoch, batches = trainer_position(trainer)
+    if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
+        return loader  # saved at an epoch's boundary: nothing to skip
+    messages = [resume_warning(loader, epoch=epoch, batches=batches)]
+    owner = fast_forward_of(loader)
+    if owner is not None:
+        # a checkpoint that holds no position of this loader (written before it was made resumable) still resumes at
+        # the loop's restored position; Lightning replaces this with the saved state when the checkpoint has one
+        owner.pending = {"kind": STATE_KIND, "epoch": epoch, "batches": batches, "generators": None, "rng": None}
+        if _generators(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler) or isinstance(
+                getattr(loader, "sampler", None), RandomSampler):
+            messages.append(owner.fallback_note(epoch, batches))
+    for message in messages:
         if message and trainer.global_rank == 0:
             import warnings
 

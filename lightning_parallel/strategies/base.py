@@ -207,7 +207,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
     resumes_dataloaders = True
-    """The training DataLoader resumes mid-epoch exactly (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+    """The training DataLoader resumes mid-epoch exactly
+    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -175,11 +175,13 @@ class LPDPStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     resumes_dataloaders = True
-    """The training DataLoader resumes mid-epoch exactly (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+    """The training DataLoader resumes mid-epoch exactly
+    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The training DataLoader of a fit is made resumable mid-epoch (:mod:`lightning_parallel.data.fast_forward`)."""
+        """The training DataLoader of a fit is made resumable mid-epoch
+        (:mod:`lightning_parallel.data.fast_forward`)."""
         from lightning_parallel.data.fast_forward import process_training_loader
 
         module = self.lightning_module
