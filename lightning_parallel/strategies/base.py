@@ -59,6 +59,7 @@ from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, LayoutMixin, clip_by_norm_replaced
+from .logged import global_batch_logs
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -300,6 +301,14 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             return
         assert self.model is not None
         self.optimizers, self.model = self.train_step.wrap_optimizers(self.optimizers, self.model)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``; the values it logs are combined over ``dp`` first, so the logged curve is
+        one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        reduce = self.train_step.reduce_logged if self.dims.dp > 1 else None
+        with global_batch_logs(self.lightning_module, reduce):
+            return super().training_step(*args, **kwargs)
 
     @contextlib.contextmanager
     @override

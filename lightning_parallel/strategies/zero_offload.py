@@ -278,6 +278,22 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         return process_training_loader(module._trainer if module is not None else None,
                                        super().process_dataloader(dataloader))
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``; the values it logs are combined over the (data-parallel) world first, so
+        the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        from lightning_parallel.parallel.step import reduce_logged
+
+        from .logged import global_batch_logs
+
+        size = self.world_size
+
+        def reduce(value: torch.Tensor, reduce_fx: Any) -> torch.Tensor:
+            return reduce_logged(value, group=None, size=size, reduce_fx=reduce_fx)
+
+        with global_batch_logs(self.lightning_module, reduce if size > 1 else None):
+            return super().training_step(*args, **kwargs)
+
     def before_launch(self) -> None:
         """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""
         self.prepare_ops()
