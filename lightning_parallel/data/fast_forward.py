@@ -1,68 +1,61 @@
 """Exact mid-epoch resume for ordinary DataLoaders: the sampler's indices are fast-forwarded, no sample is loaded.
 
 Lightning restores the loops' counters from a checkpoint but builds the training DataLoader afresh, so a run resumed
-mid-epoch starts the epoch again from its first batch -- unless the loader is *stateful* (has ``state_dict`` and
-``load_state_dict``: Lightning saves it under the fit loop's ``combined_loader`` and restores it before the first
-batch). :func:`make_resumable` makes a user's map-style DataLoader stateful without changing the user's code, in
-place:
+mid-epoch starts the epoch again from its first batch (and warns that the DataLoader is not resumable) -- unless the
+loader is stateful. :func:`make_resumable` makes a user's map-style DataLoader resume exactly without changing the
+user's code, in place, and without anything new in the checkpoint: the position is the one Lightning restores (the
+epoch, and the batches the training loop ran in it, ``fit_loop.epoch_loop.batch_progress``), so it works for every
+checkpoint of every format, older ones included.
 
-* its index sampler (``batch_sampler``, or ``sampler`` when ``batch_size=None``) is wrapped by
-  :class:`FastForwardSampler`, which draws the epoch's order only when the first batch is asked for (after
-  Lightning's ``set_epoch``), records the state of every ``torch.Generator`` of the sampler chain and the global RNG
-  state at that moment, and after a restore skips the batches already run in the saved epoch -- as indices only;
-* ``state_dict()`` is ``{"epoch", "batches", "generators", "rng"}``: the epoch, how many of its batches the training
-  loop has run (from the loop, so a prefetched batch does not count), and the RNG states the epoch's order was drawn
-  from; ``load_state_dict()`` keeps them for the next iteration of that epoch.
-
-So a resumed epoch has the order the uninterrupted run had and continues after the batches already run, for
-``SequentialSampler``, ``RandomSampler`` (with a seeded ``generator``, or none: its seed is drawn from the restored
-global RNG), ``DistributedSampler`` (order from ``seed + epoch``) and the samplers Lightning inserts
-(``DistributedSampler`` / ``DistributedSamplerWrapper``). The position is counted in batches of the loader; it is the
-same global position under another data-parallel size when the global batch stays the same (``dp x`` the per-rank
-``batch_size``) and the sampler splits one order over the ranks, as ``DistributedSampler`` does.
+Its index sampler (``batch_sampler``, or ``sampler`` when ``batch_size=None``) is wrapped by
+:class:`FastForwardSampler`, which draws the epoch's order only when the first batch is asked for (after
+Lightning's ``set_epoch``) and, on the first iteration of a resumed epoch, skips the batches already run -- as indices
+only. A sampler that draws from a seeded ``torch.Generator`` of its own (``RandomSampler(generator=...)``, also inside
+the ``DistributedSamplerWrapper`` Lightning inserts) starts again where the user's code seeds it, so the orders of the
+epochs before the resumed one are drawn again first (indices only): the resumed epoch has the order the uninterrupted
+run had. Exact, then, for ``SequentialSampler``, ``RandomSampler`` with a seeded generator, ``DistributedSampler``
+(order from ``seed + epoch``) and the samplers Lightning inserts. A ``RandomSampler`` without a generator draws its
+order from the global RNG at the epoch's start, a state no checkpoint holds: the batches run are skipped but the rest
+of the epoch comes in another order (:func:`process_training_loader` warns). The position is counted in batches of the
+loader: it is the same global position under another data-parallel size when the global batch stays the same
+(``dp x`` the per-rank ``batch_size``) and the sampler splits one order over the ranks, as ``DistributedSampler`` does.
 
 Left alone: a loader that is already stateful (torchdata's ``StatefulDataLoader``: Lightning saves and restores it),
 one whose sampler is the library's :class:`~lightning_parallel.data.ResumableSampler` (its data module skips the
 batches itself), and an ``IterableDataset`` (no sampler to fast-forward: :func:`resume_warning` says what resumes).
 
-The library's strategies apply :func:`make_resumable` to the training DataLoader in ``process_dataloader``;
+The library's strategies apply :func:`process_training_loader` to every DataLoader in ``process_dataloader``;
 :class:`~lightning_parallel.callbacks.ResumableDataLoaders` does it under any other strategy (the command line adds
 it to every run).
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-__all__ = ["STATE_KIND", "FastForwardSampler", "is_resumable", "make_resumable", "resume_warning",
-           "trainer_position"]
-
-STATE_KIND = "lightning_parallel.fast_forward"
-"""The ``kind`` of the state :func:`make_resumable` saves (a checkpoint's ``loops.fit_loop.state_dict.combined_loader``
-entry)."""
+__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "make_resumable",
+           "process_training_loader", "resume_warning", "trainer_position"]
 
 _ATTACHED = "_lp_fast_forward"
 _CHAIN = ("batch_sampler", "sampler", "_sampler", "dataset")  # where a sampler keeps the sampler it draws from
 
 
-def _generators(root: Any) -> list[torch.Generator]:
-    """Every ``torch.Generator`` a sampler chain holds as ``generator``, in a fixed order (depth first)."""
-    found: list[torch.Generator] = []
+def _generator_holders(root: Any) -> list[Any]:
+    """The samplers of a chain that draw from a ``torch.Generator`` of their own (``generator``), depth first."""
+    found: list[Any] = []
     seen: set[int] = set()
 
     def walk(obj: Any, depth: int) -> None:
         if obj is None or id(obj) in seen or depth > 5 or isinstance(obj, (torch.Tensor, str, int, float)):
             return
         seen.add(id(obj))
-        gen = getattr(obj, "generator", None)
-        if isinstance(gen, torch.Generator) and id(gen) not in seen:
-            seen.add(id(gen))
-            found.append(gen)
+        if isinstance(getattr(obj, "generator", None), torch.Generator):
+            found.append(obj)
         for name in _CHAIN:
             child = getattr(obj, name, None)
             # a dataset is walked only when it wraps a sampler (Lightning's _DatasetSamplerWrapper)
@@ -74,21 +67,25 @@ def _generators(root: Any) -> list[torch.Generator]:
     return found
 
 
-@contextlib.contextmanager
-def _global_rng(state: torch.Tensor | None) -> Iterator[None]:
-    """Run the block with torch's global CPU RNG set to ``state`` (then put back as it was); no-op for None."""
-    if state is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        yield
+def _unseeded_random(root: Any) -> bool:
+    """A ``RandomSampler`` without a generator in the chain (its order comes from the global RNG)."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, RandomSampler) and obj.generator is None:
+            return True
+        stack.extend(getattr(obj, name, None) for name in _CHAIN if name != "dataset" or hasattr(
+            getattr(obj, name, None), "_sampler"))
+    return False
 
 
 class FastForwardSampler:
     """Wraps a DataLoader's index sampler (see the module docstring): the same items, its length, its attributes
-    (``set_epoch`` reaches a ``DistributedSampler`` used without a batch size); after :meth:`FastForward.load`, the
-    next iteration of the saved epoch starts after the batches already run, with the saved RNG states."""
+    (``set_epoch`` reaches a ``DistributedSampler`` used without a batch size); after :meth:`FastForward.resume_at`,
+    the next iteration of that epoch starts after the batches already run."""
 
     def __init__(self, inner: Any, owner: FastForward) -> None:
         self.inner = inner
@@ -107,69 +104,55 @@ class FastForwardSampler:
 
 
 class FastForward:
-    """The state attached to a resumable DataLoader (``loader._lp_fast_forward``).
+    """What :func:`make_resumable` attaches to a DataLoader (``loader._lp_fast_forward``).
 
     Args:
-        position: ``() -> (epoch, batches run in it)``, read when Lightning saves a checkpoint.
-        current_epoch: ``() -> epoch``, read when an iteration starts (a restored position applies to its epoch only).
+        current_epoch: ``() -> epoch``, read when an iteration starts (a resume position applies to its epoch only).
+        epoch_batches: ``() -> batches the loop takes per epoch`` (Lightning's ``num_training_batches``; None or
+            unset: the whole epoch). The loop stops asking for batches there, so a sampler's last draws (made when
+            it is exhausted) happen only if the loop exhausts it; a replayed epoch takes as many.
     """
 
-    def __init__(self, position: Callable[[], tuple[int, int]], current_epoch: Callable[[], int]) -> None:
-        self.position, self.current_epoch = position, current_epoch
-        self.pending: dict[str, Any] | None = None
-        self.drawn_from: dict[str, Any] = {"generators": [], "rng": None}
-        """The RNG states the current epoch's order was drawn from (saved with the position)."""
+    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int] | None = None) -> None:
+        self.current_epoch = current_epoch
+        self._epoch_batches = epoch_batches
+        self.pending: tuple[int, int] | None = None
         self.skipped = 0
-        """Batches skipped by the last restored iteration (0 when none)."""
+        """Batches skipped by the last resumed iteration (0 when none)."""
+        self.replayed = 0
+        """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        epoch, batches = self.position()
-        return {"kind": STATE_KIND, "epoch": int(epoch), "batches": int(batches),
-                "generators": [g.clone() for g in self.drawn_from["generators"]], "rng": self.drawn_from["rng"]}
+    def epoch_batches(self) -> int | None:
+        """How many batches the loop takes from an epoch (None: all of them)."""
+        n = self._epoch_batches() if self._epoch_batches is not None else None
+        return int(n) if n is not None and n != float("inf") else None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != STATE_KIND:
-            raise ValueError(f"not a fast-forward DataLoader state (kind {state.get('kind')!r}, keys {sorted(state)}); "
-                             "the checkpoint's training DataLoader was another stateful loader.")
-        self.pending = dict(state)
-
-    @staticmethod
-    def fallback_note(epoch: int, batches: int) -> str:
-        """The warning for a checkpoint without this loader's saved state whose sampler draws a random order."""
-        return (f"lightning-parallel: the checkpoint holds no position of the training DataLoader (written before it "
-                f"was made resumable, or by another loader); the run skips the {batches} batch(es) already run in "
-                f"epoch {epoch}, but the sampler draws its random order now, not from the RNG state of the saved "
-                "run, so the remaining batches of this epoch may differ from the uninterrupted run's. Checkpoints "
-                "written from now on hold the position and its RNG state.")
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """The next iteration, if it is of ``epoch``, starts after its first ``batches`` batches."""
+        self.pending = (int(epoch), int(batches))
 
     def iterate(self, inner: Any) -> Iterator[Any]:
         """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
         pending, self.pending = self.pending, None
-        if pending is not None and int(pending["epoch"]) != int(self.current_epoch()):
-            pending = None  # saved at an epoch's end: the next epoch starts from its beginning
-        generators = _generators(inner)
-        saved = pending.get("generators") if pending is not None else None
-        if saved is not None and len(saved) == len(generators):
-            for gen, state in zip(generators, saved, strict=True):
-                gen.set_state(state)
-        rng = pending.get("rng") if pending is not None else None
-        self.drawn_from = {"generators": [g.get_state() for g in generators],
-                           "rng": rng if rng is not None else torch.get_rng_state()}
-        skip = int(pending["batches"]) if pending is not None else 0
-        self.skipped = 0
+        epoch = int(self.current_epoch())
+        skip = pending[1] if pending is not None and pending[0] == epoch else 0
+        self.skipped = self.replayed = 0
+        if skip and epoch and _generator_holders(inner):
+            # a seeded generator is where the user's code made it, at epoch 0: the epochs before this one are run
+            # again as the loop ran them -- as many batches of indices each, no sample -- so the generator has made
+            # the same draws and this epoch's order is the one the saved run drew
+            per_epoch = self.epoch_batches()
+            for _ in range(epoch):
+                for _ in itertools.islice(iter(inner), per_epoch):
+                    pass
+            self.replayed = epoch
         it = iter(inner)
-        with _global_rng(rng):  # a RandomSampler without a generator draws its seed here, as in the saved run
-            for _ in range(skip):
-                try:
-                    next(it)
-                except StopIteration:
-                    return
-                self.skipped += 1
+        for _ in range(skip):
             try:
-                first = next(it)
+                next(it)
             except StopIteration:
                 return
-        yield first
+            self.skipped += 1
         yield from it
 
 
@@ -186,24 +169,23 @@ def _uses_resumable_sampler(loader: DataLoader) -> bool:
                for s in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)))
 
 
-def make_resumable(loader: Any, *, position: Callable[[], tuple[int, int]],
-                   current_epoch: Callable[[], int]) -> Any:
-    """Make a map-style ``DataLoader`` resume exactly mid-epoch (module docstring), in place; returns it.
+def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
+                   epoch_batches: Callable[[], int] | None = None) -> Any:
+    """Make a map-style ``DataLoader`` able to resume exactly mid-epoch (module docstring), in place; returns it.
+    :meth:`FastForward.resume_at` (``fast_forward_of(loader)``) then sets where the next iteration starts.
 
     Left as it is: anything but a ``DataLoader``, a loader already stateful (torchdata's ``StatefulDataLoader``), an
     ``IterableDataset``'s loader, and one drawing from the library's ``ResumableSampler``."""
     if not isinstance(loader, DataLoader) or is_resumable(loader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if _uses_resumable_sampler(loader):
+    if _uses_resumable_sampler(loader) or fast_forward_of(loader) is not None:
         return loader
-    owner = FastForward(position, current_epoch)
+    owner = FastForward(current_epoch, epoch_batches)
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     # DataLoader refuses to re-set its samplers after __init__ (a guard against changing a running loader); the
     # wrapper yields the same indices, so it is put in place directly
     object.__setattr__(loader, attribute, FastForwardSampler(getattr(loader, attribute), owner))
     object.__setattr__(loader, _ATTACHED, owner)
-    loader.state_dict = owner.state_dict  # type: ignore[method-assign]
-    loader.load_state_dict = owner.load_state_dict  # type: ignore[attr-defined]
     return loader
 
 
@@ -248,14 +230,15 @@ def trainer_position(trainer: Any) -> tuple[int, int]:
 
 def process_training_loader(trainer: Any, loader: Any) -> Any:
     """What a strategy's ``process_dataloader`` does with ``loader`` (any stage): the training DataLoader of a fit
-    is made resumable (:func:`make_resumable`); on a mid-epoch resume, a loader that cannot be fast-forwarded gets
-    :func:`resume_warning`. Other loaders pass unchanged."""
+    is made resumable (:func:`make_resumable`) and, on a mid-epoch resume, set to start after the batches the
+    restored loop already ran; a loader that cannot be fast-forwarded exactly gets a warning saying what resumes.
+    Other loaders pass unchanged."""
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
     if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
         return loader
-    loader = make_resumable(loader, position=lambda: trainer_position(trainer),
-                            current_epoch=lambda: int(trainer.current_epoch))
+    loader = make_resumable(loader, current_epoch=lambda: int(trainer.current_epoch),
+                            epoch_batches=lambda: trainer.num_training_batches)
     fit_loop = trainer.fit_loop
     if not fit_loop.restarting:
         return loader
@@ -265,15 +248,27 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     messages = [resume_warning(loader, epoch=epoch, batches=batches)]
     owner = fast_forward_of(loader)
     if owner is not None:
-        # a checkpoint that holds no position of this loader (written before it was made resumable) still resumes at
-        # the loop's restored position; Lightning replaces this with the saved state when the checkpoint has one
-        owner.pending = {"kind": STATE_KIND, "epoch": epoch, "batches": batches, "generators": None, "rng": None}
-        if _generators(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler) or isinstance(
-                getattr(loader, "sampler", None), RandomSampler):
-            messages.append(owner.fallback_note(epoch, batches))
+        owner.resume_at(epoch, batches)
+        _silence_lightnings_warning()
+        if _unseeded_random(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler):
+            messages.append(
+                f"lightning-parallel: resuming mid-epoch: the {batches} batch(es) already run in epoch {epoch} are "
+                "skipped, but the training DataLoader's RandomSampler has no generator: it draws the epoch's order "
+                "from the global RNG at the epoch's start, a state no checkpoint holds, so the rest of this epoch "
+                "comes in another order than in the uninterrupted run. Fix: RandomSampler(dataset, "
+                "generator=torch.Generator().manual_seed(SEED)) (the resumed epoch then has the saved run's order), "
+                "or a DistributedSampler(dataset, shuffle=True, seed=SEED).")
     for message in messages:
         if message and trainer.global_rank == 0:
             import warnings
 
             warnings.warn(message, UserWarning, stacklevel=2)
     return loader
+
+
+def _silence_lightnings_warning() -> None:
+    """Lightning warns that a mid-epoch resume of a DataLoader without ``state_dict`` is unreliable; this one is
+    fast-forwarded, so the warning would be wrong."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")

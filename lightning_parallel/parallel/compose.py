@@ -73,6 +73,11 @@ class DataParallelPlan:
     zero_stage: int
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of torch DDP (``bucket_cap_mb``, ``static_graph``, ...) for ``sync="ddp"``."""
+    param_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype FSDP2 all-gathers and computes the parameters in (None: their own); the
+    strategies set bf16 under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``)."""
+    reduce_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype the gradients are reduce-scattered in (None: ``param_dtype``'s)."""
 
     @property
     def wraps_module(self) -> bool:
@@ -203,7 +208,7 @@ def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: Devic
     if plan.sync == "fsdp":
         from lightning_parallel.parallel.zero import apply_zero3
 
-        return apply_zero3(module, mesh=mesh["dp"])
+        return apply_zero3(module, mesh=mesh["dp"], param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     return ddp_wrapper(module, plan=plan, mesh=mesh) if fitting else module
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 from collections.abc import Generator
 from datetime import timedelta
@@ -266,6 +267,15 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         buckets, the fairscale backend)."""
         return data_parallel_plan(self.layout, self.dims)
 
+    def precision_plan(self, plan: DataParallelPlan) -> DataParallelPlan:
+        """The data-parallel plan with the run's precision: under ``bf16-mixed``, FSDP2 (``sync="fsdp"``) takes
+        its ``MixedPrecisionPolicy`` -- parameters all-gathered and computed in bf16, gradients reduce-scattered in
+        fp32, the fp32 shards stepped by the optimizer (Lightning's autocast still runs around the step). Other
+        precisions and plans: unchanged (``bf16-true`` parameters are bf16 already)."""
+        if plan.sync == "fsdp" and getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
+            return dataclasses.replace(plan, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return plan
+
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
         tensor plan -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank, and the train
@@ -279,7 +289,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         :attr:`train_step` for it."""
         composition = compose(model, layout=self.layout, dims=self.dims, rank=self.global_rank, mesh=self.mesh,
                               device=self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-                              data_parallel=self.data_parallel_plan(), fitting=fitting, pipeline=self.pipelined)
+                              data_parallel=self.precision_plan(self.data_parallel_plan()), fitting=fitting,
+                              pipeline=self.pipelined)
         self.composition = composition
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
         return composition

@@ -257,6 +257,7 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         self.resolve_dims()  # Trainer.__init__, before any process exists: refuse a layout that does not fit
+        self.check_precision()
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
@@ -293,6 +294,24 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
         with global_batch_logs(self.lightning_module, reduce if size > 1 else None):
             return super().training_step(*args, **kwargs)
+
+    def check_precision(self) -> None:
+        """Refuse, before any process starts, a precision DeepSpeed would not honour: ``bf16-true``/``16-true`` --
+        DeepSpeed's ZeRO keeps fp32 master weights and optimizer state and casts the half-precision model from them
+        (its ``bf16``/``fp16`` mode), which is mixed-precision training, not the pure half-precision training the
+        name asks for (that ran silently as ``bf16-mixed`` before)."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in ("bf16-true", "16-true"):
+            return
+        mixed = precision.replace("-true", "-mixed")
+        raise LayoutError(
+            f"precision={precision!r} cannot run under {self.strategy_name}: DeepSpeed's ZeRO keeps fp32 master "
+            f"weights and optimizer state (on the host with offload) and casts the model to "
+            f"{precision.split('-')[0]} from them -- that is {mixed!r} training, not the pure half-precision "
+            f"training {precision!r} means (half-precision weights and optimizer state, as one device runs it). "
+            f"Fix: precision={mixed!r} (what DeepSpeed runs: {precision.split('-')[0]} forward and backward, fp32 "
+            f"optimizer step), or {precision!r} under lp_ddp, lp_sharded, lp_tensor, lp_pipeline or lp_hybrid."
+        )
 
     def before_launch(self) -> None:
         """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""

@@ -1,5 +1,5 @@
-"""The fast-forward of an ordinary DataLoader (no Trainer): a restored position skips indices, not samples, and the
-rest of the epoch is the order the uninterrupted loader had, for every kind of sampler."""
+"""The fast-forward of an ordinary DataLoader (no Trainer): a resume position skips indices, not samples, and the
+rest of the epoch is the order the uninterrupted loader had, for every kind of sampler with a reproducible order."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_parallel.data import ResumableSampler
 from lightning_parallel.data.fast_forward import (
-    STATE_KIND,
     FastForwardSampler,
+    _unseeded_random,
     fast_forward_of,
     is_resumable,
     make_resumable,
@@ -33,42 +33,32 @@ class Counting(Dataset):  # type: ignore[type-arg]
 
 
 class Clock:
-    """What the Trainer provides: the epoch, and how many batches the loop has run in it."""
+    """What the Trainer provides: the epoch."""
 
     def __init__(self) -> None:
-        self.epoch, self.batches = 0, 0
+        self.epoch = 0
 
     def attach(self, loader: DataLoader) -> DataLoader:
-        return make_resumable(loader, position=lambda: (self.epoch, self.batches), current_epoch=lambda: self.epoch)
+        return make_resumable(loader, current_epoch=lambda: self.epoch)
 
 
-def _epochs(make: Any, stop_epoch: int, stop_batch: int) -> tuple[list[list[list[int]]], dict[str, Any], Counting]:
-    """Run epochs 0..stop_epoch of a fresh loader (as the uninterrupted run), saving the state after ``stop_batch``
-    batches of ``stop_epoch``; returns every epoch's batches (the whole last epoch too), the state and the dataset."""
-    ds = Counting()
+def _epochs(make: Any, epochs: int) -> list[list[Any]]:
+    """The batches of epochs 0..epochs-1 of a fresh loader (the uninterrupted run)."""
     clock = Clock()
-    loader = clock.attach(make(ds))
-    epochs, state = [], {}
-    for epoch in range(stop_epoch + 1):
+    loader = clock.attach(make(Counting()))
+    out = []
+    for epoch in range(epochs):
         clock.epoch = epoch
-        sampler = loader.sampler
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        batches = []
-        for i, batch in enumerate(loader):
-            batches.append(batch.tolist() if hasattr(batch, "tolist") else batch)
-            clock.batches = i + 1
-            if epoch == stop_epoch and i + 1 == stop_batch:
-                state = loader.state_dict()
-        epochs.append(batches)
-    return epochs, state, ds
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        out.append([b.tolist() if hasattr(b, "tolist") else b for b in loader])
+    return out
 
 
 SAMPLERS = {
     "sequential": lambda ds: DataLoader(ds, batch_size=4),
     "RandomSampler, seeded generator": lambda ds: DataLoader(
         ds, batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(5))),
-    "RandomSampler, no generator": lambda ds: DataLoader(ds, batch_size=4, shuffle=True),
     "DistributedSampler shuffled, rank 1 of 2": lambda ds: DataLoader(
         ds, batch_size=3, sampler=DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)),
     "batch_size=None": lambda ds: DataLoader(ds, batch_size=None, sampler=RandomSampler(
@@ -77,40 +67,47 @@ SAMPLERS = {
 
 
 @pytest.mark.parametrize("kind", list(SAMPLERS))
-def test_a_restored_loader_continues_the_saved_epoch_exactly(kind: str) -> None:
+def test_a_resumed_loader_continues_the_epoch_exactly(kind: str) -> None:
     make = SAMPLERS[kind]
-    torch.manual_seed(0)
-    epochs, state, _ = _epochs(make, stop_epoch=1, stop_batch=2)
-    assert state["kind"] == STATE_KIND and (state["epoch"], state["batches"]) == (1, 2)
+    epochs = _epochs(make, 4)
 
-    torch.manual_seed(123)  # the resumed process: another global RNG state, a fresh generator seeded as before
-    ds = Counting()
+    ds = Counting()  # the resumed process: the user's code builds the loader (and seeds its generator) again
     clock = Clock()
-    clock.epoch = 1
+    clock.epoch = 2
     loader = clock.attach(make(ds))
-    loader.load_state_dict(state)
-    if hasattr(loader.sampler, "set_epoch"):
-        loader.sampler.set_epoch(1)
-    rest = [b.tolist() if hasattr(b, "tolist") else b for b in loader]
-    assert rest == epochs[1][2:], (kind, rest, epochs[1])
-    assert ds.loaded == sum(len(b) if isinstance(b, list) else 1 for b in rest)  # skipped indices loaded nothing
     owner = fast_forward_of(loader)
-    assert owner is not None and owner.skipped == 2
-    assert len(loader) == len(epochs[1])  # the whole epoch: Lightning counts from the restored batch
-
-    clock.epoch = 2  # the next epoch starts from its beginning
+    assert owner is not None
+    owner.resume_at(2, 3)
     if hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(2)
-    assert len(list(loader)) == len(epochs[1])
+    rest = [b.tolist() if hasattr(b, "tolist") else b for b in loader]
+    assert rest == epochs[2][3:], (kind, rest, epochs[2])
+    assert ds.loaded == sum(len(b) if isinstance(b, list) else 1 for b in rest)  # skipped indices loaded nothing
+    assert owner.skipped == 3
+    assert len(loader) == len(epochs[2])  # the whole epoch: Lightning counts from the restored batch
+
+    clock.epoch = 3  # the next epoch is the uninterrupted run's next epoch
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(3)
+    assert [b.tolist() if hasattr(b, "tolist") else b for b in loader] == epochs[3]
 
 
 def test_the_position_applies_to_its_epoch_only() -> None:
-    epochs, state, _ = _epochs(SAMPLERS["sequential"], stop_epoch=0, stop_batch=6)  # the epoch's last batch
+    epochs = _epochs(SAMPLERS["sequential"], 1)
     clock = Clock()
-    clock.epoch = 1  # Lightning restarted after the epoch's end
+    clock.epoch = 1  # Lightning restarted after the end of epoch 0
     loader = clock.attach(SAMPLERS["sequential"](Counting()))
-    loader.load_state_dict(state)
-    assert [b.tolist() for b in loader] == epochs[0]
+    owner = fast_forward_of(loader)
+    assert owner is not None
+    owner.resume_at(0, 6)
+    assert [b.tolist() for b in loader] == epochs[0] and owner.skipped == 0
+
+
+def test_an_unseeded_random_sampler_is_seen() -> None:
+    ds = Counting()
+    assert _unseeded_random(DataLoader(ds, batch_size=4, shuffle=True).batch_sampler)
+    assert not _unseeded_random(SAMPLERS["RandomSampler, seeded generator"](ds).batch_sampler)
+    assert not _unseeded_random(DataLoader(ds, batch_size=4).batch_sampler)
 
 
 def test_what_is_left_alone() -> None:
@@ -155,5 +152,4 @@ def test_the_wrapper_keeps_the_sampler_interface() -> None:
     assert isinstance(loader.sampler, FastForwardSampler)
     loader.sampler.set_epoch(4)  # Lightning's _set_sampler_epoch reaches the DistributedSampler
     assert sampler.epoch == 4 and len(loader) == len(sampler)
-    with pytest.raises(ValueError, match="not a fast-forward"):
-        loader.load_state_dict({"kind": "other"})
+    assert not is_resumable(loader)  # nothing new in the checkpoint: the position is the loop's
