@@ -240,7 +240,14 @@ class LPDPStrategy(ParallelStrategy):
             with context():
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
-        outputs = engine.apply(call, len(slices))
+        # the precision's step context runs in each replica's thread (autocast is per thread); bf16-true's also sets
+        # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
+        # dtype the step started with is put back once, here
+        default_dtype = torch.get_default_dtype()
+        try:
+            outputs = engine.apply(call, len(slices))
+        finally:
+            torch.set_default_dtype(default_dtype)
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
