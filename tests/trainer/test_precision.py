@@ -185,3 +185,13 @@ def test_zz_the_table() -> None:
         rows.append(f"| {name} | " + " | ".join(TABLE.get((name, p), "not run") for p in PRECISIONS) + " |")
     print("\nmax |w - w_one_device| at the same precision (largest per-tensor relative difference, parameter dtype):\n"
           + "\n".join(rows))
+
+
+@pytest.mark.gpu
+def test_16_mixed_under_lp_ddp_matches_one_device_on_cuda() -> None:
+    """``16-mixed`` (fp16 autocast, gradient scaler) needs CUDA: two GPUs under ``lp_ddp`` against one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    reference, _ = fit("auto", 1, 1, model=_gpt(), precision="16-mixed", accelerator="gpu")
+    model, _ = fit(LPDDPStrategy(start_method="spawn"), 2, 2, model=_gpt(), precision="16-mixed", accelerator="gpu")
+    assert max_rel_diff(model.cpu(), reference.cpu()) < TOL_REL["bf16-mixed"]
