@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_parallel  # noqa: F401  (registers the strategies)
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ResumableDataLoaders, RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, unknown_key_message
 from lightning_parallel.planner.detect import PlannerOptions
 from lightning_parallel.recipe_files import compose_recipe, expand_config_args, read_yaml, written_batch_limits
@@ -233,6 +233,8 @@ class LightningParallelCLI(LightningCLI):
         existing = list(config.get("callbacks") or []) + list(callbacks)
         if not any(isinstance(c, RunSummary) for c in existing):
             callbacks = [*callbacks, RunSummary()]
+        if not any(isinstance(c, ResumableDataLoaders) for c in existing):
+            callbacks = [*callbacks, ResumableDataLoaders()]  # exact mid-epoch resume under Lightning's strategies
         return super()._instantiate_trainer(config, callbacks)
 
 

@@ -275,10 +275,11 @@ class ParallelConfig:
                 "Fix: zero_stage=2 (optimizer offload) or zero_stage=3 (optimizer and parameter offload)."
             )
         if offload != "none" and (pp > 1 or self.tensor_parallel_size > 1):
+            fix = "pipeline_parallel_size=1" if self.tensor_parallel_size == 1 else "set both to 1"
             raise LayoutError(
                 f"parallel.offload={offload!r} runs on the DeepSpeed engine, which here is data parallel only, "
                 f"but pipeline_parallel_size={pp} and tensor_parallel_size={self.tensor_parallel_size}. "
-                "Fix: set both to 1, or offload='none'."
+                f"Fix: {fix}, or offload='none' (ZeRO-2/3 without offload run inside pipelines as FSDP2)."
             )
         if offload == "nvme" and not self.nvme_path:
             raise LayoutError("parallel.offload='nvme' needs parallel.nvme_path (a folder on a fast local disk).")

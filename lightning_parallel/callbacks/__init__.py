@@ -4,6 +4,8 @@
   nothing);
 * :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
 * :class:`PreemptionCheckpoint` -- ``ModelCheckpoint`` that saves when a preemption (SIGTERM, Ctrl-C) stops every rank;
+* :class:`ResumableDataLoaders` -- exact mid-epoch resume of the training DataLoader under Lightning's own strategies
+  (the library's strategies do it themselves; the CLI adds it to every run);
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
   (recipes name it as ``lightning_parallel.callbacks.TileLinearLayers``);
@@ -12,9 +14,10 @@
 
 from lightning_parallel.callbacks.model_states import ModelStateReport
 from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
+from lightning_parallel.callbacks.resumable_data import ResumableDataLoaders
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import CountCommunication, ZeroStats
 
-__all__ = ["CountCommunication", "ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers",
-           "ZeroStats"]
+__all__ = ["CountCommunication", "ModelStateReport", "PreemptionCheckpoint", "ResumableDataLoaders", "RunSummary",
+           "TileLinearLayers", "ZeroStats"]

@@ -79,6 +79,11 @@ class DataParallelPlan:
     """FSDP2 (``sync="fsdp"``): free gathered parameters after forward; None = per stage (:func:`reshard_policy`)."""
     hsdp: bool = False
     """FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` mesh: shard inside a group, all-reduce across groups."""
+    param_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype FSDP2 all-gathers and computes the parameters in (None: their own); the
+    strategies set bf16 under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``)."""
+    reduce_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype the gradients are reduce-scattered in (None: ``param_dtype``'s)."""
 
     @property
     def wraps_module(self) -> bool:
@@ -247,12 +252,13 @@ def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: Devic
         from lightning_parallel.parallel.zero import apply_zero3
 
         fsdp_mesh = mesh["dp_replicate", "dp_shard"] if plan.hsdp else mesh["dp"]
+        dtypes = {"param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype}
         if not stages:
             return apply_zero3(module, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
-                plan, stage=None, num_stages=1, schedule=schedule))
+                plan, stage=None, num_stages=1, schedule=schedule), **dtypes)
         for index, stage in stages:
             apply_zero3(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
-                plan, stage=index, num_stages=num_stages, schedule=schedule))
+                plan, stage=index, num_stages=num_stages, schedule=schedule), **dtypes)
         return module
     return ddp_wrapper(module, plan=plan, mesh=mesh) if fitting else module
 

@@ -18,8 +18,10 @@ to it at step time, for every layout strategy alike (``lp_ddp``, ``lp_sharded``,
 * **clipping by the global norm** -- :meth:`TrainStep.clip_grad_norm_`: the L2 norm of the whole model's gradient,
   each shard counted once: squares summed over ``tp`` (tp-replicated tensors weighted ``1/t``), over ``pp`` (other
   stages), and over ``dp`` where gradients are sharded there (ZeRO, FSDP2 with TP);
-* **the logged loss** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
-  global batch when each dp rank holds the mean of its part).
+* **the logged values** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
+  global batch when each dp rank holds the mean of its part); :func:`reduce_logged` (:meth:`TrainStep.reduce_logged`):
+  a value a module logs, combined over ``dp`` by its ``reduce_fx`` (mean, sum, max, min) -- one all-reduce of a
+  scalar, no host synchronisation.
 
 No Lightning import.
 """
@@ -39,7 +41,7 @@ from lightning_parallel.parallel.compose import DataParallelPlan
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.parallel.zero import ZeroOptimizer
 
-__all__ = ["TrainStep"]
+__all__ = ["TrainStep", "logged_reduce_op", "reduce_logged"]
 
 
 class TrainStep:
@@ -143,13 +145,45 @@ class TrainStep:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return clip_grad_norm_(params, max_norm, tp_size=self.dims.tp, groups=groups)
 
-    # ------------------------------------------------------------------ the logged loss
+    # ------------------------------------------------------------------ the logged values
     def reduce_mean(self, value: Tensor) -> Tensor:
-        """``value`` averaged over ``dp`` (a copy; ``value`` itself is left as it is)."""
+        """``value`` averaged over ``dp`` (a copy that keeps its graph; ``value`` itself is left as it is)."""
         if self.dims.dp == 1:
             return value
         value = value.clone()
         dist.all_reduce(value, group=self.dp_group)
         value /= self.dims.dp
         return value
+
+    def reduce_logged(self, value: Tensor, reduce_fx: Any = "mean") -> Tensor:
+        """A logged ``value`` combined over ``dp`` as one device would log it (:func:`reduce_logged`)."""
+        return reduce_logged(value, group=self.dp_group, size=self.dims.dp, reduce_fx=reduce_fx)
+
+
+_OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
+
+
+def logged_reduce_op(reduce_fx: Any) -> str | None:
+    """``mean``/``sum``/``max``/``min`` for a logged ``reduce_fx`` (a name or ``torch.mean``, ``torch.sum``, ...);
+    None for another callable (its combination over ranks is unknown)."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", None)
+    return _OPS.get(name) if isinstance(name, str) else None
+
+
+def reduce_logged(value: Tensor, *, group: dist.ProcessGroup | None, size: int, reduce_fx: Any = "mean") -> Tensor:
+    """``value`` (each rank's value of the same metric, e.g. the loss of its part of the global batch) combined over
+    the ``size`` ranks of ``group`` (None: the world) by ``reduce_fx``: the mean of equal parts' means is the global
+    batch's mean, the sum of their sums its sum. A copy, detached; ``value`` is returned as it is when ``size`` is 1
+    or ``reduce_fx`` is not one of mean/sum/max/min. One all-reduce, issued without waiting on the host (every rank
+    of ``group`` must log the value: as for Lightning's ``sync_dist=True``)."""
+    op = logged_reduce_op(reduce_fx)
+    if size == 1 or op is None:
+        return value
+    out = value.detach().clone()
+    dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=dist_op, group=group)
+    if op == "mean":
+        out /= size
+    return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 from collections.abc import Generator
 from datetime import timedelta
@@ -59,6 +60,7 @@ from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
+from .logged import global_batch_logs
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -196,6 +198,20 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly
+    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch: its sampler's indices are fast-forwarded
+        past the batches a restored checkpoint already ran (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
     # ------------------------------------------------------------------ the module: one composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -241,6 +257,15 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         buckets, the fairscale backend)."""
         return data_parallel_plan(self.layout, self.dims)
 
+    def precision_plan(self, plan: DataParallelPlan) -> DataParallelPlan:
+        """The data-parallel plan with the run's precision: under ``bf16-mixed``, FSDP2 (``sync="fsdp"``) takes
+        its ``MixedPrecisionPolicy`` -- parameters all-gathered and computed in bf16, gradients reduce-scattered in
+        fp32, the fp32 shards stepped by the optimizer (Lightning's autocast still runs around the step). Other
+        precisions and plans: unchanged (``bf16-true`` parameters are bf16 already)."""
+        if plan.sync == "fsdp" and getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
+            return dataclasses.replace(plan, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return plan
+
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
         tensor plan -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank, and the train
@@ -254,7 +279,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         :attr:`train_step` for it."""
         composition = compose(model, layout=self.layout, dims=self.dims, rank=self.global_rank, mesh=self.mesh,
                               device=self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-                              data_parallel=self.data_parallel_plan(), fitting=fitting, pipeline=self.pipelined)
+                              data_parallel=self.precision_plan(self.data_parallel_plan()), fitting=fitting,
+                              pipeline=self.pipelined)
         self.composition = composition
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
         return composition
@@ -276,6 +302,14 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             return
         assert self.model is not None
         self.optimizers, self.model = self.train_step.wrap_optimizers(self.optimizers, self.model)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``; the values it logs are combined over ``dp`` first, so the logged curve is
+        one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        reduce = self.train_step.reduce_logged if self.dims.dp > 1 else None
+        with global_batch_logs(self.lightning_module, reduce):
+            return super().training_step(*args, **kwargs)
 
     @contextlib.contextmanager
     @override

@@ -174,6 +174,20 @@ class LPDPStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly
+    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch
+        (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -226,7 +240,14 @@ class LPDPStrategy(ParallelStrategy):
             with context():
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
-        outputs = engine.apply(call, len(slices))
+        # the precision's step context runs in each replica's thread (autocast is per thread); bf16-true's also sets
+        # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
+        # dtype the step started with is put back once, here
+        default_dtype = torch.get_default_dtype()
+        try:
+            outputs = engine.apply(call, len(slices))
+        finally:
+            torch.set_default_dtype(default_dtype)
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result

@@ -97,6 +97,7 @@ class LayoutMixin:
         """Lightning's hook, in ``Trainer.__init__`` before any process exists: resolve the layout against the world
         size (refused with the arithmetic when it does not fit), then the checked launcher of the start method."""
         self.resolve_dims()
+        self.check_launch()
         environment = getattr(self, "cluster_environment", None)
         assert environment is not None
         start_method: Any = getattr(self, "_start_method", "popen")
@@ -106,6 +107,10 @@ class LayoutMixin:
         else:
             launcher = CheckedMultiProcessingLauncher(self, start_method=start_method)
         self._launcher = launcher
+
+    def check_launch(self) -> None:
+        """More refusals in ``Trainer.__init__``, once the Trainer's plugins are set (subclasses: e.g. a precision
+        the engine cannot honour). Nothing by default."""
 
     def check_layout(self, layout: ParallelConfig) -> None:
         """Refuse, before anything starts, a layout outside this strategy's row of the layout table

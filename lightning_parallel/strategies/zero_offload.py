@@ -264,6 +264,59 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def _on_cpu(self) -> bool:
         return not isinstance(self.accelerator, CUDAAccelerator)
 
+    @override
+    def check_launch(self) -> None:
+        """Before any process exists: a precision DeepSpeed would not honour is refused."""
+        self.check_precision()
+
+    resumes_dataloaders = True
+    """The training DataLoader resumes mid-epoch exactly
+    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader of a fit is made resumable mid-epoch
+        (:mod:`lightning_parallel.data.fast_forward`)."""
+        from lightning_parallel.data.fast_forward import process_training_loader
+
+        module = self.lightning_module
+        return process_training_loader(module._trainer if module is not None else None,
+                                       super().process_dataloader(dataloader))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``; the values it logs are combined over the (data-parallel) world first, so
+        the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        from lightning_parallel.parallel.step import reduce_logged
+
+        from .logged import global_batch_logs
+
+        size = self.world_size
+
+        def reduce(value: torch.Tensor, reduce_fx: Any) -> torch.Tensor:
+            return reduce_logged(value, group=None, size=size, reduce_fx=reduce_fx)
+
+        with global_batch_logs(self.lightning_module, reduce if size > 1 else None):
+            return super().training_step(*args, **kwargs)
+
+    def check_precision(self) -> None:
+        """Refuse, before any process starts, a precision DeepSpeed would not honour: ``bf16-true``/``16-true`` --
+        DeepSpeed's ZeRO keeps fp32 master weights and optimizer state and casts the half-precision model from them
+        (its ``bf16``/``fp16`` mode), which is mixed-precision training, not the pure half-precision training the
+        name asks for (that ran silently as ``bf16-mixed`` before)."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in ("bf16-true", "16-true"):
+            return
+        mixed = precision.replace("-true", "-mixed")
+        raise LayoutError(
+            f"precision={precision!r} cannot run under {self.strategy_name}: DeepSpeed's ZeRO keeps fp32 master "
+            f"weights and optimizer state (on the host with offload) and casts the model to "
+            f"{precision.split('-')[0]} from them -- that is {mixed!r} training, not the pure half-precision "
+            f"training {precision!r} means (half-precision weights and optimizer state, as one device runs it). "
+            f"Fix: precision={mixed!r} (what DeepSpeed runs: {precision.split('-')[0]} forward and backward, fp32 "
+            f"optimizer step), or {precision!r} under lp_ddp, lp_sharded, lp_tensor, lp_pipeline or lp_hybrid."
+        )
+
     def before_launch(self) -> None:
         """Called by the checked launchers after the module check, before the ranks start: build DeepSpeed's ops."""
         self.prepare_ops()

@@ -48,20 +48,25 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh (or
     HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
 
-    In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it.
+    In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it. ``param_dtype`` /
+    ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``, e.g. bf16 / fp32 for ``bf16-mixed``): the sharded parameters
+    stay in their dtype (the fp32 masters the optimizer steps), each unit's all-gather sends and computes in
+    ``param_dtype`` (half the bytes of fp32), and the gradients are reduce-scattered in ``reduce_dtype``.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
 
