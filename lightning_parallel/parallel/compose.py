@@ -156,7 +156,7 @@ def split_pipeline(module: nn.Module, *, layout: ParallelConfig, dims: ParallelD
     counts = None if layout.pipeline_stage_layers is None else [int(c) for c in layout.pipeline_stage_layers]
     plan = plan_stages(module, layers, pp=dims.pp, chunks=layout.virtual_pipeline_stages, pp_rank=pp_rank,
                        layers_per_stage=counts)
-    return plan, prune_to(module, plan)
+    return plan, prune_to(module, plan, layers)
 
 
 def place(module: nn.Module, *, device: torch.device, seed: int) -> None:
