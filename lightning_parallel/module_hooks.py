@@ -23,7 +23,7 @@ it before launch with :func:`require_hook`, naming the hook to add.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +139,7 @@ class ParallelModuleMixin:
     e.g. ``"blocks.0.attn.q_proj"``. Every hook must work on a module whose layers were pruned for a pipeline stage
     (only the layers that are present are returned or named)."""
 
-    def pipeline_layers(self) -> list[nn.Module | PipelineLayer]:
+    def pipeline_layers(self) -> Sequence[nn.Module | PipelineLayer]:
         """The model as an ordered sequence of layers (e.g. ``[embedding, *blocks, head]``); a pipeline cuts it into
         balanced stages. A plain module maps one tensor to one tensor; a :class:`PipelineLayer` reads and returns
         several named tensors (hidden states plus a mask or position embeddings the later layers need)."""

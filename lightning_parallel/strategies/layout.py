@@ -111,6 +111,9 @@ class LayoutMixin:
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
             activation_checkpointing_targets(module, self.layout.activation_checkpointing)
+        own = getattr(module, "check_parallel_layout", None)
+        if callable(own):
+            own(self.layout)  # the module's own refusals (e.g. a Hugging Face family without a tensor plan)
 
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called

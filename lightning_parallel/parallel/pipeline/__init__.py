@@ -8,17 +8,17 @@ from .runtime import PipelineRunner, largest_divisor_at_most
 from .stage import (
     LayerFlow,
     PipelineFlowError,
-    input_names,
     PrunedLayer,
     StageChunk,
     StagePlan,
     has_meta_tensors,
+    input_names,
     layer_names,
     materialize,
     plan_stages,
     prune_to,
 )
 
-__all__ = ["LayerFlow", "PipelineFlowError", "PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan", "balanced_partition", "bubble_fraction",
-           "has_meta_tensors", "input_names", "largest_divisor_at_most", "layer_names", "materialize", "plan_stages", "prune_to",
-           "stage_ranges", "stages_of_rank"]
+__all__ = ["LayerFlow", "PipelineFlowError", "PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan",
+           "balanced_partition", "bubble_fraction", "has_meta_tensors", "input_names", "largest_divisor_at_most",
+           "layer_names", "materialize", "plan_stages", "prune_to", "stage_ranges", "stages_of_rank"]

@@ -134,7 +134,7 @@ class PipelineRunner:
         """The pipeline input's names and tensors; every chunk learns which names it receives and sends."""
         if self.plan is None:
             if not isinstance(inputs, Tensor):
-                raise TypeError(f"a pipeline without a StagePlan takes one tensor as input, got {type(inputs).__name__}.")
+                raise TypeError(f"a pipeline without a StagePlan takes one tensor, got {type(inputs).__name__}.")
             return ("hidden",), (inputs,)
         names, values = input_names(inputs, self.plan.flow(0))
         bounds = self.plan.boundaries(names)
