@@ -90,6 +90,22 @@ def test_compiled_blocks_equal_one_device(reference: HFCausalLM, name: str, tmp_
     assert diff < TOL
 
 
+def test_gpt_plan_with_sequence_norms_compiled_equals_one_device() -> None:
+    """The library's GPT under lp_tensor tp2: its plan's ``sequence`` norms hand their output to the column linears
+    through a custom autograd function (one all-reduce of the gradient in backward, or a reduce-scatter under
+    sequence parallelism); compiled blocks keep it exact (it runs eagerly between the compiled pieces)."""
+    from tests.trainer.test_hybrid import _gpt
+
+    ref, _ = fit("auto", 1, 1, model=_gpt())
+    diffs = {}
+    for sp in (False, True):
+        layout = {"tensor_parallel_size": 2, "sequence_parallel": sp, "compile": "aot_eager"}
+        model, _ = fit(LPTensorStrategy(layout, start_method="fork"), 2, 1, model=_gpt())
+        diffs[sp] = weight_diff(model, ref)
+        print(f"GPT lp_tensor tp2 sequence_parallel={sp} compile=aot_eager: max |w - w_1dev| = {diffs[sp]:.2e}")
+    assert max(diffs.values()) < TOL, diffs
+
+
 def test_zero_offload_compiled_equals_one_device() -> None:
     pytest.importorskip("deepspeed")
     from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy
