@@ -172,6 +172,8 @@ class LayoutMixin:
             extra += f", offload={self.layout.offload_device}"
         if self.layout.activation_checkpointing != "none":
             extra += f", recompute={self.layout.activation_checkpointing}"
+        if self.layout.compile:
+            extra += ", compile" if self.layout.compile is True else f", compile={self.layout.compile}"
         return f"{self.strategy_name} ({self._dims.describe()}{extra})"
 
 

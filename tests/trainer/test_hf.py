@@ -21,6 +21,7 @@ from lightning_parallel.config import LayoutError
 from lightning_parallel.hf import HFCausalLM, HFModelMixin
 from lightning_parallel.strategies import (
     LPDDPStrategy,
+    LPDPStrategy,
     LPHybridStrategy,
     LPPipelineStrategy,
     LPShardedStrategy,
@@ -54,6 +55,9 @@ def _check(name: str, strategy: Any, devices: int, dp: int, reference: HFCausalL
 
 def test_data_parallel_family_equals_one_device(reference: HFCausalLM) -> None:
     diffs = {"lp_ddp x2": _check("lp_ddp x2", LPDDPStrategy(start_method="fork"), 2, 2, reference)}
+    model, _ = fit(LPDPStrategy(), 2, 1, model=llama(), batch=4)  # one process: its batch is the global batch
+    diffs["lp_dp x2"] = weight_diff(model, reference)
+    print(f"HFCausalLM(tiny LlamaConfig) lp_dp x2: {STEPS} AdamW steps, max |w - w_1dev| = {diffs['lp_dp x2']:.2e}")
     for stage in (1, 2, 3):
         name = f"lp_sharded zero{stage} x2"
         diffs[name] = _check(name, LPShardedStrategy({"zero_stage": stage}, start_method="fork"), 2, 2, reference)
