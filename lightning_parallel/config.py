@@ -169,6 +169,10 @@ class ParallelConfig:
     """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward: none, selective (attention core) or full (every block)."""
+    compile: bool | str = False
+    """torch.compile each block (the module's ``full_checkpointing_modules()``: the transformer blocks) inside the
+    composition, after the tensor plan and recomputation and before the data-parallel wrap; true = the default
+    backend (inductor), a string names another (e.g. ``aot_eager``)."""
     collective_timeout: int | None = None
     """Seconds a collective may wait for a peer before the run fails with the stuck rank named; None = the
     strategy's ``timeout`` argument when given, else 600 s on CPU (gloo) and Lightning's 30 minutes on accelerators.
@@ -251,6 +255,11 @@ class ParallelConfig:
         _check_choice("pipeline_schedule", self.pipeline_schedule, tuple(SCHEDULES))
         _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
         _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise LayoutError(
+                f"parallel.compile={self.compile!r} must be true, false or the name of a torch.compile backend "
+                "(e.g. 'inductor', 'aot_eager'). Fix: compile=true."
+            )
         if self.mesh_order not in get_args(MeshOrder):
             raise LayoutError(
                 f"parallel.mesh_order={self.mesh_order!r} is not a mesh order: tp is always innermost (tensor-parallel "
@@ -385,6 +394,8 @@ class ParallelConfig:
             text += f" recompute={self.activation_checkpointing}"
         if self.data_parallel_shard_size is not None:
             text += f" shard={self.data_parallel_shard_size}"
+        if self.compile:
+            text += " compile" if self.compile is True else f" compile={self.compile}"
         if self.mesh_order != "dp-pp-tp":
             text += f" order={self.mesh_order}"
         return text

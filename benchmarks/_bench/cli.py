@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                         f"once per size (default {DEFAULT_DP}; e.g. 1,2,4 for their scaling)")
     p.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches (pp, hybrid)")
     p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank")
+    p.add_argument("--compile", action="store_true",
+                   help="the library's runs compile each block (parallel.compile: true, inductor; the anchors and "
+                        "Lightning's built-ins stay eager); --study compile times both")
     p.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                    help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")

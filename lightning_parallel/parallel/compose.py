@@ -13,7 +13,10 @@
    (DTensor shards; entries naming other stages' layers are skipped);
 4. **activation checkpointing** (``parallel.activation_checkpointing``): recompute the named submodules in backward
    (a class swap: names unchanged, the TP hooks stay on the submodules);
-5. **data-parallel wrap** over ``dp``, as :func:`data_parallel_plan` decides from the layout:
+5. **compile** (``parallel.compile``): ``torch.compile`` each block in place (:mod:`lightning_parallel.parallel.
+   compile`), so the graphs see the TP shards and the recomputation and the dp wrap goes around them (torchtitan's
+   order);
+6. **data-parallel wrap** over ``dp``, as :func:`data_parallel_plan` decides from the layout:
 
    ========== =========================================== ==============================================
    sync       layouts                                     what the wrap does (the step's part: step.py)
@@ -49,11 +52,12 @@ from lightning_parallel.parallel.dims import ParallelDims
 from .pipeline import StageChunk, StagePlan, has_meta_tensors, materialize, plan_stages, prune_to
 
 __all__ = ["COMPOSITION_ORDER", "Composition", "CompositionOrderError", "DataParallelPlan", "DataParallelSync",
-           "apply_recomputation", "apply_tensor_plan", "compose", "composition_of", "composition_path",
-           "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy", "split_pipeline", "steps_done",
-           "wrap_data_parallel"]
+           "apply_compile", "apply_recomputation", "apply_tensor_plan", "compose", "composition_of",
+           "composition_path", "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy", "split_pipeline",
+           "steps_done", "wrap_data_parallel"]
 
-COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "activation checkpointing", "data-parallel wrap")
+COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "activation checkpointing", "compile",
+                     "data-parallel wrap")
 """The steps of :func:`compose`, in the only order they may run."""
 
 DataParallelSync = Literal["ddp", "allreduce", "zero", "fsdp", "fairscale"]
@@ -166,6 +170,8 @@ class Composition:
     """The expanded tensor-parallel plan applied here (empty without TP)."""
     recomputed: list[str] = field(default_factory=list)
     """Submodules recomputed in backward."""
+    compiled: list[str] = field(default_factory=list)
+    """Submodules compiled in place (``parallel.compile``)."""
 
     @property
     def fully_sharded(self) -> bool:
@@ -201,7 +207,7 @@ def split_pipeline(module: nn.Module, *, layout: ParallelConfig, dims: ParallelD
     counts = None if layout.pipeline_stage_layers is None else [int(c) for c in layout.pipeline_stage_layers]
     plan = plan_stages(module, layers, pp=dims.pp, chunks=layout.virtual_pipeline_stages, pp_rank=pp_rank,
                        layers_per_stage=counts)
-    return plan, prune_to(module, plan)
+    return plan, prune_to(module, plan, layers)
 
 
 def place(module: nn.Module, *, device: torch.device, seed: int) -> None:
@@ -233,10 +239,23 @@ def apply_recomputation(module: nn.Module, *, mode: str) -> list[str]:
     return apply_activation_checkpointing(module, mode)
 
 
+def apply_compile(module: nn.Module, *, setting: bool | str, tensor_plan: dict[str, Any] | None = None) -> list[str]:
+    """Step 5: ``torch.compile`` each block in place (``setting``: true or a backend name); returns the names.
+    ``tensor_plan``: the plan step 3 applied (its local outputs that enter a compiled block are copied)."""
+    from lightning_parallel.parallel.compile import apply_compile as compile_blocks
+    from lightning_parallel.parallel.compile import copy_local_outputs_into_compiled
+
+    _enter(module, "compile")
+    names = compile_blocks(module, setting)
+    if tensor_plan:
+        copy_local_outputs_into_compiled(module, tensor_plan, names)
+    return names
+
+
 def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh, dp_src: int,
                        fitting: bool, stages: list[tuple[int, nn.Module]] | None = None, num_stages: int = 1,
                        schedule: str = "1f1b") -> nn.Module:
-    """Step 5: make the dp replicas equal and wrap as ``plan`` says; returns what the loops call.
+    """Step 6: make the dp replicas equal and wrap as ``plan`` says; returns what the loops call.
 
     Every replica's tensors (local TP shards included) := those of global rank ``dp_src`` (dp rank 0 of this rank's
     dp group), then: ``fsdp`` -- FSDP2 ``fully_shard`` (in place) over the dp sub-mesh, or over
@@ -309,6 +328,9 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
             )
         done.module = ddp_wrapper(module, plan=data_parallel, mesh=mesh) if fitting else module
         return done
+    from lightning_parallel.parallel.compile import unwrap_compiled
+
+    unwrap_compiled(module)  # a submodule the user compiled: names without "_orig_mod." from here on
     out = Composition(data_parallel=data_parallel, module=module, key=key)
     coords = dims.coords(rank)
     for step in composition_path(layout, dims, pipeline=pipelined):
@@ -321,6 +343,8 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
                                                 skip_missing=out.stage_plan is not None)
         elif step == "activation checkpointing":
             out.recomputed = apply_recomputation(module, mode=layout.activation_checkpointing)
+        elif step == "compile":
+            out.compiled = apply_compile(module, setting=layout.compile, tensor_plan=out.tensor_plan)
         else:
             stages: list[tuple[int, nn.Module]] | None = None
             if out.stage_plan is not None:
@@ -335,13 +359,14 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
 
 def composition_path(layout: ParallelConfig, dims: ParallelDims, *, pipeline: bool | None = None) -> tuple[str, ...]:
     """The steps of :data:`COMPOSITION_ORDER` that :func:`compose` applies for ``layout`` (in that order): the
-    split with a pipeline, placement always, the tensor plan with tp > 1, recomputation when asked, the dp wrap
-    always (with one dp rank it is a no-op broadcast and, for ``ddp``, a one-rank DDP)."""
+    split with a pipeline, placement always, the tensor plan with tp > 1, recomputation and compile when asked, the
+    dp wrap always (with one dp rank it is a no-op broadcast and, for ``ddp``, a one-rank DDP)."""
     wanted = {
         "pipeline split": pipeline if pipeline is not None else dims.pp > 1,
         "placement": True,
         "tensor plan": dims.tp > 1,
         "activation checkpointing": layout.activation_checkpointing != "none",
+        "compile": bool(layout.compile),
         "data-parallel wrap": True,
     }
     return tuple(step for step in COMPOSITION_ORDER if wanted[step])

@@ -122,7 +122,12 @@ class LayoutMixin:
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that
-        lacks the hook its activation checkpointing needs (the error names the hook)."""
+        lacks the hook its activation checkpointing or ``compile`` needs (the error names the hook); the module's
+        own ``check_parallel_layout``. Submodules the user compiled are unwrapped first (compiled in place), so
+        every name checked here and used later is the module's own."""
+        from lightning_parallel.parallel.compile import check_backend, compile_targets, unwrap_compiled
+
+        unwrap_compiled(module)  # the user's torch.compile(submodule): names without "_orig_mod." from here on
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
@@ -130,6 +135,12 @@ class LayoutMixin:
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
             activation_checkpointing_targets(module, self.layout.activation_checkpointing)
+        if self.layout.compile:
+            check_backend(self.layout.compile)
+            compile_targets(module)
+        own = getattr(module, "check_parallel_layout", None)
+        if callable(own):
+            own(self.layout)  # the module's own refusals (e.g. a Hugging Face family without a tensor plan)
 
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called
@@ -180,6 +191,8 @@ class LayoutMixin:
             extra += f", offload={self.layout.offload_device}"
         if self.layout.activation_checkpointing != "none":
             extra += f", recompute={self.layout.activation_checkpointing}"
+        if self.layout.compile:
+            extra += ", compile" if self.layout.compile is True else f", compile={self.layout.compile}"
         return f"{self.strategy_name} ({self._dims.describe()}{extra})"
 
 

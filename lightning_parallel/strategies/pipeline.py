@@ -104,9 +104,14 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 require_hook(module, hook, strategy=self.strategy_name)
             except LayoutError as err:
                 raise LayoutError(f"{err} A minimal implementation:\n{_MINIMAL_HOOKS}") from None
+        from lightning_parallel.module_hooks import as_pipeline_layer, check_layer_signature
         from lightning_parallel.parallel.pipeline import has_meta_tensors, layer_names, stage_ranges
 
-        layers = module.pipeline_layers()  # type: ignore[operator]
+        try:
+            specs = [as_pipeline_layer(layer) for layer in module.pipeline_layers()]  # type: ignore[operator]
+        except TypeError as err:
+            raise LayoutError(f"{type(module).__name__}: {err}") from None
+        layers = [spec.module for spec in specs]
         p, v = self.layout.pipeline_parallel_size, self.layout.virtual_pipeline_stages
         n = p * v
         if len(layers) < n:
@@ -120,6 +125,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             ranges = stage_ranges(len(layers), n, layers_per_stage=self.layout.pipeline_stage_layers)
         except ValueError as err:
             raise LayoutError(f"{type(module).__name__}: {err}") from None
+        for spec, name in zip(specs, names, strict=True):
+            check_layer_signature(spec, name)
         owner: dict[int, tuple[int, str]] = {}
         for s, (a, b) in enumerate(ranges):
             for i in range(a, b):
@@ -199,7 +206,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             num_stages=self.stage_plan.num_stages,
             schedule=self.layout.pipeline_schedule, num_micro_batches=self.layout.micro_batches,
             group=self.mesh.get_group("pp"), group_ranks=self.dims.group_ranks("pp", self.global_rank),
-            device=self.root_device, loss_fn=loss_fn)
+            device=self.root_device, loss_fn=loss_fn, plan=self.stage_plan)
         return model
 
     @override
@@ -242,7 +249,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         return {k: v for part in parts for k, v in part.items()}
 
     # ------------------------------------------------------------------ steps: the schedule instead of *_step
-    def _inputs(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+    def _inputs(self, batch: Any) -> tuple[Any, Tensor | None]:
         module = self.lightning_module
         hook = getattr(module, "pipeline_batch", None)
         if callable(hook):

@@ -367,10 +367,15 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Activation checkpointing as the layout says (before the engine wraps the module), then Lightning's
+        """Activation checkpointing and ``parallel.compile`` as the layout says (before the engine wraps the module,
+        the composition's order), then Lightning's
         DeepSpeed set-up: the engine for fit, the inference engine for validate/test/predict."""
         if self.model is not None:
+            from lightning_parallel.parallel.compile import apply_compile, unwrap_compiled
+
+            unwrap_compiled(self.model)
             self.apply_activation_checkpointing(self.model)
+            apply_compile(self.model, self._layout.compile)  # each block, before the engine wraps the module
         super().setup(trainer)
 
     @override

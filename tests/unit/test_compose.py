@@ -18,6 +18,7 @@ from lightning_parallel.models import GPT
 from lightning_parallel.parallel.compose import (
     COMPOSITION_ORDER,
     CompositionOrderError,
+    apply_compile,
     apply_recomputation,
     apply_tensor_plan,
     compose,
@@ -113,7 +114,9 @@ def test_composition_path_of_every_layout_strategy() -> None:
         (LPPipelineStrategy, {"pipeline_parallel_size": 2, "zero_stage": 1}, 4,
          ("pipeline split", "placement", "data-parallel wrap"), "zero"),
         (LPHybridStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "activation_checkpointing":
-                            "selective"}, 8, COMPOSITION_ORDER, "allreduce"),
+                            "selective", "compile": "aot_eager"}, 8, COMPOSITION_ORDER, "allreduce"),
+        (LPShardedStrategy, {"zero_stage": 3, "compile": True}, 2,
+         ("placement", "compile", "data-parallel wrap"), "fsdp"),
     ]
     for cls, layout, world, path, sync in cases:
         strategy = cls(parallel=layout)
@@ -138,6 +141,75 @@ def test_steps_out_of_order_are_impossible() -> None:
     assert steps_done(model) == ["activation checkpointing"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any change
     assert len(model.blocks) == 2  # no split happened
+
+
+def _compile_world(rank: int, world: int) -> dict[str, Any]:
+    """The compile checks, in a forked rank: torch.compile leaves threads and state in its process, and the pytest
+    process must stay clean for the fork launchers of later tests."""
+    from lightning_parallel.parallel.compile import compiled_modules, strip_compile_prefix, unwrap_compiled
+
+    out: dict[str, Any] = {}
+    model = _gpt()
+    names = list(model.state_dict())
+    apply_recomputation(model, mode="full")
+    out["compiled"] = apply_compile(model, setting="aot_eager")
+    out["listed"] = compiled_modules(model)
+    out["names_kept"] = list(model.state_dict()) == names
+    out["inside_checkpoint"] = all("_lp_compiled_forward" in model.blocks[k].__dict__ for k in ("0", "1"))
+    try:
+        apply_recomputation(model, mode="full")
+        out["ac_after_compile"] = "allowed"
+    except CompositionOrderError as err:
+        out["ac_after_compile"] = str(err)
+    x = torch.randint(0, 32, (2, 8))
+    ref = _gpt()
+    model.pipeline_loss(model(x), x).backward()
+    ref.pipeline_loss(ref(x), x).backward()
+    grads = dict(ref.named_parameters())
+    out["grad_diff"] = max(float((p.grad - grads[n].grad).abs().max()) for n, p in model.named_parameters())
+    plain = _gpt()
+    apply_compile(plain, setting="aot_eager")
+    out["in_place"] = compiled_modules(plain) == ["blocks.0", "blocks.1"] and all(
+        plain.blocks[k]._compiled_call_impl is not None for k in ("0", "1"))
+    try:
+        apply_compile(plain, setting="aot_eager")
+        out["twice"] = "allowed"
+    except CompositionOrderError as err:
+        out["twice"] = str(err)
+    # a module the user compiled: unwrapped in place, compiled with the same backend, no "_orig_mod."
+    user = _gpt()
+    user.blocks["1"] = torch.compile(user.blocks["1"], backend="aot_eager")  # type: ignore[assignment]
+    out["prefixed"] = any("_orig_mod." in n for n in user.state_dict())
+    out["unwrapped"] = unwrap_compiled(user)
+    out["user_names"] = list(user.state_dict()) == names and user.blocks["1"]._compiled_call_impl is not None
+    out["user_runs"] = tuple(user(x).shape)
+    out["strip"] = strip_compile_prefix("model._orig_mod.layers.0._orig_mod.w")
+    return out
+
+
+def test_compile_after_recomputation_in_place_and_user_compiled_unwrapped() -> None:
+    """compile after the dp wrap, or recomputation after compile, is refused; compiling keeps every name and
+    compiles each block in place (a recomputed block: its forward, inside the checkpoint); a submodule the user
+    compiled is unwrapped with its names."""
+    out = run_distributed(_compile_world, world_size=1, timeout_s=300)[0]
+    assert out["compiled"] == out["listed"] == ["blocks.0", "blocks.1"] and out["names_kept"]
+    assert out["inside_checkpoint"] and out["in_place"] and out["grad_diff"] < 1e-6
+    assert "'activation checkpointing' after 'compile'" in out["ac_after_compile"]
+    assert "'compile' after 'compile'" in out["twice"]
+    assert out["prefixed"] and out["unwrapped"] == ["blocks.1"] and out["user_names"]
+    assert out["user_runs"] == (2, 8, 32) and out["strip"] == "model.layers.0.w"
+
+
+def test_compile_needs_the_blocks_named_and_a_known_backend() -> None:
+    from lightning_parallel.parallel.compile import check_backend, compile_targets
+
+    with pytest.raises(LayoutError, match=r"parallel.compile compiles each block.*pipeline_layers"):
+        compile_targets(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(LayoutError, match=r"parallel.compile='nope' is not a torch.compile backend"):
+        check_backend("nope")
+    with pytest.raises(LayoutError, match=r"parallel.compile=3 must be true, false or the name"):
+        ParallelConfig(compile=3)  # type: ignore[arg-type]
+    assert ParallelConfig(compile=True).describe().endswith("compile")
 
 
 def test_pipeline_split_keeps_this_ranks_layers_under_their_names() -> None:

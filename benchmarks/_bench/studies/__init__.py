@@ -16,6 +16,8 @@ STUDIES: dict[str, str] = {
               "the micro-batches in flight and the saved activations",
     "offload": "ZeRO-2/3 with and without CPU offload: device and host bytes per rank next to the formulas, step "
                "time against no offload (CUDA: the largest GPT that trains on one GPU)",
+    "compile": "parallel.compile on and off under every strategy: the step time compiled over eager, and how far "
+               "the losses move",
 }
 
 

@@ -98,7 +98,10 @@ def zero3_load_full_model_state(model: nn.Module, state: dict[str, Tensor], *, s
 
 def _param_names(model: nn.Module, optimizer: Optimizer) -> list[str]:
     """The FQN of each optimizer parameter, in the order torch numbers them in ``optimizer.state_dict()``."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
+    from lightning_parallel.parallel.compile import strip_compile_prefix
+
+    # torch's state-dict helpers name parameters without torch.compile's "_orig_mod." (a compiled submodule)
+    name_of = {id(p): strip_compile_prefix(n) for n, p in model.named_parameters()}
     return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
