@@ -103,10 +103,19 @@ class LayoutMixin:
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that
-        lacks the hook its activation checkpointing needs (the error names the hook)."""
+        lacks the hook its activation checkpointing needs (the error names the hook); with context parallelism, one
+        without ``context_parallel_plan()`` (the error shows a minimal one) or whose attention cannot be split
+        (parameters, attention dropout, a non-causal mask)."""
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
+        if self.layout.context_parallel_size > 1:
+            from lightning_parallel.config import check_context_compat
+            from lightning_parallel.parallel.context_parallel import check_context_plan
+
+            check_context_plan(module)
+            if "n_head" in shape:
+                check_context_compat(self.layout, n_head=shape["n_head"])
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
@@ -313,7 +322,19 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
 def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
     """Before spawning: every data module among ``trainer.fit``'s arguments that defines ``check_before_launch``
     (:class:`~lightning_parallel.data.TextDataModule` does) checks its data against the data-parallel size (a missing
-    or empty path, a corpus smaller than one batch per rank), once, in the launching process."""
+    or empty path, a corpus smaller than one batch per rank), once, in the launching process. With context
+    parallelism, a data module's ``block_size`` (its sequence length) must divide by 2 x cp."""
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and layout.context_parallel_size > 1:
+        from lightning_parallel.config import check_context_compat
+
+        for arg in args:
+            if isinstance(arg, pl.LightningDataModule):
+                hparams = getattr(arg, "hparams", None)
+                block = getattr(arg, "block_size", None) or (hparams.get("block_size") if hparams else None)
+                if isinstance(block, int) and not isinstance(block, bool):
+                    check_context_compat(layout, sequence_length=block,
+                                         where=f"the data module {type(arg).__name__}'s block_size")
     dims = getattr(strategy, "_dims", None)
     dp = int(getattr(dims, "dp", 0) or 0) or int(getattr(strategy, "num_processes", 1) or 1) * int(
         getattr(strategy, "num_nodes", 1) or 1)
