@@ -170,6 +170,8 @@ class LayoutMixin:
             extra += f", offload={self.layout.offload_device}"
         if self.layout.activation_checkpointing != "none":
             extra += f", recompute={self.layout.activation_checkpointing}"
+        if self.layout.context_parallel_size > 1 and self.layout.context_parallel_style != "ring":
+            extra += f", cp_style={self.layout.context_parallel_style}"
         return f"{self.strategy_name} ({self._dims.describe()}{extra})"
 
 
