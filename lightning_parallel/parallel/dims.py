@@ -322,6 +322,13 @@ class ParallelDims:
             return (self.replica_axis,)
         return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
 
+    def shard_group_ranks(self, rank: int) -> list[int]:
+        """The ranks ``rank``'s model states are sharded over by ZeRO / FSDP2 (in the mesh's order): its
+        :meth:`replica_group_ranks`, or with HSDP its ``dp_shard`` group (times cp: ``dp_shard_cp``)."""
+        if not self.hsdp:
+            return self.replica_group_ranks(rank)
+        return [r for d in self.dp_subgroup_ranks("dp_shard", rank) for r in self.group_ranks("cp", d)]
+
     def replica_group_ranks(self, rank: int) -> list[int]:
         """The ranks of ``rank``'s :attr:`replica_axis` group (its dp x cp ranks, dp major), as the mesh orders them."""
         return [r for d in self.group_ranks("dp", rank) for r in self.group_ranks("cp", d)]

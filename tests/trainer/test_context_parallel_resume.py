@@ -8,6 +8,7 @@ lp_sharded folder (ZeRO-3 over dp x cp) and DCP (lp_tensor).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,17 @@ RESUMED = ["1 device", "lp_ddp cp2", "lp_sharded z3 dp2 x cp2", "lp_tensor cp2 x
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple, dict[str, Path]]:
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, tuple, dict[str, Path]]]:
     rm.quiet()
-    rm.LAYOUTS.update(_cp_layouts())  # the matrix's own cells stay as they are; these are added for this module
-    folder = tmp_path_factory.mktemp("cp_resume")
-    ref = rm.reference(folder)
-    return folder, ref, {name: rm.save(name, folder) for name in SAVED}
+    added = _cp_layouts()
+    rm.LAYOUTS.update(added)  # for this module only: the resume matrix's own cells stay as they are
+    try:
+        folder = tmp_path_factory.mktemp("cp_resume")
+        ref = rm.reference(folder)
+        yield folder, ref, {name: rm.save(name, folder) for name in SAVED}
+    finally:
+        for name in added:
+            rm.LAYOUTS.pop(name, None)
 
 
 @pytest.mark.slow

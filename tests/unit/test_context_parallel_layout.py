@@ -75,6 +75,11 @@ def test_example_dp2_cp2_tp2() -> None:
     hsdp = ParallelDims.from_config(ParallelConfig(context_parallel_size=2, zero_stage=3, data_parallel_shard_size=2),
                                     world_size=8)
     assert hsdp.fsdp_axes == ("dp_replicate", "dp_shard_cp") and hsdp.replicas == 8
+    # ZeRO / FSDP2 shard over dp x cp (HSDP: dp_shard x cp), in the mesh's order (dp major); cp = 1 as before
+    assert dims.shard_group_ranks(5) == [1, 3, 5, 7] and hsdp.shard_group_ranks(5) == [4, 5, 6, 7]
+    assert hsdp.shard_group_ranks(2) == [0, 1, 2, 3] and hsdp.replica_group_ranks(2) == list(range(8))
+    plain = ParallelDims(dp=4, pp=1, tp=1, world_size=4, dp_shard=2)
+    assert plain.shard_group_ranks(3) == plain.dp_subgroup_ranks("dp_shard", 3) == [2, 3]
 
 
 def test_world_size_arithmetic_names_cp() -> None:

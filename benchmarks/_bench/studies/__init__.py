@@ -16,6 +16,8 @@ STUDIES: dict[str, str] = {
               "the micro-batches in flight and the saved activations",
     "offload": "ZeRO-2/3 with and without CPU offload: device and host bytes per rank next to the formulas, step "
                "time against no offload (CUDA: the largest GPT that trains on one GPU)",
+    "context": "context parallelism: activation bytes per rank at cp = 1, 2, 4 next to the formula, and the longest "
+               "sequence that trains within a per-rank activation budget at cp = 1 and 4",
 }
 
 

@@ -147,7 +147,9 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 _wait(pending[1])
                 kv = pending[0]
-        result = out.to(q.dtype)
+        # laid out (b, 2c, h, d) in memory, as torch's flash kernels return it: the caller's transpose(1, 2) and
+        # reshape to (b, 2c, h d) are then views, and the output projection keeps no copy of it
+        result = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.scale = group, scale
         return result

@@ -72,4 +72,4 @@ def all_to_all_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Process
     qh, kh, vh = (_AllToAll.apply(t.contiguous(), group, n, True).index_select(2, order) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     result: Tensor = _AllToAll.apply(out.index_select(2, inverse).contiguous(), group, n, False)
-    return result
+    return result.transpose(1, 2).contiguous().transpose(1, 2)  # (b, L, h, d) in memory, as flash kernels return it
