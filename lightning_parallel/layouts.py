@@ -25,7 +25,7 @@ from lightning_parallel.config import Offload, ParallelConfig
 __all__ = ["LAYOUT_KEYS", "LAYOUT_STRATEGIES", "LayoutStrategyEntry", "available_strategies", "entry", "refusal",
            "strategy_for", "strategy_for_key", "zero_and_offload"]
 
-LAYOUT_KEYS = ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload")
+LAYOUT_KEYS = ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload", "context_parallel_size")
 """The keys whose values the table bounds, in the order a refusal checks them (``data_parallel_size`` is free)."""
 
 
@@ -56,6 +56,8 @@ class LayoutStrategyEntry:
     other keys."""
     available: bool = True
     """False for a strategy that is planned but not in this version: never recommended, never named as a fix."""
+    context: bool = True
+    """Runs ``context_parallel_size`` > 1 (sequences split over a ``cp`` axis, gradients averaged over dp x cp)."""
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -71,6 +73,8 @@ class LayoutStrategyEntry:
             return self.stages
         if key == "offload":
             return self.offloads
+        if key == "context_parallel_size":
+            return () if self.context else (1,)
         raise KeyError(f"{key!r} is not a key of the layout table; its keys are {list(LAYOUT_KEYS)}.")
 
     def runs(self, layout: ParallelConfig, keys: tuple[str, ...] = LAYOUT_KEYS) -> bool:
@@ -110,7 +114,7 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
     LayoutStrategyEntry(
         "lp_zero_offload", pipeline=False, tensor=False,
         zero_stages=((1, "DeepSpeed ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")), offloads=("none", "cpu", "nvme"),
-        shape="is data parallel only, on the DeepSpeed engine", zero_why=" (no ZeRO)",
+        shape="is data parallel only, on the DeepSpeed engine", zero_why=" (no ZeRO)", context=False,
         zero_fix="set zero_stage to {stages} (or leave it unset: stage {preset}), or use strategy {use} for plain "
                  "data parallelism"),
     LayoutStrategyEntry(
@@ -176,7 +180,8 @@ def strategy_for_key(key: str) -> str:
     names = [e.name for e in LAYOUT_STRATEGIES[1:] if e.available and _widens(e, key)]
     if names:
         return "or use strategy " + " or ".join(names)
-    what = {"pipeline_parallel_size": "pipeline", "tensor_parallel_size": "tensor"}.get(key, key)
+    what = {"pipeline_parallel_size": "pipeline", "tensor_parallel_size": "tensor",
+            "context_parallel_size": "context"}.get(key, key)
     return f"(no strategy of this version runs {what} parallelism yet)"
 
 

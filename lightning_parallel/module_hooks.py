@@ -14,6 +14,8 @@ checks of the layout against the model (optional)   :meth:`~ParallelModuleMixin.
 ``activation_checkpointing: full``                  :meth:`~ParallelModuleMixin.pipeline_layers` (or
                                                     :meth:`~ParallelModuleMixin.full_checkpointing_modules`)
 ``activation_checkpointing: selective``             :meth:`~ParallelModuleMixin.selective_checkpointing_modules`
+context parallelism (``context_parallel_size > 1``)  :meth:`~ParallelModuleMixin.context_parallel_plan` (and
+                                                    positions from ``sequence_positions``)
 ==================================================  ==============================================================
 
 :class:`lightning_parallel.models.GPT` implements all of them. A strategy that needs a hook the module lacks refuses
@@ -183,6 +185,20 @@ class ParallelModuleMixin:
         """Names of the parameter-free submodules ``activation_checkpointing: selective`` recomputes in backward:
         the attention cores (``softmax(q k^T / sqrt(d)) v`` with its dropout), whose activations grow with the
         square of the sequence length and cost little to recompute (e.g. ``["blocks.0.attn.core", ...]``)."""
+        raise NotImplementedError
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        """What context parallelism (``parallel.context_parallel_size`` > 1) routes and splits:
+        ``{"attention": [names], "batch": {index or key: dim}}``.
+
+        ``attention``: names or ``*`` patterns of the parameter-free submodules whose ``forward(q, k, v)`` computes
+        causal ``softmax(q k^T / sqrt(head_dim)) v`` on ``(batch, heads, seq, head_dim)`` tensors, without dropout
+        (e.g. ``["blocks.*.attn.core"]``); under cp they run ring (or all-to-all) attention over the cp ranks.
+        ``batch``: the sequence dim of each batch tensor to split (``{0: 1, 1: 1}`` for ``(tokens, labels)`` of
+        shape ``(b, s)``; a dict batch by key; one int for every tensor). Each rank then sees ``s / cp`` tokens --
+        chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp`` -- and computes its loss on them; modules that need token
+        positions take them from ``lightning_parallel.parallel.context_parallel.sequence_positions(t, device)``
+        instead of ``torch.arange(t)``. See :mod:`lightning_parallel.parallel.context_parallel.plan`."""
         raise NotImplementedError
 
     def full_checkpointing_modules(self) -> list[str]:

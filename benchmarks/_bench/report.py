@@ -96,6 +96,17 @@ def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
         out["tp"] = m * max(stages)
     if case.pp > 1:  # each micro-batch's activation forward, its gradient backward: b s h 4 per step each way
         out["pp"] = float(b * s * h * 4)
+    if case.cp > 1:  # ring attention per layer: k and v (2 b (s/cp) h, fp32) cp - 1 hops forward, cp - 1 again
+        # backward plus the dk/dv accumulator (fp32) cp hops; then the DDP all-reduce over dp x cp
+        c = case.cp
+        block = 2 * b * (s // c) * h * 4
+        out["cp"] = a.layers * ((c - 1) + (c - 1) + c) * block
+        replicas = d * c
+        key = "cp" if d == 1 else "dp_cp"  # with dp = 1 the replicas' group is the cp group
+        # + the logged loss averaged over dp x cp (one fp32 all-reduce per step: the one-device value)
+        out[key] = out.get(key, 0.0) + 2 * (replicas - 1) / replicas * psi + ring_bytes(
+            "all_reduce", full_bytes=4, world_size=replicas)
+        out.pop("dp", None)
     return out
 
 

@@ -46,6 +46,8 @@ def _probe(ctx: Ctx) -> Any:
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            if ctx.case.cp > 1:  # the loss of this rank's tokens; the logged one is averaged over dp x cp
+                loss = trainer.callback_metrics["train_loss"]
             if hasattr(loss, "full_tensor"):
                 loss = loss.full_tensor()
             self.timer.end(batch_idx, None if loss is None else loss.detach().item())
@@ -130,6 +132,8 @@ def _our_strategy(ctx: Ctx) -> Any:
         return LPDDPStrategy(on)
     if c.key in ("zero1", "zero2", "zero3"):
         return LPShardedStrategy(on, zero_stage=c.zero)
+    if c.key == "cp":
+        return LPDDPStrategy({**on, "context_parallel_size": c.cp})
     if c.key == "hsdp":
         return LPShardedStrategy({**on, "zero_stage": c.zero, "data_parallel_shard_size": c.shard})
     if c.key == "ppzero3":

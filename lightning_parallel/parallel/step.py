@@ -23,6 +23,12 @@ to it at step time, for every layout strategy alike (``lp_ddp``, ``lp_sharded``,
   a value a module logs, combined over ``dp`` by its ``reduce_fx`` (mean, sum, max, min) -- one all-reduce of a
   scalar, no host synchronisation.
 
+With context parallelism (cp > 1) the replicas of the model are the ``dp x cp`` ranks (the plan's ``axis``,
+``dp_cp``): each cp rank's gradient is that of the mean loss over its own tokens, its share of the ring attention's
+key/value gradients included, so the gradient of the one-device mean is their average over ``dp x cp`` -- the
+all-reduce, ZeRO's reduce-scatter and FSDP2's run over ``dp_cp`` (FSDP2 under HSDP over ``dp_shard_cp``), and the
+logged loss is averaged over ``dp x cp`` (every cp rank holds ``s / cp`` tokens: the mean of the means is the mean).
+
 No Lightning import.
 """
 
@@ -54,7 +60,8 @@ class TrainStep:
 
     def __init__(self, plan: DataParallelPlan, *, dims: ParallelDims, mesh: DeviceMesh) -> None:
         self.plan, self.dims, self.mesh = plan, dims, mesh
-        self.dp_group = mesh.get_group("dp")
+        self.dp_group = mesh.get_group(plan.axis)
+        """The replicas' group: ``dp``, or ``dp_cp`` with context parallelism."""
         self.accumulating = False
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
 
@@ -117,7 +124,7 @@ class TrainStep:
             from lightning_parallel.parallel.tensor.sync import settle_gradients
 
             settle_gradients(model.parameters())  # sequence-parallel partial gradients summed over tp
-        if self.plan.sync == "allreduce" and self.dims.dp > 1:
+        if self.plan.sync == "allreduce" and self.dims.replicas > 1:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
             allreduce_gradients(model.parameters(), group=self.dp_group)
@@ -141,23 +148,26 @@ class TrainStep:
             return None
         groups = [self.group("tp"), self.group("pp")]
         if self.plan.sync == "fsdp":  # gradients sharded over dp (over each HSDP shard group, replicated across)
-            groups.append(self.mesh.get_group("dp_shard") if self.dims.hsdp else self.group("dp"))
+            shard_axis = self.plan.fsdp_axes[-1]
+            groups.append(self.mesh.get_group(shard_axis) if self.dims.hsdp or self.dims.replicas > 1 else None)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return clip_grad_norm_(params, max_norm, tp_size=self.dims.tp, groups=groups)
 
     # ------------------------------------------------------------------ the logged values
     def reduce_mean(self, value: Tensor) -> Tensor:
-        """``value`` averaged over ``dp`` (a copy that keeps its graph; ``value`` itself is left as it is)."""
-        if self.dims.dp == 1:
+        """``value`` averaged over ``dp`` (``dp x cp`` with context parallelism; a copy that keeps its graph,
+        ``value`` itself is left as it is)."""
+        if self.dims.replicas == 1:
             return value
         value = value.clone()
         dist.all_reduce(value, group=self.dp_group)
-        value /= self.dims.dp
+        value /= self.dims.replicas
         return value
 
     def reduce_logged(self, value: Tensor, reduce_fx: Any = "mean") -> Tensor:
-        """A logged ``value`` combined over ``dp`` as one device would log it (:func:`reduce_logged`)."""
-        return reduce_logged(value, group=self.dp_group, size=self.dims.dp, reduce_fx=reduce_fx)
+        """A logged ``value`` combined over ``dp`` (``dp x cp`` with context parallelism) as one device would log it
+        (:func:`reduce_logged`)."""
+        return reduce_logged(value, group=self.dp_group, size=self.dims.replicas, reduce_fx=reduce_fx)
 
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}

@@ -13,7 +13,10 @@ needs preparing for ``fit``. What it does, in order:
   checkpointing is applied as the layout says, and :meth:`LayoutStrategy.parallelize` -- the subclass's choice --
   turns it into what this rank runs (a DDP wrapper, a ZeRO-sharded module, a pipeline stage, tensor shards).
   Optimizers are set up after that, when fitting.
-* The DataLoader sampler takes rank and size from the ``dp`` axis only: pipeline and tensor peers see the same batch.
+* The DataLoader sampler takes rank and size from the ``dp`` axis only: pipeline, tensor and context peers see the
+  same batch. With context parallelism (cp > 1) each step keeps this rank's head and tail chunks of the batch
+  tensors the module's ``context_parallel_plan()`` names, and tensors logged from a step are averaged over
+  ``dp x cp`` (the one-device value of a mean over tokens).
 
 Checkpoints: by default rank 0 writes the Lightning checkpoint (right when every rank holds the whole model);
 strategies whose ranks hold different parts override ``save_checkpoint``/``lightning_module_state_dict``.
@@ -212,6 +215,98 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         return process_training_loader(module._trainer if module is not None else None,
                                        super().process_dataloader(dataloader))
 
+    # ------------------------------------------------------------------ context parallelism: this rank's tokens
+    def context_batch(self, batch: Any) -> Any:
+        """``batch`` as this rank sees it: with cp > 1, the tensors of the module's ``context_parallel_plan()``
+        cut to this rank's head and tail chunks along their sequence dims; otherwise ``batch`` itself."""
+        plan = self.composition.context_plan if self.composition is not None else None
+        if plan is None:
+            return batch
+        from lightning_parallel.parallel.context_parallel import SequenceShard, split_batch
+
+        return split_batch(batch, plan, SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp")))
+
+    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "batch" in kwargs:
+            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"])}
+        return (self.context_batch(args[0]), *args[1:]) if args else args, kwargs
+
+    @contextlib.contextmanager
+    def context_parallel_logging(self) -> Generator[None, None, None]:
+        """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
+        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch). A
+        collective per logged tensor: every rank logs the same names in the same order."""
+        module = self.lightning_module
+        if self.dims.cp == 1 or module is None:
+            yield None
+            return
+        from lightning_parallel.parallel.pipeline.runtime import plain
+
+        had = "log" in vars(module)
+        original = module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(value, Tensor) and value.is_floating_point():
+                value = self.train_step.reduce_mean(plain(value).detach())
+            original(name, value, *args, **kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield None
+        finally:
+            if had:
+                module.log = original  # type: ignore[method-assign]
+            else:
+                del module.log
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dims.cp == 1:
+            return super().validation_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        with self.context_parallel_logging():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dims.cp == 1:
+            return super().test_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        with self.context_parallel_logging():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With cp > 1 the module predicts on this rank's tokens; tensor outputs that carry them (the split length
+        along the batch's sequence dim) are gathered back over cp into the whole sequence, in order."""
+        if self.dims.cp == 1 or self.composition is None or self.composition.context_plan is None:
+            return super().predict_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        local = kwargs["batch"] if "batch" in kwargs else args[0]
+        dim = self._context_dim()
+        return self.context_unshard(super().predict_step(*args, **kwargs), local_len=_first_tensor(local).shape[dim])
+
+    def _context_dim(self) -> int:
+        plan = self.composition.context_plan if self.composition is not None else None
+        if plan is None:
+            return 1
+        return plan.batch if isinstance(plan.batch, int) else next(iter(plan.batch.values()), 1)
+
+    def context_unshard(self, out: Any, *, local_len: int) -> Any:
+        """With cp > 1: the tensors of ``out`` that hold this rank's ``local_len`` tokens along the batch's sequence
+        dim, gathered over cp into the whole sequence in order (a collective: every cp rank calls it)."""
+        if self.dims.cp == 1:
+            return out
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        from lightning_parallel.parallel.context_parallel import SequenceShard, unshard_sequence
+
+        dim = self._context_dim()
+        shard = SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp"))
+        group = self.mesh.get_group("cp")
+        return apply_to_collection(out, Tensor, lambda t: unshard_sequence(t, dim, shard, group)
+                                   if t.dim() > dim and t.shape[dim] == local_len else t)
+
     # ------------------------------------------------------------------ the module: one composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -268,9 +363,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
-        tensor plan -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank, and the train
-        step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a module composed by
-        an earlier call of this process is reused); returns what the loops call."""
+        tensor plan -> context parallel -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank,
+        and the train step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a
+        module composed by an earlier call of this process is reused); returns what the loops call."""
         composition = self.compose_module(model, fitting=trainer_fn == TrainerFn.FITTING)
         return composition.module
 
@@ -305,9 +400,12 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``training_step``; the values it logs are combined over ``dp`` first, so the logged curve is
-        one device's (:mod:`lightning_parallel.strategies.logged`)."""
-        reduce = self.train_step.reduce_logged if self.dims.dp > 1 else None
+        """The module's ``training_step`` on this rank's part of the batch (with context parallelism: its head and
+        tail chunks of the sequence); the values it logs are combined over the model's replicas (``dp``, ``dp x cp``)
+        first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        if self.dims.cp > 1:
+            args, kwargs = self._context_args(args, kwargs)
+        reduce = self.train_step.reduce_logged if self.dims.replicas > 1 else None
         with global_batch_logs(self.lightning_module, reduce):
             return super().training_step(*args, **kwargs)
 
@@ -390,7 +488,11 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
+        """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh and
+        the process's context-parallel state (the routed attention runs its own forward again)."""
+        from lightning_parallel.parallel.context_parallel import deactivate
+
+        deactivate()
         watchdog.stop()
         interrupts.uninstall()
         if self._fit_patches is not None:
@@ -439,6 +541,16 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def _first_tensor(batch: Any) -> Tensor:
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+    raise TypeError(f"no tensor in the {type(batch).__name__} batch.")
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -123,14 +123,23 @@ class LayoutMixin:
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that
         lacks the hook its activation checkpointing or ``compile`` needs (the error names the hook); the module's
-        own ``check_parallel_layout``. Submodules the user compiled are unwrapped first (compiled in place), so
-        every name checked here and used later is the module's own."""
+        own ``check_parallel_layout``; with context parallelism, one without ``context_parallel_plan()`` (the error
+        shows a minimal one) or whose attention cannot be split (parameters, attention dropout, a non-causal mask).
+        Submodules the user compiled are unwrapped first (compiled in place), so every name checked here and used
+        later is the module's own."""
         from lightning_parallel.parallel.compile import check_backend, compile_targets, unwrap_compiled
 
         unwrap_compiled(module)  # the user's torch.compile(submodule): names without "_orig_mod." from here on
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
+        if self.layout.context_parallel_size > 1:
+            from lightning_parallel.config import check_context_compat
+            from lightning_parallel.parallel.context_parallel import check_context_plan
+
+            check_context_plan(module)
+            if "n_head" in shape:
+                check_context_compat(self.layout, n_head=shape["n_head"])
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
@@ -193,6 +202,8 @@ class LayoutMixin:
             extra += f", recompute={self.layout.activation_checkpointing}"
         if self.layout.compile:
             extra += ", compile" if self.layout.compile is True else f", compile={self.layout.compile}"
+        if self.layout.context_parallel_size > 1 and self.layout.context_parallel_style != "ring":
+            extra += f", cp_style={self.layout.context_parallel_style}"
         return f"{self.strategy_name} ({self._dims.describe()}{extra})"
 
 
@@ -345,7 +356,19 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
 def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
     """Before spawning: every data module among ``trainer.fit``'s arguments that defines ``check_before_launch``
     (:class:`~lightning_parallel.data.TextDataModule` does) checks its data against the data-parallel size (a missing
-    or empty path, a corpus smaller than one batch per rank), once, in the launching process."""
+    or empty path, a corpus smaller than one batch per rank), once, in the launching process. With context
+    parallelism, a data module's ``block_size`` (its sequence length) must divide by 2 x cp."""
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and layout.context_parallel_size > 1:
+        from lightning_parallel.config import check_context_compat
+
+        for arg in args:
+            if isinstance(arg, pl.LightningDataModule):
+                hparams = getattr(arg, "hparams", None)
+                block = getattr(arg, "block_size", None) or (hparams.get("block_size") if hparams else None)
+                if isinstance(block, int) and not isinstance(block, bool):
+                    check_context_compat(layout, sequence_length=block,
+                                         where=f"the data module {type(arg).__name__}'s block_size")
     dims = getattr(strategy, "_dims", None)
     dp = int(getattr(dims, "dp", 0) or 0) or int(getattr(strategy, "num_processes", 1) or 1) * int(
         getattr(strategy, "num_nodes", 1) or 1)

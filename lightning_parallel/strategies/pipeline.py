@@ -263,7 +263,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         assert self.runner is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        inputs, target = self._inputs(batch)
+        inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
         if batch_idx % self.accumulate_grad_batches == 0:
@@ -280,7 +280,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     def _eval(self, batch: Any, name: str, prog_bar: bool) -> Tensor:
         assert self.runner is not None and self.lightning_module is not None
-        inputs, target = self._inputs(batch)
+        inputs, target = self._inputs(self.context_batch(batch))
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
         with self.precision_plugin.val_step_context(), self._tp_loss():
@@ -301,11 +301,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """The last stage's output for the batch, on every rank (a broadcast over ``pp``)."""
         assert self.runner is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch = self.context_batch(args[0] if args else kwargs["batch"])
         inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
         with self.precision_plugin.predict_step_context(), self._tp_loss():
             out = self.runner.forward_only(inputs)
-            return self.runner.outputs_everywhere(out)
+            return self.context_unshard(self.runner.outputs_everywhere(out), local_len=inputs.shape[1])
 
     def _tp_loss(self) -> contextlib.AbstractContextManager[Any]:
         """With tp > 1 the head's logits are split by vocabulary: the loss is torch's ``loss_parallel``."""

@@ -216,7 +216,7 @@ class LPShardedStrategy(LayoutStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         sharded_format.save(self, checkpoint, filepath, zero_stage=self.zero_stage,
-                            shard_ranks=self.dims.dp_subgroup_ranks("dp_shard", 0),
+                            shard_ranks=self.dims.shard_group_ranks(0),
                             fsdp=self.lightning_module is not None and _is_fsdp(self.lightning_module))
 
     @override

@@ -70,6 +70,10 @@ CASES: tuple[BadInput, ...] = (
     BadInput("negative devices", _fit("--trainer.devices", "-3"), "devices"),
     BadInput("world of one with tp 2", _fit("--trainer.strategy", "lp_tensor", "--trainer.devices", "1",
                                              "--parallel.tensor_parallel_size", "2"), "world size is 1"),
+    BadInput("block size not divisible by 2 x cp", _fit("--trainer.devices", "3", "--parallel.context_parallel_size",
+                                                        "3"), "block_size is 128: 128 % 6 = 2"),
+    BadInput("attention dropout under cp", _fit("--parallel.context_parallel_size", "2", "--model.init_args.dropout",
+                                                "0.1"), "dropout on the attention probabilities is not run"),
     # --- data
     BadInput("data path that does not exist", _fit("--data.init_args.path", "{dir}/no_such.txt"), "does not exist"),
     BadInput("empty text file", _fit("--data.init_args.path", "{dir}/empty.txt"), "is empty"),

@@ -114,9 +114,21 @@ def test_composition_path_of_every_layout_strategy() -> None:
         (LPPipelineStrategy, {"pipeline_parallel_size": 2, "zero_stage": 1}, 4,
          ("pipeline split", "placement", "data-parallel wrap"), "zero"),
         (LPHybridStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "activation_checkpointing":
-                            "selective", "compile": "aot_eager"}, 8, COMPOSITION_ORDER, "allreduce"),
+                            "selective", "compile": "aot_eager"}, 8,
+         tuple(s for s in COMPOSITION_ORDER if s != "context parallel"), "allreduce"),
         (LPShardedStrategy, {"zero_stage": 3, "compile": True}, 2,
          ("placement", "compile", "data-parallel wrap"), "fsdp"),
+        (LPHybridStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "context_parallel_size": 2,
+                            "activation_checkpointing": "selective", "compile": "aot_eager"}, 8, COMPOSITION_ORDER,
+         "allreduce"),
+        (LPDDPStrategy, {"context_parallel_size": 2}, 4, ("placement", "context parallel", "data-parallel wrap"),
+         "ddp"),
+        (LPShardedStrategy, {"zero_stage": 3, "context_parallel_size": 2}, 4,
+         ("placement", "context parallel", "data-parallel wrap"), "fsdp"),
+        (LPTensorStrategy, {"tensor_parallel_size": 2, "context_parallel_size": 2}, 4,
+         ("placement", "tensor plan", "context parallel", "data-parallel wrap"), "allreduce"),
+        (LPPipelineStrategy, {"pipeline_parallel_size": 2, "context_parallel_size": 2}, 4,
+         ("pipeline split", "placement", "context parallel", "data-parallel wrap"), "allreduce"),
     ]
     for cls, layout, world, path, sync in cases:
         strategy = cls(parallel=layout)
@@ -124,6 +136,42 @@ def test_composition_path_of_every_layout_strategy() -> None:
         assert composition_path(strategy.layout, dims, pipeline=strategy.pipelined) == path, cls.__name__
         strategy._dims = dims
         assert strategy.data_parallel_plan().sync == sync, cls.__name__
+
+
+def test_context_parallelism_syncs_over_dp_x_cp() -> None:
+    """With cp > 1 every plan keeps the replicas of dp x cp equal (the mesh's dp_cp; FSDP2 over it, or over
+    dp_replicate x dp_shard_cp under HSDP); the fairscale backend (dp alone) is refused; cp = 1 plans are as before."""
+    for layout, world, sync, fsdp in (
+            ({"context_parallel_size": 2}, 4, "ddp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 1}, 4, "zero", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 3}, 4, "fsdp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 3, "data_parallel_shard_size": 2}, 8, "fsdp",
+             ("dp_replicate", "dp_shard_cp")),
+            ({"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 8, "fsdp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, 8, "allreduce", ("dp_cp",))):
+        plan = data_parallel_plan(*_dims(world, **layout))
+        assert (plan.sync, plan.axis, plan.fsdp_axes) == (sync, "dp_cp", fsdp), layout
+    assert data_parallel_plan(*_dims(2, zero_stage=3)).axis == "dp"
+    assert data_parallel_plan(*_dims(4, zero_stage=3, data_parallel_shard_size=2)).fsdp_axes == (
+        "dp_replicate", "dp_shard")
+    with pytest.raises(LayoutError, match=r"fairscale backend runs over the dp group alone, but "
+                                          r"context_parallel_size=2"):
+        data_parallel_plan(*_dims(4, context_parallel_size=2, zero_stage=1), backend="fairscale")
+
+
+def test_context_parallel_step_keeps_its_place_in_the_order() -> None:
+    """The cp routing after the tensor plan and before recomputation (a recomputed core recomputes its ring) and the
+    dp wrap; applied after either, it is refused before it touches the module."""
+    from lightning_parallel.parallel.compose import apply_context_parallel_step
+    from lightning_parallel.parallel.context_parallel import SequenceShard, context_parallel_modules
+
+    assert COMPOSITION_ORDER.index("tensor plan") < COMPOSITION_ORDER.index("context parallel") < \
+        COMPOSITION_ORDER.index("activation checkpointing") < COMPOSITION_ORDER.index("data-parallel wrap")
+    model = _gpt()
+    apply_recomputation(model, mode="selective")
+    with pytest.raises(CompositionOrderError, match="'context parallel' after 'activation checkpointing'"):
+        apply_context_parallel_step(model, cp_group=None, shard=SequenceShard(2, 0), style="ring")
+    assert context_parallel_modules(model) == [] and steps_done(model) == ["activation checkpointing"]
 
 
 def test_steps_out_of_order_are_impossible() -> None:
