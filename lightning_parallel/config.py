@@ -317,12 +317,6 @@ class ParallelConfig:
 
     def _validate_fsdp(self) -> None:
         shard, z = self.data_parallel_shard_size, self.zero
-        if z == 2 and self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1:
-            raise LayoutError(
-                f"parallel.zero_stage=2 with tensor_parallel_size={self.tensor_parallel_size} and no pipeline is not "
-                "run by any strategy: zero_stage=1 moves the same bytes (the gradients stay whole), zero_stage=3 "
-                "shards the parameters too (FSDP2 over the TP shards). Fix: zero_stage=1 or 3 (or add "
-                "pipeline_parallel_size > 1: ZeRO-2 then runs as FSDP2 per stage).")
         if shard is not None:
             _check_positive_int("data_parallel_shard_size", shard)
             if self.zero_stage is not None and z < 2:

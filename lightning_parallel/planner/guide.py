@@ -198,7 +198,7 @@ def _layouts_for(
     # Context parallelism: the cp ranks are replicas too (ZeRO shards over dp x cp), no offload.
     stages = [(zero, offload) for zero, offload in zero_and_offload(pipeline=pp > 1, tensor=tp > 1)
               if (offload != "none" or dp * cp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
-              and (cp == 1 or offload == "none")
+              and (cp == 1 or offload == "none") and not (zero == 2 and tp > 1 and pp == 1)  # no strategy runs it
               and _accepted(zero_stage=zero, offload=offload, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                             **_nvme(offload))]
     shard = _node_shard(dp, pp, tp, hardware) if cp == 1 else None

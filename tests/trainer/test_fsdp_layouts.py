@@ -159,5 +159,5 @@ def test_layout_rules_of_fsdp_and_hsdp() -> None:
         LPShardedStrategy({"zero_stage": 2, "reshard_after_forward": False})
     with pytest.raises(LayoutError, match=r"backend='fairscale' shards over the whole dp axis"):
         LPShardedStrategy({"zero_stage": 2, "data_parallel_shard_size": 2}, backend="fairscale")
-    with pytest.raises(LayoutError, match=r"zero_stage=2 with tensor_parallel_size=2 and no pipeline is not run"):
+    with pytest.raises(LayoutError, match=r"lp_hybrid runs zero_stage=2 as FSDP2 per pipeline stage.*Fix: zero_stage="):
         LPHybridStrategy({"tensor_parallel_size": 2, "zero_stage": 2})

@@ -70,8 +70,9 @@ def test_data_parallel_plan_picks_the_sync_of_each_layout(layout: dict[str, Any]
 
 
 def test_data_parallel_plan_refuses_what_is_not_composed() -> None:
+    config, dims = _dims(4, tensor_parallel_size=2, zero_stage=2)
     with pytest.raises(LayoutError, match="zero_stage=2 with tensor_parallel_size=2 and no pipeline"):
-        _dims(4, tensor_parallel_size=2, zero_stage=2)  # refused by the section itself: no strategy runs it
+        data_parallel_plan(config, dims)
     config, dims = _dims(4, tensor_parallel_size=2, zero_stage=1)
     with pytest.raises(LayoutError, match="fairscale backend runs ZeRO stage 1 or 2 over dp alone"):
         data_parallel_plan(config, dims, backend="fairscale")
