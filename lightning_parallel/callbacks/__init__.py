@@ -3,6 +3,8 @@
 * :class:`CountCommunication` -- turns the strategy's communication counter on (off by default: a step counts
   nothing);
 * :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
+* :class:`NonFiniteLossGuard` -- a NaN/inf training loss stops every rank on that step, never reaching a checkpoint
+  (every library strategy installs one; ``action="skip"`` skips such steps instead);
 * :class:`PreemptionCheckpoint` -- ``ModelCheckpoint`` that saves when a preemption (SIGTERM, Ctrl-C) stops every rank;
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
@@ -11,10 +13,11 @@
 """
 
 from lightning_parallel.callbacks.model_states import ModelStateReport
+from lightning_parallel.callbacks.nonfinite import NonFiniteLossError, NonFiniteLossGuard
 from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import CountCommunication, ZeroStats
 
-__all__ = ["CountCommunication", "ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers",
-           "ZeroStats"]
+__all__ = ["CountCommunication", "ModelStateReport", "NonFiniteLossError", "NonFiniteLossGuard", "PreemptionCheckpoint",
+           "RunSummary", "TileLinearLayers", "ZeroStats"]
