@@ -82,6 +82,7 @@ class NonFiniteLossGuard(Callback):
         self._batch = 0
         self._last_finite: tuple[int, float] | None = None
         self._sigterm_agreed = False
+        self._sigterm_asked = False
         self._pending_bad: Tensor | bool = False
         self._patched: Any = None
 
@@ -103,10 +104,25 @@ class NonFiniteLossGuard(Callback):
         self._patched = None
         self._trainer = None
 
+    @property
+    def agrees_on_preemption(self) -> bool:
+        """Whether this guard agrees on preemptions for the ranks (a multi-rank run with the check on): the signal
+        handlers then call :meth:`request_stop` instead of setting Lightning's flag, which Lightning reads rank by
+        rank at the end of a batch -- a rank whose signal came a moment earlier would stop alone."""
+        return self._patched is not None
+
+    def request_stop(self) -> None:
+        """A preemption asked for on this rank (SIGTERM, the first Ctrl-C): agreed on at the end of this batch."""
+        self._sigterm_asked = True
+
     def _agreed_sigterm(self) -> None:
         """In place of Lightning's broadcast at the start of a batch: the preemption the ranks agreed on at the end of
         the previous one."""
         if self._sigterm_agreed:
+            trainer = self._trainer
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True  # what Lightning's loops and callbacks read from now on
             raise SIGTERMException()
 
     @override
@@ -172,7 +188,7 @@ class NonFiniteLossGuard(Callback):
             finite = torch.isfinite(loss).all()
             bad = (~finite).float().to(device)
             value = torch.where(finite, loss.mean(), torch.zeros((), device=loss.device)).to(device)
-        sigterm = float(bool(getattr(trainer, "received_sigterm", False)))
+        sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
         numbers = torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
         if _multi_rank(trainer):
             dist.all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag

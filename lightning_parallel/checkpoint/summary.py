@@ -26,16 +26,17 @@ import torch
 
 from .formats import CheckpointInfo, detect_format
 from .formats.common import load_torch_file, strip_wrapper_prefixes
-from .names import DCP_MODEL_KEY, META_FILE, OPTIMIZER_GROUPS_KEY, SHARDED_KEY, rank_file
+from .names import DCP_MODEL_KEY, DEEPSPEED_OPTIM_STATES_GLOB, META_FILE, OPTIMIZER_GROUPS_KEY, SHARDED_KEY, rank_file
 
 __all__ = ["OptimizerSummary", "SavedSummary", "describe_optimizer", "live_optimizers", "resume_refusal",
            "scheduler_keys", "summarize"]
 
 _VOLATILE_GROUP_KEYS = frozenset({
     "params", "param_names", "initial_lr", "lr", "weight_decay", "foreach", "fused", "capturable", "differentiable",
-    "maximize", "decoupled_weight_decay", "step", "bias_correction",
+    "maximize", "decoupled_weight_decay", "step", "bias_correction", "amsgrad", "adamw_mode",
 })
-"""Param-group keys that do not tell optimizers apart (set by schedulers, or added by newer torch versions)."""
+"""Param-group keys that do not tell optimizers apart (set by schedulers, added by newer torch versions, or options
+within one kind: AdamW and DeepSpeed's CPU Adam are both ``betas, eps``; SGD is ``dampening, momentum, nesterov``)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def _summarize(path: str | Path, *, trusted: bool) -> SavedSummary:
     elif info.format in ("lp_tensor", "lp_pipeline", "lp_hybrid"):
         _dcp(summary)
     else:
-        _deepspeed(summary, content)
+        _deepspeed(summary, content, trusted=trusted)
     return summary
 
 
@@ -194,7 +195,7 @@ def _dcp(summary: SavedSummary) -> None:
                               for groups in groups_by_opt]
 
 
-def _deepspeed(summary: SavedSummary, states: Mapping[str, Any]) -> None:
+def _deepspeed(summary: SavedSummary, states: Mapping[str, Any], *, trusted: bool) -> None:
     leading = ("_forward_module.", "module.")
     shapes: dict[str, tuple[int, ...]] = {}
     groups = states.get("param_shapes") or []
@@ -207,8 +208,25 @@ def _deepspeed(summary: SavedSummary, states: Mapping[str, Any]) -> None:
     summary.shapes = {k: shapes[k2] for k, k2 in zip(strip_wrapper_prefixes(dict.fromkeys(shapes), leading=leading),
                                                       shapes, strict=True)}
     summary.whole = bool(groups)
-    if groups:  # the optimizer's kind is DeepSpeed's own (CPU Adam): only the group sizes are compared
-        summary.optimizers = [OptimizerSummary(tuple(len(g) for g in groups), None)]
+    if groups:
+        summary.optimizers = [OptimizerSummary(tuple(len(g) for g in groups), _deepspeed_keys(summary.info, trusted))]
+
+
+def _deepspeed_keys(info: CheckpointInfo, trusted: bool) -> frozenset[str] | None:
+    """The hyper-parameter names of a DeepSpeed folder's optimizer (rank 0's optimizer-state file; it holds DeepSpeed
+    objects, so only when ``trusted``, as resuming reads it), or None."""
+    if not trusted or info.tag is None:
+        return None
+    files = sorted((info.path / info.tag).glob(DEEPSPEED_OPTIM_STATES_GLOB))
+    if not files:
+        return None
+    try:
+        state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+        base = state.get("base_optimizer_state") or state.get("optimizer_state_dict") or state
+        groups = base["param_groups"]
+    except Exception:
+        return None
+    return frozenset().union(*(_group_keys(g) for g in groups)) if groups else None
 
 
 # ---------------------------------------------------------------------------------------------- the comparison

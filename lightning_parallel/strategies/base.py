@@ -343,8 +343,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            interrupts.install(self.lightning_module.trainer)
-            install_nonfinite_guard(self.lightning_module.trainer)
+            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            interrupts.install(self.lightning_module.trainer,
+                               request_stop=guard.request_stop if guard.agrees_on_preemption else None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

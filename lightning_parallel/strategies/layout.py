@@ -371,13 +371,15 @@ def launch_environment_refusal(num_nodes: int, cluster_environment: Any) -> str 
         return None  # SLURM, LSF, Kubeflow, MPI, ...: the scheduler starts the nodes
     if any(os.environ.get(key) for key in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK")):
         return None  # started by hand on every node with the rendezvous address and the node's rank
+    n = int(num_nodes)
+    others = "node 1" if n == 2 else f"nodes 1..{n - 1}"
     return (
-        f"trainer.num_nodes={num_nodes}, but nothing starts the other {int(num_nodes) - 1} node(s): no launcher "
-        "(torchrun, SLURM) runs this command and MASTER_ADDR / NODE_RANK are not set, so the ranks of this node would "
-        f"wait at the rendezvous for nodes 1..{int(num_nodes) - 1} for ever. Fix: start it on every node with "
-        f"scripts/launch/torchrun.sh --nnodes {num_nodes} --node-rank R --master-addr NODE0 RECIPE (or sbatch "
-        "scripts/launch/slurm.sbatch under SLURM), or set MASTER_ADDR, MASTER_PORT and NODE_RANK on each node; on "
-        "one machine use trainer.num_nodes=1."
+        f"trainer.num_nodes={num_nodes}, but nothing starts {others}: no launcher (torchrun, SLURM) runs this "
+        "command and MASTER_ADDR / NODE_RANK are not set, so the ranks of this node would wait at the rendezvous for "
+        f"{others} for ever. Fix: start it on every node with "
+        f"scripts/launch/torchrun.sh --nnodes {num_nodes} --node-rank R --master-addr NODE0 RECIPE (under SLURM: "
+        f"sbatch --nodes {num_nodes} scripts/launch/slurm.sbatch RECIPE), or set MASTER_ADDR, MASTER_PORT and "
+        "NODE_RANK on each node; on one machine use trainer.num_nodes=1."
     )
 
 

@@ -409,8 +409,9 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            interrupts.install(self.lightning_module.trainer)
-            install_nonfinite_guard(self.lightning_module.trainer)
+            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            interrupts.install(self.lightning_module.trainer,
+                               request_stop=guard.request_stop if guard.agrees_on_preemption else None)
         for config in self.lr_scheduler_configs:
             last = getattr(config.scheduler, "_last_lr", None)
             optimizer = getattr(config.scheduler, "optimizer", None)

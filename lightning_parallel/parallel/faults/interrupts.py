@@ -22,6 +22,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -32,9 +33,11 @@ _PREVIOUS_TERM: Any = None
 _INSTALLED = False
 
 
-def install(trainer: Any) -> None:
-    """Route this process's SIGTERM and next SIGINT to ``trainer``'s SIGTERM flag, with no collective in the handler
-    (no-op off the main thread)."""
+def install(trainer: Any, request_stop: Callable[[], None] | None = None) -> None:
+    """Route this process's SIGTERM and next SIGINT to a stop at the next step boundary, with no collective in the
+    handler (no-op off the main thread): ``request_stop()`` when given (the ranks then agree on the stop in a
+    collective of their own at a step boundary: a rank never stops alone because its signal came a moment earlier),
+    else ``trainer``'s SIGTERM flag (Lightning's path)."""
     global _PREVIOUS, _PREVIOUS_TERM, _INSTALLED
     if threading.current_thread() is not threading.main_thread() or _INSTALLED:
         return
@@ -42,19 +45,28 @@ def install(trainer: Any) -> None:
     if connector is None:
         return
 
+    asked = {"stop": False}
+
+    def stop() -> None:
+        asked["stop"] = True
+        if request_stop is not None:
+            request_stop()
+        else:
+            connector.received_sigterm = True
+
     def handler(signum: int, frame: FrameType | None) -> None:
-        if connector.received_sigterm:  # the second Ctrl-C: stop now
+        if asked["stop"] or connector.received_sigterm:  # the second Ctrl-C: stop now
             uninstall()
             raise KeyboardInterrupt
-        connector.received_sigterm = True
+        stop()
         if getattr(trainer, "is_global_zero", False):
             print("lightning-parallel: Ctrl-C: every rank stops at the next step boundary and saves a checkpoint "
                   "(with PreemptionCheckpoint); press Ctrl-C again to stop at once", file=sys.stderr,
                   flush=True)
 
     def term_handler(signum: int, frame: FrameType | None) -> None:
-        first = not connector.received_sigterm
-        connector.received_sigterm = True
+        first = not (asked["stop"] or connector.received_sigterm)
+        stop()
         if not first:
             return
         launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
