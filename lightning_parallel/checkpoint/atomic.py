@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, UnwritableFolderError
 from .names import OLD_SUFFIX, PARTIAL_SUFFIX
 
 __all__ = ["PARTIAL_SUFFIX", "check_writable_dir", "check_writable_file", "disk_errors", "fresh_partial",
@@ -70,18 +70,18 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def check_writable_dir(folder: str | Path, *, what: str) -> None:
-    """Raise :class:`CheckpointWriteError` when ``folder`` (existing, or to be created) cannot be written: a file is
-    in the way, or the nearest existing folder is not writable (read-only file system, permissions). ``what`` names
-    the setting (``trainer.default_root_dir``, ...) for the message."""
+    """Raise :class:`~.errors.UnwritableFolderError` when ``folder`` (existing, or to be created) cannot be written:
+    a file is in the way, or the nearest existing folder is not writable (read-only file system, permissions).
+    ``what`` names the setting (``trainer.default_root_dir``, ...) for the message."""
     path = Path(folder)
     base = _existing_ancestor(path)
     if not base.is_dir():
-        raise CheckpointWriteError(errno.ENOTDIR, f"{what}={str(folder)!r} cannot be created: {base} is a file, not a "
-                                   "folder. Fix: point it at a folder", str(folder))
+        raise UnwritableFolderError(f"{what}={str(folder)!r} cannot be created: {base} is a file, not a folder. Fix: "
+                                    "point it at a folder (or remove the file).")
     if not os.access(base, os.W_OK | os.X_OK) or _read_only(base):
         reason = "is on a read-only file system" if _read_only(base) else "is not writable by this user"
-        raise CheckpointWriteError(errno.EACCES, f"{what}={str(folder)!r} cannot be written: {base} {reason}. Fix: "
-                                   "point it at a folder you can write, or fix the folder's permissions", str(folder))
+        raise UnwritableFolderError(f"{what}={str(folder)!r} cannot be written: {base} {reason}. Fix: point it at a "
+                                    "folder you can write, or fix the folder's permissions.")
 
 
 def _read_only(folder: Path) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning_parallel.config import UserInputError
 
-__all__ = ["CheckpointFormatError", "CheckpointWriteError", "ResumeError"]
+__all__ = ["CheckpointFormatError", "CheckpointWriteError", "ResumeError", "UnwritableFolderError"]
 
 
 class CheckpointFormatError(UserInputError):
@@ -25,3 +25,8 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror) if self.strerror else super().__str__()
+
+
+class UnwritableFolderError(UserInputError):
+    """A folder the run writes into (``default_root_dir``, a logger's ``save_dir``, a checkpoint ``dirpath``) that
+    cannot be created or written; refused before any rank starts."""
