@@ -185,7 +185,8 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
         raise ValueError(f"--recipe {str(path)!r} must be a mapping at the top level, not a {type(data).__name__}.")
     # as the CLI reads it: the `defaults` fragments merged in, then the ${...} interpolations resolved
     try:
-        data = OmegaConf.to_container(OmegaConf.create(compose_recipe(file)), resolve=True)  # type: ignore[assignment]
+        resolved: Any = OmegaConf.to_container(OmegaConf.create(compose_recipe(file)), resolve=True)
+        data = resolved if isinstance(resolved, dict) else {}
     except OmegaConfBaseException as err:
         first = str(err).strip().splitlines()[0]
         raise ValueError(f"--recipe {str(path)!r}: an interpolation does not resolve ({first}). Fix the recipe "

@@ -51,7 +51,7 @@ class OptimizerChoiceGPT(GPT):
         optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]
         if self.optimizer_name == "sgd":
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-            optimizer = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.9)
+            optimizer = torch.optim.SGD(groups, lr=float(self.hparams["lr"]), momentum=0.9)
             scheduler = {**scheduler, "scheduler": torch.optim.lr_scheduler.LambdaLR(
                 optimizer, scheduler["scheduler"].lr_lambdas[0])}
         schedulers = [scheduler]

@@ -97,7 +97,7 @@ def test_a_full_disk_stops_every_rank_with_the_path_and_the_bytes(tmp_path: Path
     _patch(fmt, monkeypatch)
     folder = tmp_path / "ckpt"
     checkpoint = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True, save_top_k=0)
-    with pytest.raises(BaseException) as raised:  # noqa: PT011,B017  (forked ranks: Lightning re-raises their error)
+    with pytest.raises(BaseException) as raised:
         rm._fit(rm.LAYOUTS[FORMATS[fmt]], losses=tmp_path / "losses.jsonl", callbacks=[_ArmAtStep2(), checkpoint])
     text = str(raised.value)
     line = next((x for x in text.splitlines() if "no space left" in x), text.strip().splitlines()[-1])

@@ -77,7 +77,7 @@ def test_a_nan_loss_stops_every_rank_on_its_step_and_keeps_last_ckpt_finite(tmp_
     rm.quiet()
     os.environ[TRUST_ENV] = "1"  # the DeepSpeed folder's optimizer files hold DeepSpeed objects (written here)
     layout = rm.LAYOUTS[FAMILIES[family]]
-    with pytest.raises(BaseException) as raised:  # noqa: PT011,B017  (forked ranks: Lightning re-raises their error)
+    with pytest.raises(BaseException) as raised:
         _fit(layout, tmp_path / "ckpt")
     text = str(raised.value)
     last = tmp_path / "ckpt" / "last.ckpt"

@@ -51,8 +51,8 @@ def _model(**changes: Any) -> pl.LightningModule:
 
 CHANGES: dict[str, tuple[dict[str, Any], str]] = {
     "another shape (n_embd 16)": ({"n_embd": 16}, r"n_embd: configured 16, saved 32.*Fix: configure the model"),
-    "another optimizer (SGD)": ({"optimizer": "sgd"},
-                                r"optimizer 0 was saved as .*SGD \(dampening, momentum, nesterov\).*--resume_weights_only"),
+    "another optimizer (SGD)": ({"optimizer": "sgd"}, r"optimizer 0 was saved as .*SGD \(dampening, momentum, "
+                                                      r"nesterov\).*--resume_weights_only"),
     "an added LR scheduler (StepLR)": ({"step_lr": True},
                                        r"holds 1 LR scheduler state\(s\); this run configures 2 \(LambdaLR, StepLR\)"),
 }

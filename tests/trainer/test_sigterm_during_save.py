@@ -85,7 +85,8 @@ def test_sigterm_during_a_save_lets_it_finish_then_stops_as_a_preemption(tmp_pat
     assert "the run was not stopped" not in out
     for bad in ("doesn't match expected size", "Fatal Python error", "Aborted", "is gone"):
         assert bad not in out, out[-4000:]
-    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (folder / "losses.jsonl").read_text().splitlines()]
+    losses = (folder / "losses.jsonl").read_text().splitlines()
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in losses]
     assert max(steps) == 3, (steps, out[-3000:])  # stopped at the step boundary the ranks agreed on, before step 4
     last = folder / "last.ckpt"
     info = detect_format(last)
