@@ -543,11 +543,17 @@ class _CheckCLI(LightningParallelCLI):
     def instantiate_classes(self) -> None:
         import torch
 
+        from lightning_parallel.strategies.layout import LAUNCH_NOTES_ONLY
+
         with torch.device("meta"):
             self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
-        self.trainer = self.instantiate_trainer()
+        LAUNCH_NOTES_ONLY["on"] = True  # a recipe for several nodes is checked where they are not started
+        try:
+            self.trainer = self.instantiate_trainer()
+        finally:
+            LAUNCH_NOTES_ONLY["on"] = False
 
 
 def check_recipe(args: list[str]) -> str:
@@ -585,11 +591,14 @@ def check_recipe(args: list[str]) -> str:
     n_params = sum(p.numel() for p in cli.model.parameters())
     cut = getattr(strategy, "describe_cut", None)
     stages = f" | {cut(cli.model)}" if callable(cut) else ""
+    note = getattr(strategy, "launch_note", None)
+    launch = (f" | note: started as here, fit would be refused ({note.split(': ', 1)[0]}): launch it with "
+              "scripts/launch/torchrun.sh or scripts/launch/slurm.sbatch" if note else "")
     return (
         f"lightning-parallel: recipe OK | strategy {name} | {cli.trainer.num_nodes} node(s) x "
         f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}) | model "
         f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device){stages} | nothing was "
-        "started"
+        f"started{launch}"
     )
 
 
@@ -682,28 +691,20 @@ def main(argv: list[str] | None = None) -> int:
         if _launching_process():
             print(f"lightning-parallel: error: {err}", file=sys.stderr, flush=True)
         return 1
-    trainer = getattr(cli, "trainer", None)
-    if (getattr(cli, "subcommand", None) == "fit" and trainer is not None and trainer.global_step == 0
-            and trainer.max_steps != 0 and trainer.limit_train_batches != 0 and trainer.state.status == "finished"):
-        if _launching_process():
-            print("lightning-parallel: error: fit ended after 0 training steps: the training DataLoader gave no batch "
-                  "on this rank (an empty or too small dataset, or an iterable one that ended at once). Fix: check "
-                  "the data; `lightning-parallel check --config RECIPE` counts the batches per rank.", file=sys.stderr,
-                  flush=True)
-        return 1
+    del cli
     return 0
 
 
 def _run_stopped_errors() -> tuple[type[BaseException], ...]:
-    from lightning_parallel.callbacks.nonfinite import NonFiniteLossError
+    from lightning_parallel.callbacks.nonfinite import NoTrainingStepError, NonFiniteLossError
     from lightning_parallel.checkpoint.errors import CheckpointWriteError
 
-    return (NonFiniteLossError, CheckpointWriteError)
+    return (NonFiniteLossError, NoTrainingStepError, CheckpointWriteError)
 
 
 _RUN_STOPPED = _run_stopped_errors()
-"""Errors that stop a run on every rank at once with one message (a non-finite loss, a checkpoint the disk refused):
-printed as one line, exit code 1, no traceback."""
+"""Errors that stop a run on every rank at once with one message (a non-finite loss, a fit that ran no step, a
+checkpoint the disk refused): printed as one line, exit code 1, no traceback."""
 
 
 if __name__ == "__main__":

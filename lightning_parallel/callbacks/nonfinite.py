@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_parallel.checkpoint.formats.common import REFUSE_SAVES_ATTR
 
-__all__ = ["NonFiniteLossError", "NonFiniteLossGuard", "SkippedStep", "install"]
+__all__ = ["NoTrainingStepError", "NonFiniteLossError", "NonFiniteLossGuard", "SkippedStep", "install"]
 
 Action = Literal["stop", "skip", "off"]
 
@@ -47,6 +47,13 @@ class NonFiniteLossError(RuntimeError):
 
     every_rank_stops = True
     """Read by the watchdog: no rank is to blame or to end."""
+
+
+class NoTrainingStepError(RuntimeError):
+    """``fit`` ended after 0 training steps although it was asked to train (an empty or iterable training set that
+    gave no batch): an error on every rank, not a silent success."""
+
+    every_rank_stops = True
 
 
 class SkippedStep(Exception):
@@ -132,6 +139,13 @@ class NonFiniteLossGuard(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.detach()
+        asked = trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
+        if self.action != "off" and asked and trainer.global_step == 0 and not trainer.should_stop:
+            raise NoTrainingStepError(
+                "fit ended after 0 training steps: the training DataLoader gave no batch (an empty or too small "
+                "dataset, or an iterable one that ended at once). Fix: check the data; `lightning-parallel check "
+                "--config RECIPE` counts the batches per rank of a sized dataset."
+            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -34,7 +34,7 @@ from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "TrainingDataProbe",
            "check_ckpt_path", "check_data_modules", "check_nonfinite_guard", "check_output_dirs",
-           "clip_by_norm_replaced", "configured_optimizers", "data_parallel_size", "launch_environment_refusal",
+           "LAUNCH_NOTES_ONLY", "clip_by_norm_replaced", "configured_optimizers", "data_parallel_size", "launch_environment_refusal",
            "oversubscription_warning", "preflight", "report_interrupted_saves"]
 
 
@@ -81,6 +81,7 @@ class LayoutMixin:
         self._explicit_layout = given
         self._layout = layout
         self._dims: ParallelDims | None = None
+        self.launch_note: str | None = None
 
     @property
     def layout(self) -> ParallelConfig:
@@ -142,7 +143,8 @@ class LayoutMixin:
         if self.num_processes < 1:
             raise LayoutError(f"{type(self).__name__} needs at least one device, got parallel_devices=[].")
         why = launch_environment_refusal(self.num_nodes, getattr(self, "cluster_environment", None))
-        if why:
+        self.launch_note = why
+        if why and not LAUNCH_NOTES_ONLY["on"]:
             raise LayoutError(why)
         self._dims = ParallelDims.from_config(
             self.layout, world_size=self.layout_world_size, devices_per_node=self.num_processes,
@@ -356,6 +358,12 @@ def configured_optimizers(module: Any) -> tuple[list[Any], list[Any]] | None:
     finally:
         module._trainer = attached
     return list(optimizers), [s["scheduler"] if isinstance(s, dict) else s for s in schedulers]
+
+
+LAUNCH_NOTES_ONLY = {"on": False}
+"""Set by ``lightning-parallel check``: a recipe for several nodes is checked on a machine that does not start them
+(a login node); :func:`launch_environment_refusal` is then kept on the strategy (``launch_note``) and printed, not
+raised -- ``fit`` started the same way here is refused."""
 
 
 def launch_environment_refusal(num_nodes: int, cluster_environment: Any) -> str | None:

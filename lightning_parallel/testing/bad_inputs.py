@@ -147,7 +147,6 @@ CASES: tuple[BadInput, ...] = (
     # --- round 3 (issue 26): launch, checkpoints of every format, data, folders, tools, messages
     BadInput("num_nodes 2 without a launcher", _fit("--trainer.max_steps", "3", "--trainer.num_nodes", "2"),
              "nothing starts node 1"),
-    BadInput("check: num_nodes 2 without a launcher", _check("--trainer.num_nodes", "2"), "nothing starts node 1"),
     BadInput("DCP folder without checksums.json, a byte flipped", _fit("--ckpt_path", "{dir}/dcp_no_manifest"),
              "without checksums.json"),
     BadInput("one-file checkpoint of format version 99", _fit("--ckpt_path", "{dir}/future_version.ckpt"),
