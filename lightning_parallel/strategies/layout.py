@@ -617,15 +617,19 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     if not fitting:
         return
     check_nonfinite_guard(strategy, trainer)
-    probe = TrainingDataProbe(args, module=module)
+    # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
+    # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    probe = TrainingDataProbe(args if first else (), module=module)
     check_data = getattr(strategy, "check_data", None)
     if callable(check_data):
         check_data(args, probe=probe)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
     check_data_modules(strategy, trainer, args, probe=probe)
     check_output_dirs(trainer)
-    report_interrupted_saves(trainer)
+    if first:
+        report_interrupted_saves(trainer)
     if len(args) > 4:
-        check_ckpt_path(strategy, args[4], module=module)
+        check_ckpt_path(strategy, args[4], module=module if first else None)
 
 
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
