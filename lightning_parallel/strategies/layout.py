@@ -142,14 +142,15 @@ class LayoutMixin:
         (:func:`launch_environment_refusal`)."""
         if self.num_processes < 1:
             raise LayoutError(f"{type(self).__name__} needs at least one device, got parallel_devices=[].")
+        dims = ParallelDims.from_config(
+            self.layout, world_size=self.layout_world_size, devices_per_node=self.num_processes,
+            num_nodes=self.num_nodes,
+        )  # the layout's own refusals first
         why = launch_environment_refusal(self.num_nodes, getattr(self, "cluster_environment", None))
         self.launch_note = why
         if why and not LAUNCH_NOTES_ONLY["on"]:
             raise LayoutError(why)
-        self._dims = ParallelDims.from_config(
-            self.layout, world_size=self.layout_world_size, devices_per_node=self.num_processes,
-            num_nodes=self.num_nodes,
-        )
+        self._dims = dims
         return self._dims
 
     @property
