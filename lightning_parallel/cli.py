@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_stopped_errors() -> tuple[type[BaseException], ...]:
-    from lightning_parallel.callbacks.nonfinite import NoTrainingStepError, NonFiniteLossError
+    from lightning_parallel.callbacks.nonfinite import NonFiniteLossError, NoTrainingStepError
     from lightning_parallel.checkpoint.errors import CheckpointWriteError
 
     return (NonFiniteLossError, NoTrainingStepError, CheckpointWriteError)

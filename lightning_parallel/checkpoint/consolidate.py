@@ -18,6 +18,7 @@ from .errors import CheckpointFormatError
 from .formats import CheckpointInfo, detect_format
 from .names import RESUMED_FROM_KEY
 from .read import DROPPED_KEYS, read_checkpoint
+from .verify import verify_folder
 
 __all__ = ["ConsolidateResult", "consolidate", "main"]
 
@@ -85,6 +86,8 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resu
     if out.exists() and not overwrite:
         raise FileExistsError(errno.EEXIST, "the file exists; pass --force (overwrite=True) to replace it", str(out))
     check_writable_file(out)
+    if source.is_dir():  # against its checksum list (a DCP folder without one is refused); a file when it is read
+        verify_folder(source)
     if resumable:
         from .resume import read_resumable
 

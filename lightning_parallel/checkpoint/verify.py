@@ -219,10 +219,18 @@ class _Ranks(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
+_VERIFIED: set[tuple[str, int]] = set()
+
+
 def verify_folder_on_rank_zero(strategy: _Ranks, path: str | Path) -> None:
     """:func:`verify_folder` on rank 0 for a checkpoint folder (a file is left to its reader); every rank raises
-    the same :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` on a mismatch (a collective)."""
+    the same :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` on a mismatch (a collective). A
+    folder this process verified already (the same path, unchanged) is not read again: every rank calls this in the
+    same order, so every rank skips it alike."""
     if not Path(path).is_dir():
+        return
+    key = (str(Path(path).resolve()), Path(path).stat().st_mtime_ns)
+    if key in _VERIFIED:
         return
     problem = ""
     if strategy.is_global_zero:
@@ -233,3 +241,4 @@ def verify_folder_on_rank_zero(strategy: _Ranks, path: str | Path) -> None:
     problem = strategy.broadcast(problem)
     if problem:
         raise CheckpointFormatError(problem)
+    _VERIFIED.add(key)

@@ -32,10 +32,24 @@ from lightning_parallel.layouts import refusal
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "TrainingDataProbe",
-           "check_ckpt_path", "check_data_modules", "check_nonfinite_guard", "check_output_dirs",
-           "LAUNCH_NOTES_ONLY", "clip_by_norm_replaced", "configured_optimizers", "data_parallel_size", "launch_environment_refusal",
-           "oversubscription_warning", "preflight", "report_interrupted_saves"]
+__all__ = [
+    "LAUNCH_NOTES_ONLY",
+    "CheckedMultiProcessingLauncher",
+    "CheckedSubprocessLauncher",
+    "LayoutMixin",
+    "TrainingDataProbe",
+    "check_ckpt_path",
+    "check_data_modules",
+    "check_nonfinite_guard",
+    "check_output_dirs",
+    "clip_by_norm_replaced",
+    "configured_optimizers",
+    "data_parallel_size",
+    "launch_environment_refusal",
+    "oversubscription_warning",
+    "preflight",
+    "report_interrupted_saves",
+]
 
 
 class LayoutMixin:

@@ -156,8 +156,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             raise LayoutError(
                 f"lp_pipeline cannot split a real training batch of {probe.source} (a {_batch_kind(batch)}) into "
                 f"(input, target) with {type(module).__name__}.pipeline_batch: {type(err).__name__}: {err}"
-                + ("" if own else " Fix: override pipeline_batch(self, batch) on the module and return the input "
-                   "tensor and the target, e.g. `return batch['input_ids'], batch['labels']`.")
+                + ("" if own or "Fix:" in str(err) else " Fix: override pipeline_batch(self, batch) on the module "
+                   "and return the input tensor and the target, e.g. `return batch['input_ids'], batch['labels']`.")
             ) from None
         if not isinstance(inputs, Tensor) or target is None:
             raise LayoutError(

@@ -363,9 +363,11 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         moments into its partitions with DeepSpeed's ``safe_set_full_*``
         (:mod:`lightning_parallel.parallel.offload.resume`)."""
         from lightning_parallel.checkpoint.resume import ResumeError
+        from lightning_parallel.checkpoint.verify import verify_folder_on_rank_zero
 
         self.check_resume_source(checkpoint_path)
         path = Path(checkpoint_path)
+        verify_folder_on_rank_zero(self, path)  # checksums (rank 0; every rank stops on a mismatch)
         if not deepspeed_format.is_deepspeed_folder(path):
             return self._load_other_layout(path)
         mismatch = deepspeed_format.layout_mismatch(path, zero_stage=int(self._layout.zero),

@@ -86,6 +86,8 @@ def test_a_dcp_folder_without_its_checksum_list_is_refused_unless_asked(saved: d
     (folder / MANIFEST_FILE).unlink()
     with pytest.raises(CheckpointFormatError, match=f"without {MANIFEST_FILE}.*{UNVERIFIED_ENV}=1"):
         verify_folder(folder)
+    with pytest.raises(CheckpointFormatError, match=f"without {MANIFEST_FILE}"):  # the offline tool checks it too
+        consolidate(folder, tmp_path / "out.ckpt")
     monkeypatch.setenv(UNVERIFIED_ENV, "1")
     verify_folder(folder)  # the explicit override: loaded unverified, said so
     write_manifest(folder)
