@@ -202,6 +202,9 @@ def _deepspeed(summary: SavedSummary, states: Mapping[str, Any], *, trusted: boo
     for group in groups:
         shapes.update({k: tuple(v) for k, v in group.items()})
     shapes.update({k: tuple(v) for k, v in (states.get("frozen_param_shapes") or {}).items()})
+    for alias, source in (states.get("shared_params") or {}).items():  # tied weights: listed once in param_shapes
+        if isinstance(source, str) and source in shapes:
+            shapes.setdefault(alias, shapes[source])
     buffers = set(states.get("buffer_names") or ())
     module = states.get("module") or {}
     shapes.update({k: tuple(v.shape) for k, v in module.items() if k in buffers and isinstance(v, torch.Tensor)})
