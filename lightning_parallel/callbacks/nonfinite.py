@@ -8,8 +8,9 @@ How (``stop``): at the end of each training batch -- before ``ModelCheckpoint`` 
 the loss the step returned is checked on every rank. In a multi-rank run the ranks agree in one all-reduce of three
 numbers (this rank's preemption flag, whether its loss is finite, its loss), which *replaces* Lightning's per-batch
 broadcast of the preemption flag (``_broadcast_sigterm_tensor``, one collective and one host sync per batch): the
-check adds no collective and no host synchronisation. A preemption (SIGTERM) agreed there stops every rank at the
-start of the next batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
+check adds no collective and no host synchronisation (nor is it booked by the communication counter: it is control
+traffic, as the broadcast it replaces). A preemption (SIGTERM) agreed there stops every rank at the start of the next
+batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
 
 On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
 step, and the newest checkpoint saved before it; from then on every library format's ``save`` writes nothing (a
@@ -23,6 +24,7 @@ and printed. It costs one more all-reduce per optimizer step (the check must com
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Literal
 
@@ -181,7 +183,7 @@ class NonFiniteLossGuard(Callback):
         local = flag.float().reshape(1) if isinstance(flag, Tensor) else torch.tensor([float(flag)])
         local = local.to(trainer.strategy.root_device)
         if _multi_rank(trainer):
-            dist.all_reduce(local)
+            _all_reduce(local)
         if float(local.item()) > 0:
             self.skipped.append(self._step)
             raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
@@ -205,7 +207,7 @@ class NonFiniteLossGuard(Callback):
         sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
         numbers = torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
         if _multi_rank(trainer):
-            dist.all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
+            _all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
         sigterms, bad_ranks, total, ranks = numbers.tolist()  # the one host sync of the batch
         self._sigterm_agreed = sigterms > 0
         if bad_ranks == 0:
@@ -239,6 +241,13 @@ class NonFiniteLossGuard(Callback):
                 f"{resume} after lowering the learning rate, clipping gradients (trainer.gradient_clip_val) or "
                 "checking the data of that step -- or skip such steps with the callback "
                 "lightning_parallel.callbacks.NonFiniteLossGuard(action=skip).")
+
+
+def _all_reduce(tensor: Tensor) -> None:
+    """A sum over the world that the library's communication counter does not book (``CommCounter`` wraps
+    ``torch.distributed``'s functions): control traffic, as Lightning's broadcast of the preemption flag it replaces,
+    not the strategy's communication."""
+    inspect.unwrap(dist.all_reduce)(tensor)
 
 
 def _multi_rank(trainer: pl.Trainer) -> bool:
