@@ -90,6 +90,10 @@ def test_a_dcp_folder_without_its_checksum_list_is_refused_unless_asked(saved: d
         consolidate(folder, tmp_path / "out.ckpt")
     monkeypatch.setenv(UNVERIFIED_ENV, "1")
     verify_folder(folder)  # the explicit override: loaded unverified, said so
+    (folder / ".metadata").rename(folder / "metadata.bak")  # DCP's index gone: named, not blamed on lp_sharded
+    with pytest.raises(CheckpointFormatError, match=r"a DCP checkpoint folder .* without \.metadata"):
+        detect_format(folder)
+    (folder / "metadata.bak").rename(folder / ".metadata")
     write_manifest(folder)
     monkeypatch.delenv(UNVERIFIED_ENV)
     verify_folder(folder)
