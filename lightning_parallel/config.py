@@ -377,13 +377,21 @@ class ParallelConfig:
             raise LayoutError(f"parallel.num_micro_batches={m}: {why}.")
         layers = self.pipeline_stage_layers
         if layers is not None:
-            if (not isinstance(layers, tuple) or len(layers) != pp * v
-                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in layers)):
+            shown = list(layers) if isinstance(layers, tuple) else layers
+            bad = [c for c in layers if isinstance(c, bool) or not isinstance(c, int) or c < 1] if isinstance(
+                layers, tuple) else []
+            if bad:
                 raise LayoutError(
-                    f"parallel.pipeline_stage_layers={list(layers) if isinstance(layers, tuple) else layers!r} must "
-                    f"list one positive layer count per stage: pipeline_parallel_size={pp} x "
-                    f"virtual_pipeline_stages={v} = {pp * v} counts. Fix: give {pp * v} counts, or remove it to "
+                    f"parallel.pipeline_stage_layers={shown!r}: {bad[0]!r} is not a positive layer count (every "
+                    "stage holds at least one layer). Fix: give each stage at least 1 layer, or remove the key to "
                     "balance the stages by parameter count."
+                )
+            if not isinstance(layers, tuple) or len(layers) != pp * v:
+                raise LayoutError(
+                    f"parallel.pipeline_stage_layers={shown!r} must list one positive layer count per stage: "
+                    f"pipeline_parallel_size={pp} x virtual_pipeline_stages={v} = {pp * v} counts, got "
+                    f"{len(layers) if isinstance(layers, tuple) else 'not a list'}. Fix: give {pp * v} counts, or "
+                    "remove it to balance the stages by parameter count."
                 )
         if self.num_micro_batches is not None and pp == 1 and self.num_micro_batches > 1:
             raise LayoutError(

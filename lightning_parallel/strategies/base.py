@@ -344,6 +344,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             patches.append(self._comm_counter.counting())
         return patches
 
+    skips_nonfinite_steps = True
+    """A ``NonFiniteLossGuard(action="skip")`` can skip this strategy's optimizer step (:meth:`optimizer_step`)."""
+
     pipelined = False
     """Cut the module into pipeline stages (``lp_pipeline``, ``lp_hybrid``), even a one-stage pipeline."""
 
@@ -456,12 +459,26 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def on_train_start(self) -> None:
         """The RNG states of a resumed checkpoint are set here, after the training iterator exists
         (:func:`~lightning_parallel.checkpoint.rng.restore_rng_states`)."""
+        from lightning_parallel.callbacks.nonfinite import install as install_nonfinite_guard
         from lightning_parallel.checkpoint.rng import apply_restored_rng_states
 
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            interrupts.install(self.lightning_module.trainer)
+            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            interrupts.install(self.lightning_module.trainer,
+                               request_stop=guard.request_stop if guard.agrees_on_preemption else None)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; a step the :class:`~lightning_parallel.callbacks.NonFiniteLossGuard` skips
+        (``action="skip"``: the loss was not finite on some rank, agreed on every rank) ends before the update."""
+        from lightning_parallel.callbacks.nonfinite import SkippedStep
+
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        except SkippedStep:
+            return None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

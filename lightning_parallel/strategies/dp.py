@@ -99,6 +99,7 @@ class LPDPStrategy(ParallelStrategy):
     """
 
     strategy_name = "lp_dp"
+    skips_nonfinite_steps = True
 
     def __init__(
         self,
@@ -361,10 +362,22 @@ class LPDPStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         """The RNG states of a resumed checkpoint are set here, after the training iterator exists."""
+        from lightning_parallel.callbacks.nonfinite import install as install_nonfinite_guard
         from lightning_parallel.checkpoint.rng import apply_restored_rng_states
 
         super().on_train_start()
         apply_restored_rng_states()
+        if self.lightning_module is not None:
+            install_nonfinite_guard(self.lightning_module.trainer)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; a step the ``NonFiniteLossGuard`` skips ends before the update."""
+        from lightning_parallel.callbacks.nonfinite import SkippedStep
+
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        except SkippedStep:
+            return None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's one-file save, with the RNG states added."""

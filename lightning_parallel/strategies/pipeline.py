@@ -147,9 +147,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 "parameter in place, as the library's GPT does), or build the module on a real device."
             )
 
-    def check_data(self, launch_args: tuple[Any, ...]) -> None:
+    def check_data(self, launch_args: tuple[Any, ...], probe: Any = None) -> None:
         """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches
-        (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments)."""
+        (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments), and one real
+        training batch (``probe``: :class:`~lightning_parallel.strategies.layout.TrainingDataProbe`) must go through
+        the module's ``pipeline_batch`` into an input tensor and a target."""
         m = self.layout.micro_batches
         for source, batch_size in _batch_sizes(launch_args):
             if batch_size % m:
@@ -159,6 +161,34 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                     f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
                     f"num_micro_batches a divisor of {batch_size}."
                 )
+        module = launch_args[0] if launch_args and isinstance(launch_args[0], pl.LightningModule) else None
+        batch = probe.first_batch() if probe is not None else None
+        if module is None or batch is None:
+            return
+        own = "pipeline_batch" in {k for c in type(module).__mro__ if c is not ParallelModuleMixin for k in vars(c)}
+        try:
+            inputs, target = self._split_batch(module, batch)
+        except Exception as err:
+            raise LayoutError(
+                f"lp_pipeline cannot split a real training batch of {probe.source} (a {_batch_kind(batch)}) into "
+                f"(input, target) with {type(module).__name__}.pipeline_batch: {type(err).__name__}: {err}"
+                + ("" if own or "Fix:" in str(err) else " Fix: override pipeline_batch(self, batch) on the module "
+                   "and return the input tensor and the target, e.g. `return batch['input_ids'], batch['labels']`.")
+            ) from None
+        if not isinstance(inputs, Tensor) or target is None:
+            raise LayoutError(
+                f"{type(module).__name__}.pipeline_batch(batch) must return (input tensor, target) for a training "
+                f"batch of {probe.source} (a {_batch_kind(batch)}); it returned ({type(inputs).__name__}, "
+                f"{type(target).__name__}). Fix: return the tensor the first stage takes and the target "
+                "pipeline_loss compares the last stage's output with."
+            )
+
+    @staticmethod
+    def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
+        hook = getattr(module, "pipeline_batch", None)
+        if callable(hook):
+            return hook(batch)  # type: ignore[no-any-return]
+        return ParallelModuleMixin.pipeline_batch(module, batch)
 
     @override
     def describe(self) -> str:
@@ -364,6 +394,14 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             order = {n: j for j, n in enumerate(names)}
             merged.append({**group, "params": sorted(names, key=lambda n: (key(n), order[n]))})
         return merged
+
+
+def _batch_kind(batch: Any) -> str:
+    if isinstance(batch, dict):
+        return f"dict with keys {sorted(map(str, batch))[:6]}"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__} of {len(batch)}"
+    return type(batch).__name__
 
 
 def _as_list(value: Any) -> list[int] | None:

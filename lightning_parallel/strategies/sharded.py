@@ -232,7 +232,10 @@ class LPShardedStrategy(LayoutStrategy):
         """A sharded folder written on this layout: ``meta.pt`` + this rank's file, as saved. Anything else -- a
         file, a sharded folder of another world size or stage, another strategy's folder -- is joined into the
         one-device form and re-sharded (:meth:`LayoutStrategy.load_checkpoint`)."""
+        from lightning_parallel.checkpoint.verify import verify_folder_on_rank_zero
+
         path = Path(self.broadcast(str(checkpoint_path)))
+        verify_folder_on_rank_zero(self, path)  # checksums (rank 0; every rank stops on a mismatch)
         checkpoint = sharded_format.load(self, path, zero_stage=self.zero_stage)
         return checkpoint if checkpoint is not None else super().load_checkpoint(path)
 

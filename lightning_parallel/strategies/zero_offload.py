@@ -332,6 +332,23 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         self.prepare_ops()
 
     @override
+    def check_module(self, module: pl.LightningModule) -> None:
+        """Before spawning: the layout's module checks, and -- with offload -- the optimizers of the module's
+        ``configure_optimizers`` must have a host implementation (torch Adam/AdamW, DeepSpeed's CPU optimizers)."""
+        from lightning_parallel.parallel.offload.optim import offload_refusal
+
+        from .layout import configured_optimizers
+
+        super().check_module(module)
+        if self._layout.offload_device == "none":
+            return
+        configured = configured_optimizers(module)
+        for optimizer in configured[0] if configured else []:
+            why = offload_refusal(optimizer)
+            if why:
+                raise LayoutError(f"lp_zero_offload with offload={self._layout.offload_device!r}: {why}")
+
+    @override
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """Spawn/fork after a ZeRO-3 fit: the consolidated weights taken in ``teardown`` (rank 0's partitions are not
         the model); None otherwise."""
@@ -414,9 +431,11 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         moments into its partitions with DeepSpeed's ``safe_set_full_*``
         (:mod:`lightning_parallel.parallel.offload.resume`)."""
         from lightning_parallel.checkpoint.resume import ResumeError
+        from lightning_parallel.checkpoint.verify import verify_folder_on_rank_zero
 
         self.check_resume_source(checkpoint_path)
         path = Path(checkpoint_path)
+        verify_folder_on_rank_zero(self, path)  # checksums (rank 0; every rank stops on a mismatch)
         if not deepspeed_format.is_deepspeed_folder(path):
             return self._load_other_layout(path)
         mismatch = deepspeed_format.layout_mismatch(path, zero_stage=int(self._layout.zero),
@@ -454,12 +473,15 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
         """After a resume, give the host optimizer the learning rates of the restored schedulers: DeepSpeed's ZeRO
         checkpoint restores the optimizer *state* but not its param groups, so without this the first resumed step
         would run at the scheduler's initial lr. Also the RNG states of a resumed checkpoint, now."""
+        from lightning_parallel.callbacks.nonfinite import install as install_nonfinite_guard
         from lightning_parallel.checkpoint.rng import apply_restored_rng_states
 
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            interrupts.install(self.lightning_module.trainer)
+            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            interrupts.install(self.lightning_module.trainer,
+                               request_stop=guard.request_stop if guard.agrees_on_preemption else None)
         for config in self.lr_scheduler_configs:
             last = getattr(config.scheduler, "_last_lr", None)
             optimizer = getattr(config.scheduler, "optimizer", None)

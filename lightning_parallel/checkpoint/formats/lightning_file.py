@@ -18,9 +18,21 @@ import torch
 from torch import Tensor
 
 from .. import rng
+from ..atomic import disk_errors
 from ..errors import CheckpointFormatError
 from ..names import META_FILE, SHARDED_KEY
-from .common import CheckpointInfo, CheckpointStrategy, expected_any, load_torch_file, strip_wrapper_prefixes
+from .common import (
+    CheckpointInfo,
+    CheckpointStrategy,
+    agree_on_failure,
+    check_format_version,
+    expected_any,
+    load_torch_file,
+    refused_save,
+    stamp_format_version,
+    strip_wrapper_prefixes,
+    tensor_bytes,
+)
 
 __all__ = ["FORMATS", "detect", "read_full", "save"]
 
@@ -34,10 +46,22 @@ class _FileWritingStrategy(CheckpointStrategy, Protocol):
 
 def save(strategy: _FileWritingStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
          ) -> None:
-    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes)."""
+    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes). A write the disk refuses
+    (full, file too large) is a :class:`~lightning_parallel.checkpoint.errors.CheckpointWriteError` on every rank,
+    naming the path and the bytes; nothing is written while the training state is refused
+    (:func:`~.common.refused_save`)."""
+    if refused_save(strategy, filepath):
+        return
     rng.attach_rng_states(checkpoint)
+    stamp_format_version(checkpoint)
+    error: BaseException | None = None
     if strategy.is_global_zero:
-        strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        try:
+            with disk_errors(str(filepath), needed=tensor_bytes(checkpoint)):
+                strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:
+            error = err
+    agree_on_failure(strategy, error)
 
 
 def detect(file: Path, *, trusted: bool) -> CheckpointInfo:
@@ -51,6 +75,7 @@ def detect(file: Path, *, trusted: bool) -> CheckpointInfo:
         elif isinstance(content, dict) and SHARDED_KEY in content:
             hint = f" It is the {META_FILE} of an lp_sharded folder: pass the folder {file.parent}."
         raise CheckpointFormatError(f"{file}: a {kind} without a 'state_dict' dict; expected {expected_any()}.{hint}")
+    check_format_version(content, where=file)
     bad = [k for k, v in content["state_dict"].items() if not isinstance(k, str)]
     if bad:
         raise CheckpointFormatError(f"{file}: its 'state_dict' has non-string keys {bad[:3]}; expected "
