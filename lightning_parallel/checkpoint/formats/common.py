@@ -102,10 +102,18 @@ class CheckpointInfo:
         return f"{name} ({', '.join(details)})" if details else name
 
 
+def _legacy_torch_file(file: Path) -> bool:
+    """A pre-zip ``torch.save`` file (``_use_new_zipfile_serialization=False``): a pickle, which starts with the
+    PROTO opcode (0x80) and a protocol number; read only when trusted."""
+    with open(file, "rb") as fh:
+        head = fh.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and not zipfile.is_zipfile(file)
+
+
 def load_torch_file(file: Path, *, trusted: bool = False, what: str = "a checkpoint file") -> Any:
     """``torch.load`` on CPU with ``weights_only=True`` (``trusted``: ``weights_only=False``, which runs code stored
     in the file); any failure becomes a :class:`CheckpointFormatError` naming the file and what was expected."""
-    if not trusted or zipfile.is_zipfile(file):  # empty, truncated, foreign, or failing its records' checksums
+    if not (trusted and _legacy_torch_file(file)):  # empty, truncated, foreign, or failing its records' checksums
         verify_torch_file(file, expected=what)
     try:
         return torch.load(file, map_location="cpu", weights_only=not trusted)
