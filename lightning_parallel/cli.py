@@ -30,7 +30,14 @@ import lightning_parallel  # noqa: F401  (registers the strategies)
 from lightning_parallel.callbacks import ResumableDataLoaders, RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, unknown_key_message
 from lightning_parallel.planner.detect import PlannerOptions
-from lightning_parallel.recipe_files import compose_recipe, expand_config_args, read_yaml, written_batch_limits
+from lightning_parallel.recipe_files import (
+    compose_recipe,
+    expand_config_args,
+    read_yaml,
+    remove_temporary_recipes,
+    temporary_recipe,
+    written_batch_limits,
+)
 from lightning_parallel.strategies.base import LayoutStrategy
 
 AUTO_STRATEGY = "lp_auto"
@@ -607,7 +614,6 @@ def check_recipe(args: list[str]) -> str:
 def auto_parallel_args(args: list[str]) -> list[str]:
     """``parallel: auto`` (in a ``--config`` file) and ``--parallel auto`` mean ``trainer.strategy: lp_auto``: rewrite
     them so (a temporary copy of the recipe without the ``parallel`` key); a strategy named beside them is refused."""
-    import tempfile
 
     out: list[str] = []
     auto = False
@@ -633,11 +639,9 @@ def auto_parallel_args(args: list[str]) -> list[str]:
                                       f"trainer.strategy is {named!r}. Fix: remove one of the two.")
                 trainer["strategy"] = AUTO_STRATEGY
                 data["trainer"] = trainer
-                tmp = tempfile.NamedTemporaryFile("w", prefix="auto.", suffix=".yaml", delete=False)
-                with tmp:
-                    tmp.write(f"# {path} with `parallel: auto` read as trainer.strategy: lp_auto\n")
-                    tmp.write(yaml.safe_dump(data, sort_keys=False))
-                out += [arg, tmp.name]
+                name = temporary_recipe(f"# {path} with `parallel: auto` read as trainer.strategy: lp_auto\n"
+                                        + yaml.safe_dump(data, sort_keys=False), prefix="auto.")
+                out += [arg, name]
                 i += 2
                 continue
         out.append(arg)
@@ -654,7 +658,13 @@ def auto_parallel_args(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lightning-parallel`` command."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        remove_temporary_recipes()
+
+
+def _main(args: list[str]) -> int:
     if args and args[0] == "plan":
         from lightning_parallel.planner.cli import main as plan_main
 

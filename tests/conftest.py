@@ -53,7 +53,7 @@ def no_thread_left_behind() -> Iterator[None]:
 def environment_restored_after_each_module() -> Iterator[None]:
     """Environment variables a module sets (``LIGHTNING_PARALLEL_TRUST_CHECKPOINTS`` in module-scoped fixtures,
     Lightning's ``MASTER_PORT``/``LOCAL_RANK`` written by an in-process fit, ...) end with the module: a later module
-    must see the environment the suite started with (a leaked trust flag once changed which message a later test saw)."""
+    must see the environment the suite started with (a leaked trust flag once changed a later test's message)."""
     before = dict(os.environ)
     yield
     for key in set(os.environ) - set(before):

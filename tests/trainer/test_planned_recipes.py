@@ -79,7 +79,10 @@ def test_the_layout_table_names_registered_strategies() -> None:
 def test_recommended_recipe_passes_the_dry_run_of_fit(branch: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     model, spec = BRANCHES[branch]
-    shape, name = (MODEL_PRESETS[model], model) if isinstance(model, str) else (model, "wide-vocab" if model is WIDE_VOCAB else "long-sequence")
+    if isinstance(model, str):
+        shape, name = MODEL_PRESETS[model], model
+    else:
+        shape, name = model, ("wide-vocab" if model is WIDE_VOCAB else "long-sequence")
     plan = make_plan(ModelSpec.from_shape(shape, name=name), BF16, _hardware(spec))
     assert plan.branch == branch, plan.reason
     chosen = plan.recommended

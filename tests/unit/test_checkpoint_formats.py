@@ -284,7 +284,7 @@ def test_trusted_loading_refuses_the_same_files_with_the_same_messages(tmp_path:
     (tmp_path / "random.ckpt").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "empty.ckpt").write_bytes(b"")
     for trusted in (False, True):
-        with pytest.raises(CheckpointFormatError, match="not a checkpoint: torch.save writes a zip archive"):
+        with pytest.raises(CheckpointFormatError, match=r"not a checkpoint: torch\.save writes a zip archive"):
             load_torch_file(tmp_path / "random.ckpt", trusted=trusted)
         with pytest.raises(CheckpointFormatError, match="0 bytes"):
             load_torch_file(tmp_path / "empty.ckpt", trusted=trusted)
