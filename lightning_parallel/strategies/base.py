@@ -64,6 +64,7 @@ from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
 from .logged import global_batch_logs
+from .resumable import ResumableDataMixin
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -84,7 +85,7 @@ def resolve_collective_timeout(layout: ParallelConfig, given: timedelta | None, 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class LayoutStrategy(LayoutMixin, ParallelStrategy):
+class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     """Base strategy: a parallel layout -> resolved degrees -> named DeviceMesh -> a parallelized module.
 
     Args:
@@ -200,20 +201,6 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
-
-    resumes_dataloaders = True
-    """The training DataLoader resumes mid-epoch exactly
-    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The training DataLoader of a fit is made resumable mid-epoch: its sampler's indices are fast-forwarded
-        past the batches a restored checkpoint already ran (:mod:`lightning_parallel.data.fast_forward`)."""
-        from lightning_parallel.data.fast_forward import process_training_loader
-
-        module = self.lightning_module
-        return process_training_loader(module._trainer if module is not None else None,
-                                       super().process_dataloader(dataloader))
 
     # ------------------------------------------------------------------ context parallelism: this rank's tokens
     def context_batch(self, batch: Any) -> Any:

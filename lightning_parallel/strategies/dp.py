@@ -40,6 +40,8 @@ from typing_extensions import override
 from lightning_parallel.parallel.counters import GATHER_OUTPUTS, CommCounter, tensor_bytes
 from lightning_parallel.parallel.data_parallel import BackwardMode, DataParallelEngine, Reduction
 
+from .resumable import ResumableDataMixin
+
 __all__ = ["LPDPStrategy"]
 
 _STEP_CONTEXTS = {
@@ -80,7 +82,7 @@ def _combine_logged(values: list[Tensor], weights: list[float], reduce_fx: Any) 
     return (stacked * w).sum(0)
 
 
-class LPDPStrategy(ParallelStrategy):
+class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
     """Thread-based data parallel in one process: Lightning 1.x's ``strategy="dp"`` for Lightning 2.
 
     Args:
@@ -174,20 +176,6 @@ class LPDPStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    resumes_dataloaders = True
-    """The training DataLoader resumes mid-epoch exactly
-    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The training DataLoader of a fit is made resumable mid-epoch
-        (:mod:`lightning_parallel.data.fast_forward`)."""
-        from lightning_parallel.data.fast_forward import process_training_loader
-
-        module = self.lightning_module
-        return process_training_loader(module._trainer if module is not None else None,
-                                       super().process_dataloader(dataloader))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -68,13 +68,14 @@ from lightning_parallel.parallel.offload.config import check_nvme_folder
 
 from .base import resolve_collective_timeout
 from .layout import LayoutMixin
+from .resumable import ResumableDataMixin
 
 __all__ = ["LPZeroOffloadStrategy", "convert_to_fp32_state_dict"]
 
 _DEFAULT_STAGE, _DEFAULT_OFFLOAD = 2, "cpu"
 
 
-class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
+class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO with offload, configured by a layout plus typed DeepSpeed keys.
 
     Args:
@@ -268,20 +269,6 @@ class LPZeroOffloadStrategy(LayoutMixin, DeepSpeedStrategy):
     def check_launch(self) -> None:
         """Before any process exists: a precision DeepSpeed would not honour is refused."""
         self.check_precision()
-
-    resumes_dataloaders = True
-    """The training DataLoader resumes mid-epoch exactly
-    (:func:`~lightning_parallel.data.fast_forward.make_resumable`)."""
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """The training DataLoader of a fit is made resumable mid-epoch
-        (:mod:`lightning_parallel.data.fast_forward`)."""
-        from lightning_parallel.data.fast_forward import process_training_loader
-
-        module = self.lightning_module
-        return process_training_loader(module._trainer if module is not None else None,
-                                       super().process_dataloader(dataloader))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
