@@ -1,9 +1,11 @@
-"""Checkpoints that outlive the layout: saved mid-epoch under each strategy, resumed under every other.
+"""Checkpoints that outlive the layout: saved mid-epoch under each strategy, resumed under others.
 
 Each cell: the resumed run's loss at the first step after the checkpoint vs the uninterrupted one-device run, and
-the largest weight difference after 3 more AdamW steps (:mod:`lightning_parallel.testing.resume_matrix`). The whole
-matrix runs here (121 cells of forked CPU ranks with DeepSpeed's ops built, 100 without; about 5 minutes); ``-s``
-prints every cell.
+the largest weight difference after 3 more AdamW steps (:mod:`lightning_parallel.testing.resume_matrix`). Every
+layout saves once; each checkpoint is resumed under its own layout and under one layout of each checkpoint family
+(one-file, sharded folder, DCP folder, DeepSpeed folder), picked in rotation so that every layout is resumed into at
+least three times: every format is read by every family's loader, and every strategy loads checkpoints of several
+formats (49 of the 121 cells, about 2 minutes here). ``LP_RESUME_MATRIX=full`` runs every cell; ``-s`` prints them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,40 @@ from torch.utils.data import DataLoader
 from lightning_parallel.checkpoint.resume import TRUST_ENV
 from lightning_parallel.testing import resume_matrix as rm
 
-pytestmark = pytest.mark.slow  # 9 layouts saved x 9 resumed and DeepSpeed folders: ~4 min here
+pytestmark = pytest.mark.slow  # 11 layouts saved, 49 cells and DeepSpeed folders: ~2.5 min here
+
+# The checkpoint family each layout writes (and whose loader it runs when resuming).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "one-file": ("1 device", "lp_dp x2", "lp_ddp x2"),
+    "sharded": ("lp_sharded z1 x2", "lp_sharded z3 x2", "lp_sharded hsdp 2x2 z3"),
+    "dcp": ("lp_tensor tp2", "lp_pipeline pp2", "lp_hybrid 2x2x2", "lp_hybrid 2x2x2 z3"),
+    "deepspeed": ("lp_zero_offload x2",),
+}
+
+
+def resumed_under(saved_under: str) -> list[str]:
+    """The layouts a checkpoint saved under ``saved_under`` is resumed under: its own, and one of each family in
+    rotation (every layout, with ``LP_RESUME_MATRIX=full``)."""
+    names = list(rm.LAYOUTS)
+    if os.environ.get("LP_RESUME_MATRIX") == "full":
+        return names
+    row = names.index(saved_under)
+    picks = [saved_under]
+    for members in FAMILIES.values():
+        present = [m for m in members if m in rm.LAYOUTS]
+        if present:
+            picks.append(present[row % len(present)])
+    return [name for name in names if name in picks]
+
+
+def test_the_cells_cover_every_family_pair_and_every_layout_three_times() -> None:
+    assert {m for members in FAMILIES.values() for m in members} >= set(rm.LAYOUTS), "a layout without a family"
+    targets = [t for s in rm.LAYOUTS for t in resumed_under(s)]
+    family = {m: f for f, members in FAMILIES.items() for m in members}
+    for saved in rm.LAYOUTS:
+        assert {family[t] for t in resumed_under(saved)} == {family[n] for n in rm.LAYOUTS}, saved
+    for name in rm.LAYOUTS:
+        assert targets.count(name) >= 3, (name, targets.count(name))
 
 TOL = 1e-5
 
@@ -36,11 +71,11 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple, dict[
 def test_saved_under_one_layout_resumes_under_every_other(matrix: tuple, saved_under: str) -> None:
     folder, ref, saved = matrix
     lines = []
-    for resumed_under in rm.LAYOUTS:
-        cell = rm.resume(saved_under, saved[saved_under], resumed_under, folder, ref)
-        assert cell.error is None, f"{saved_under} -> {resumed_under}: {cell.error}"
+    for target in resumed_under(saved_under):
+        cell = rm.resume(saved_under, saved[saved_under], target, folder, ref)
+        assert cell.error is None, f"{saved_under} -> {target}: {cell.error}"
         assert cell.loss_diff is not None and cell.weight_diff is not None
-        lines.append(f"{saved_under:>18} -> {resumed_under:<18} loss at step {rm.STOP + 1}: {cell.loss:.6f} "
+        lines.append(f"{saved_under:>18} -> {target:<18} loss at step {rm.STOP + 1}: {cell.loss:.6f} "
                      f"(uninterrupted {cell.reference_loss:.6f}); max |w - w_ref| after {rm.MORE} more steps: "
                      f"{cell.weight_diff:.1e}")
         assert cell.loss_diff < TOL, lines[-1]
