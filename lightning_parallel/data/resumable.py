@@ -71,18 +71,25 @@ class ResumableDataModuleMixin:
     trainer: Any
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches"}``: the epoch and how many of its training batches have run (Lightning saves it in
-        the checkpoint under the data module's class name)."""
+        """``{"epoch", "batches", "samples"}``: the epoch, how many of its training batches have run on each rank, and
+        the samples they hold together (``batches x batch_size x`` data-parallel ranks; Lightning saves it in the
+        checkpoint under the data module's class name). The samples place a resumed run under any per-rank batch
+        size, data-parallel size and gradient accumulation (an elastic restart on fewer ranks)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": int(trainer.current_epoch), "batches": int(progress.processed)}
+        state = {"epoch": int(trainer.current_epoch), "batches": int(progress.processed)}
+        geometry = getattr(self, "_lp_geometry", None)
+        if geometry is not None:
+            state["samples"] = int(progress.processed) * geometry[0] * geometry[1]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         import warnings
 
         self._lp_resume = (int(state_dict.get("epoch", 0)), int(state_dict.get("batches", 0)))
+        self._lp_resume_samples = state_dict.get("samples")
         # Lightning looks for a stateful DataLoader and warns that a mid-epoch resume is unreliable; here the data
         # module holds the position and the sampler skips what was run, so the warning would be wrong
         warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")
@@ -101,7 +108,12 @@ class ResumableDataModuleMixin:
         per_rank = len(dataset) // replicas
         full_batches = per_rank // batch_size
         skip = batches * batch_size if 0 < batches < full_batches else 0
-        self._lp_resume = (0, 0)  # once: a later epoch or a reloaded loader starts from the beginning
+        samples = getattr(self, "_lp_resume_samples", None)
+        if samples is not None and batches:  # the position in samples: right under any batch size, dp, accumulation
+            items = int(samples) // replicas
+            skip = items if 0 < items < full_batches * batch_size else 0
+        self._lp_resume, self._lp_resume_samples = (0, 0), None  # once: a later epoch or reloaded loader starts over
+        self._lp_geometry = (batch_size, replicas)
         sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
                                    skip=skip, skip_epoch=epoch)
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch: start at the

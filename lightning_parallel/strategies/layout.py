@@ -346,6 +346,9 @@ def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, .
     if callable(check_data) and fitting:
         check_data(args)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
     if fitting:
+        from lightning_parallel.callbacks.global_batch import apply_global_batch
+
+        apply_global_batch(strategy, trainer, args)  # parallel.global_batch_size -> accumulate_grad_batches
         check_data_modules(strategy, trainer, args)
     if fitting and len(args) > 4:
         check_ckpt_path(strategy, args[4])
