@@ -2,7 +2,10 @@
 
 * :class:`CountCommunication` -- turns the strategy's communication counter on (off by default: a step counts
   nothing);
+* :class:`GlobalBatch` -- ``parallel.global_batch_size`` on any data-parallel size (added by the strategies; it rescales
+  the loop's batch counters when a checkpoint resumes under another accumulation);
 * :class:`ModelStateReport` -- the planner's model-state bytes per rank against the measured ones (``lp_auto``);
+* :class:`PeriodicCheckpoint` -- a checkpoint every N steps and/or M minutes, written in the background;
 * :class:`PreemptionCheckpoint` -- ``ModelCheckpoint`` that saves when a preemption (SIGTERM, Ctrl-C) stops every rank;
 * :class:`RunSummary` -- the one-line summary the CLI prints when ``fit`` ends (added to every CLI run);
 * :class:`TileLinearLayers` -- Memory Centric Tiling as a callback: tiles large ``nn.Linear`` layers in ``setup``
@@ -10,11 +13,13 @@
 * :class:`ZeroStats` -- counts, and logs each optimizer step's measured per-rank model-state bytes and traffic.
 """
 
+from lightning_parallel.callbacks.global_batch import GlobalBatch
 from lightning_parallel.callbacks.model_states import ModelStateReport
+from lightning_parallel.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
 from lightning_parallel.callbacks.summary import RunSummary
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import CountCommunication, ZeroStats
 
-__all__ = ["CountCommunication", "ModelStateReport", "PreemptionCheckpoint", "RunSummary", "TileLinearLayers",
-           "ZeroStats"]
+__all__ = ["CountCommunication", "GlobalBatch", "ModelStateReport", "PeriodicCheckpoint", "PreemptionCheckpoint",
+           "RunSummary", "TileLinearLayers", "ZeroStats"]

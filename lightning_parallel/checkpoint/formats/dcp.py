@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import rng
+from .. import async_save, rng
 from ..atomic import fresh_partial, partial_path, replace_with
 from ..names import (
     DCP_FOLDER_KEY,
@@ -72,6 +72,7 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     states by parameter name). ``layout``: the record of the layout (``strategy`` and the degrees), stored under
     ``layout_key`` in ``meta.pt`` and as ``layout.json``. Written next to the target and renamed into place, so a
     failed save never leaves a half folder under the checkpoint's name."""
+    writer = async_save.before_save()  # the save in flight first; a writer: this one in the background
     path = Path(strategy.broadcast(str(filepath)))
     partial = partial_path(path)
     if strategy.is_global_zero:
@@ -86,6 +87,10 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         optim_states = [{**s, "param_groups": merge_param_groups([g[i] for g in gathered])}
                         for i, s in enumerate(optim_states)]
     checkpoint[layout_key] = layout
+    if writer is not None:
+        _write_in_background(writer, partial, path, model_state=model_state, optimizer_states=optim_states,
+                             meta=checkpoint if strategy.is_global_zero else None, layout=layout)
+        return
     _write_shards(partial, model_state=model_state, optimizer_states=optim_states,
                   meta=checkpoint if strategy.is_global_zero else None, rank=strategy.global_rank)
     strategy.barrier("lp_dcp_saved")
@@ -94,6 +99,35 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         write_manifest(partial)  # CRC-32 per file, checked before a load
         replace_with(partial, path)  # a checkpoint saved again under one name (last.ckpt): no stale shard files
     strategy.barrier("lp_dcp_renamed")
+
+
+def _write_in_background(writer: async_save.AsyncWriter, partial: Path, path: Path, *, model_state: dict[str, Any],
+                         optimizer_states: list[dict[str, Any]], meta: dict[str, Any] | None,
+                         layout: dict[str, Any]) -> None:
+    """The save's files by ``torch.distributed.checkpoint.async_save`` (it stages every rank's tensors in host memory
+    now and writes them from its own thread, coordinating on the writer's gloo group), then -- in the writer's
+    thread, once DCP is done on every rank -- rank 0's ``meta.pt``, ``layout.json``, the manifest and the rename."""
+    import torch.distributed.checkpoint as dcp
+
+    group = writer.group()
+    future: Any = dcp.async_save({DCP_MODEL_KEY: model_state,
+                             DCP_OPTIM_KEY: {str(i): {"state": s["state"]} for i, s in enumerate(optimizer_states)}},
+                            checkpoint_id=str(partial), process_group=group)
+    meta_copy = None
+    if meta is not None:
+        meta_copy = async_save.host_copy({**meta, OPTIMIZER_GROUPS_KEY: [s["param_groups"] for s in optimizer_states]})
+
+    def finish() -> None:
+        future.result()  # DCP's own metadata is written by then (its coordinator gathers every rank's writes)
+        writer.barrier()
+        if meta_copy is not None:
+            torch.save(meta_copy, partial / META_FILE)
+            (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
+            write_manifest(partial)
+            replace_with(partial, path)
+        writer.barrier()
+
+    writer.submit(str(path), finish)
 
 
 def _write_shards(folder: Path, *, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],

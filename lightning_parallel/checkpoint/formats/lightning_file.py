@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .. import rng
+from .. import async_save, rng
 from ..errors import CheckpointFormatError
 from ..names import META_FILE, SHARDED_KEY
 from .common import CheckpointInfo, CheckpointStrategy, expected_any, load_torch_file, strip_wrapper_prefixes
@@ -34,10 +34,18 @@ class _FileWritingStrategy(CheckpointStrategy, Protocol):
 
 def save(strategy: _FileWritingStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
          ) -> None:
-    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes)."""
+    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes). In the background
+    (:mod:`~lightning_parallel.checkpoint.async_save`): rank 0 copies it to host memory, a thread writes it."""
+    writer = async_save.before_save()
     rng.attach_rng_states(checkpoint)
-    if strategy.is_global_zero:
+    if not strategy.is_global_zero:
+        return
+    if writer is None:
         strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return
+    copy = async_save.host_copy(checkpoint)
+    writer.submit(str(filepath), lambda: strategy.checkpoint_io.save_checkpoint(copy, filepath,
+                                                                                storage_options=storage_options))
 
 
 def detect(file: Path, *, trusted: bool) -> CheckpointInfo:

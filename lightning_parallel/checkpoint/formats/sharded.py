@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import rng
+from .. import async_save, rng
 from ..atomic import fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError
 from ..names import DCP_METADATA_FILE, META_FILE, RANK_FILE_GLOB, SHARDED_KEY, rank_file
@@ -53,6 +53,7 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     hold one whole copy (HSDP: one shard group; the other groups hold replicas); None = every rank. ``fsdp``: the
     parameters are FSDP2 ``Shard(0)`` DTensors (each rank writes its local shards); default: at stage 3."""
     fsdp = zero_stage == 3 if fsdp is None else fsdp
+    writer = async_save.before_save()  # the save in flight first; a writer: this one in the background
     rng.attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
     target = Path(strategy.broadcast(str(filepath)))
     path = partial_path(target)
@@ -62,7 +63,6 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
     if fsdp:
         own["state_dict"] = checkpoint.pop("state_dict")
-    torch.save(own, path / rank_file(strategy.global_rank))
     if strategy.is_global_zero:
         checkpoint[SHARDED_KEY] = {"zero_stage": zero_stage, "world_size": strategy.world_size,
                                    "sharded_shapes": _sharded_shapes(strategy.lightning_module, fsdp)}
@@ -70,6 +70,22 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
             checkpoint[SHARDED_KEY]["fsdp"] = True
         if shard_ranks is not None and list(shard_ranks) != list(range(strategy.world_size)):
             checkpoint[SHARDED_KEY]["shard_ranks"] = [int(r) for r in shard_ranks]
+    if writer is not None:  # the rest in the background, on copies, the ranks joined on the writer's own group
+        writer.group()
+        own_copy = async_save.host_copy(own)
+        meta = async_save.host_copy(checkpoint) if strategy.is_global_zero else None
+
+        def write() -> None:
+            torch.save(own_copy, path / rank_file(strategy.global_rank))
+            writer.barrier()
+            if meta is not None:  # metadata last, then the rename
+                torch.save(meta, path / META_FILE)
+                replace_with(path, target)
+            writer.barrier()
+
+        writer.submit(str(target), write)
+        return
+    torch.save(own, path / rank_file(strategy.global_rank))
     strategy.barrier("lp_sharded_rank_files")
     if strategy.is_global_zero:  # metadata last, then the rename
         torch.save(checkpoint, path / META_FILE)
