@@ -34,13 +34,19 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
     """The epoch's order from ``(seed, epoch)`` (shuffled) or ``0..N-1``; rank ``rank`` of ``num_replicas`` takes every
     ``num_replicas``-th item starting at ``rank``; the first ``skip`` items of this rank are left out in epoch
     ``skip_epoch`` only (a resumed epoch). The tail that does not fill ``num_replicas`` is dropped, so every rank has
-    the same number of items."""
+    the same number of items; with ``multiple`` (the per-rank items of one optimizer step: batch size x gradient
+    accumulation) each rank's items are cut to a multiple of it, so that an epoch is whole optimizer steps -- the same
+    global batches, the tail dropped, for every data-parallel size and accumulation with one global batch."""
 
     def __init__(self, dataset: Sized, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-                 skip: int = 0, skip_epoch: int = 0) -> None:
+                 skip: int = 0, skip_epoch: int = 0, multiple: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,  # type: ignore[arg-type]
                          drop_last=True)
-        self.skip, self.skip_epoch = skip, skip_epoch
+        self.skip, self.skip_epoch, self.multiple = skip, skip_epoch, max(1, int(multiple))
+
+    def _per_rank(self) -> int:
+        per_rank = len(self.dataset) // self.num_replicas  # type: ignore[arg-type]
+        return per_rank - per_rank % self.multiple
 
     def _order(self) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -51,7 +57,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[int]:
         order = self._order()
-        per_rank = len(order) // self.num_replicas
+        per_rank = self._per_rank()
         mine = order[self.rank:per_rank * self.num_replicas:self.num_replicas]
         if self.skip and self.epoch == self.skip_epoch:
             mine = mine[self.skip:]
@@ -61,7 +67,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         """The whole epoch's items on this rank, the skipped ones included: Lightning restores the batches already
         run (its loop counts from there) and ends the epoch at ``len(dataloader)``; a length without them would
         end a resumed epoch that many batches early (its last batches never run)."""
-        return len(self.dataset) // self.num_replicas  # type: ignore[arg-type]
+        return self._per_rank()
 
 
 class ResumableDataModuleMixin:
@@ -105,7 +111,10 @@ class ResumableDataModuleMixin:
             kwargs = dict(trainer.strategy.distributed_sampler_kwargs or {})
         replicas, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
         epoch, batches = getattr(self, "_lp_resume", (0, 0))
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        multiple = batch_size * accumulate  # an epoch of whole optimizer steps (the same global batches on any dp)
         per_rank = len(dataset) // replicas
+        per_rank -= per_rank % multiple
         full_batches = per_rank // batch_size
         skip = batches * batch_size if 0 < batches < full_batches else 0
         samples = getattr(self, "_lp_resume_samples", None)
@@ -115,7 +124,7 @@ class ResumableDataModuleMixin:
         self._lp_resume, self._lp_resume_samples = (0, 0), None  # once: a later epoch or reloaded loader starts over
         self._lp_geometry = (batch_size, replicas)
         sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                   skip=skip, skip_epoch=epoch)
+                                   skip=skip, skip_epoch=epoch, multiple=multiple)
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch: start at the
         # restored epoch so a resumed run's first epoch has that epoch's order
         sampler.set_epoch(int(trainer.current_epoch) if trainer is not None else 0)

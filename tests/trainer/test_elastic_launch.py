@@ -12,14 +12,20 @@ Compared with the uninterrupted run of the same recipe on 4 ranks (started after
 cores with the restart): the loss of every step and the final weights. Printed: the loss per step of both, seconds
 from the kill to the first step after the restart, and the steps run again (lost).
 
-``lp_auto``: the same with ``--trainer.strategy lp_auto --planner.gpu_memory 560KB``, a budget under which the
-planner runs ZeRO-2 on 4 ranks and ZeRO-3 on 2 (``lightning-parallel plan`` shows the same): the restart re-plans
-and resumes ZeRO-2's checkpoint under ZeRO-3.
+``lp_auto``: the same with ``--trainer.strategy lp_auto`` and a ``--planner.gpu_memory`` budget under which the
+planner chooses another layout for 2 ranks than for 2 nodes of 2 -- 820KB: ``lp_sharded`` ZeRO-2 on 4 ranks, ZeRO-3
+(FSDP2, selective recomputation) on 2. The restart re-plans and resumes ZeRO-2's checkpoint under ZeRO-3.
+
+The agents log at INFO (``LOGLEVEL=INFO``), so the seconds from the kill to the first step after the restart are split
+into: the survivors fail and their agent notices, the new world's rendezvous, the new ranks' start (imports, the
+checkpoint found and read) up to their first step.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,13 +114,31 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _agent_times(log: str, day: datetime.date) -> dict[str, list[float]]:
+    """Epoch seconds of the agent's log lines that mark a restart (glog time stamps, ``I1203 21:20:16.609000``)."""
+    marks = {"failed": "Worker group FAILED", "rendezvous": "Rendezvous'ing worker group",
+             "started": "Starting worker group"}
+    out: dict[str, list[float]] = {k: [] for k in marks}
+    for line in log.splitlines():
+        stamp = re.match(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d)\.(\d+) ", line)
+        if stamp is None:
+            continue
+        h, m, sec, frac = stamp.groups()
+        when = datetime.datetime.combine(day, datetime.time(int(h), int(m), int(sec), int(frac[:6].ljust(6, "0"))))
+        for key, text in marks.items():
+            if text in line:
+                out[key].append(when.timestamp())
+    return out
+
+
 def _agent(recipe: Path, port: int, node: str, log: Path, extra: list[str]) -> subprocess.Popen[bytes]:
     conf = "is_host=1" if node == "A" else "is_host=0"
     return subprocess.Popen(
         ["bash", str(TORCHRUN_SH), "--elastic", "1:2", "--nproc-per-node", "2", "--max-restarts", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", f"elastic-test-{port}",
          "--rdzv-conf", conf, str(recipe), *extra],
-        cwd=recipe.parent, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=recipe.parent, env=_env(LOGLEVEL="INFO"), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True)
 
 
 def _lines(text: str, *needles: str) -> list[str]:
@@ -126,10 +150,11 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("case", ["lp_ddp", "lp_auto"])
+@pytest.mark.parametrize("case", ["lp_ddp", "lp_auto 820KB"])
 def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_path: Path, case: str) -> None:
-    extra = ["--planner.gpu_memory", "560KB"] if case == "lp_auto" else []
-    recipe = _recipe(tmp_path / "elastic", case)
+    strategy, _, budget = case.partition(" ")
+    extra = ["--planner.gpu_memory", budget] if budget else []
+    recipe = _recipe(tmp_path / "elastic", strategy)
     reference = _recipe(tmp_path / "reference", "lp_ddp")
     port = free_port()
     logs = {n: tmp_path / f"node_{n}.log" for n in "AB"}
@@ -191,14 +216,45 @@ def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_pa
     print(f"kill -> first step after the restart (step {first['step']}, world {first['world']}): "
           f"{first['time'] - killed_at:.1f} s; steps run again (lost): {last_before - (first['step'] - 1)} "
           f"(steps {first['step']}-{last_before})")
+    marks = _agent_times(out_a, datetime.date.fromtimestamp(killed_at))
+    failed = min((t for t in marks["failed"] if t >= killed_at - 1), default=None)
+    started = min((t for t in marks["started"] if failed is not None and t >= failed), default=None)
+    if failed is not None and started is not None:
+        print(f"  of which: the survivors fail and their agent notices {failed - killed_at:.1f} s; stop + rendezvous "
+              f"of the new world {started - failed:.1f} s; the new ranks start, find and read the checkpoint, run "
+              f"their first step {first['time'] - started:.1f} s")
 
     assert first["world"] == 2 and first["accumulate"] == 2
     assert all(r["world"] == 4 and r["accumulate"] == 1 for r in records if r["time"] < killed_at)
     assert "is gone" in out_a
     assert worst < 1e-5 and weights < 1e-5
     assert last_before - (first["step"] - 1) <= EVERY + 2  # one interval (plus a save that was still in flight)
-    if case == "lp_auto":
+    if strategy == "lp_auto":
         before = {r["strategy"] for r in records if r["time"] < killed_at}
         after_strategies = {r["strategy"] for r in after}
         print(f"strategies: before the kill {sorted(before)}, after {sorted(after_strategies)}")
         assert before != after_strategies
+
+
+def test_a_world_the_layout_cannot_use_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """One elastic agent whose world (1 node x 2 ranks) cannot hold the recipe's tensor-parallel size 4: every rank
+    refuses it with the arithmetic before any process group exists, and the agent gives up after its restarts."""
+    recipe = _recipe(tmp_path / "refused", "lp_ddp")
+    log = tmp_path / "node.log"
+    agent = subprocess.Popen(
+        ["bash", str(TORCHRUN_SH), "--elastic", "1:2", "--nproc-per-node", "2", "--max-restarts", "0",
+         "--master-port", str(free_port()), "--rdzv-conf", "last_call_timeout=1", str(recipe),
+         "--trainer.strategy", "lp_tensor", "--parallel.tensor_parallel_size", "4"],
+        cwd=recipe.parent, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = agent.wait(timeout=600)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    out = log.read_text()
+    refusals = _lines(out, "lightning-parallel: error:")
+    print(f"\nexit {code}; " + (refusals[0] if refusals else out[-3000:]))
+    assert code != 0 and len(refusals) == 2  # both ranks, one line each, no traceback
+    assert "tensor_parallel_size (4) = 4, but the world size is 2" in refusals[0]
+    assert "Traceback" not in out.split("lightning-parallel: error:")[0]
+    assert not (recipe.parent / "losses.jsonl").exists()

@@ -191,3 +191,22 @@ def test_peer_monitoring_ends_the_rank_whose_watched_peer_went_silent() -> None:
         assert lost == []
     finally:
         dog.end()
+
+
+def _global_batches(n: int, b: int, dp: int, accumulate: int) -> list[set[int]]:
+    """The samples of each optimizer step of one epoch of ResumableSampler, joined over ranks and micro-batches."""
+    from lightning_parallel.data.resumable import ResumableSampler
+
+    ranks = [list(ResumableSampler(range(n), num_replicas=dp, rank=r, shuffle=True, seed=5, multiple=b * accumulate))
+             for r in range(dp)]
+    micro = [[rank[i:i + b] for i in range(0, len(rank) - b + 1, b)] for rank in ranks]  # drop_last=True
+    steps = len(micro[0]) // accumulate + (1 if len(micro[0]) % accumulate else 0)  # Lightning steps on the last
+    return [{i for r in micro for m in r[s * accumulate:(s + 1) * accumulate] for i in m} for s in range(steps)]
+
+
+def test_an_epoch_is_the_same_global_batches_on_any_data_parallel_size_and_accumulation() -> None:
+    four = _global_batches(1000, 4, dp=4, accumulate=1)  # 62 steps of 16 (8 samples dropped)
+    two = _global_batches(1000, 4, dp=2, accumulate=2)
+    one = _global_batches(1000, 4, dp=1, accumulate=4)
+    assert len(four) == len(two) == len(one) == 62
+    assert four == two == one and all(len(s) == 16 for s in four)
