@@ -30,7 +30,7 @@ from lightning_parallel.checkpoint import async_save
 from lightning_parallel.checkpoint.resume import read_resumable
 from lightning_parallel.checkpoint.verify import verify_folder, verify_torch_file
 from lightning_parallel.config import LayoutError
-from lightning_parallel.strategies import LPDDPStrategy, LPPipelineStrategy, LPShardedStrategy
+from lightning_parallel.strategies import LPDDPStrategy, LPPipelineStrategy, LPShardedStrategy, LPTensorStrategy
 from lightning_parallel.testing import resume_matrix as rm
 from lightning_parallel.testing.elastic import StepLoss, read_steps
 
@@ -159,6 +159,8 @@ FORMATS = {
                                                                  start_method="fork"), 2),
     "DCP folder (lp_pipeline pp2)": (lambda: LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
                                                                 start_method="fork"), 2),
+    "DCP folder (lp_tensor tp2, DTensor shards)": (lambda: LPTensorStrategy({"tensor_parallel_size": 2},
+                                                                            start_method="fork"), 2),
 }
 
 
@@ -179,7 +181,7 @@ def test_a_background_save_equals_a_synchronous_one(tmp_path: Path, monkeypatch:
     seen = _slow_writer(monkeypatch, 1.0)
     make, devices = FORMATS[name]
     every = PeriodicCheckpoint(tmp_path / "every", every_n_steps=1, keep=2, save_on_train_end=False)
-    batch = G // 2 if "pipeline" not in name else G
+    batch = G if "DCP" in name else G // 2  # per data-parallel rank: pp and tp ranks share one batch
     _fit(make(), devices, tmp_path / "losses.jsonl", steps=5, batch_size=batch,
          callbacks=(every, _Probe(tmp_path, 2, seen)))
     a, b = tmp_path / "async" / "step=2.ckpt", tmp_path / "sync" / "step=2.ckpt"

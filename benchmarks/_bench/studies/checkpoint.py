@@ -14,14 +14,19 @@ that the last background save overlaps training as the others do; a
 for ``none``) into a temporary folder (``keep=1``). Step time: rank 0's time from one step's start to the next,
 averaged over the window -- the mean, not the median, because the saves are 1 step in 10. Repetitions are
 interleaved (rep 1: none, async, sync; rep 2: async, sync, none; ...); each ratio is the median over repetitions of
-the ratio of the same repetition. Columns: mean step, the ratios ``async / none``, ``sync / none`` and
-``async / sync``, the time a save held the step (``async``: the collectives and the copy to host memory; ``sync``:
-all of it) and the background part's own duration, and the checkpoint's size.
+the ratio of the same repetition. On a machine whose load changes from one run to the next (other jobs on the cores)
+the runs' own speeds differ more than the saves' cost, so the table also gives each run's mean step over its own
+median step (what the saves and the background writer add to that run's typical step, insensitive to how fast the
+machine was during it), compared across variants the same way. Columns: mean step, the ratios ``async / none``,
+``sync / none`` and ``async / sync`` of the means and of the mean-over-median, the time a save held the step
+(``async``: the collectives and the copy to host memory; ``sync``: all of it), the background part's own duration,
+and the checkpoint's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -33,7 +38,7 @@ import torch
 
 EVERY = 10
 PRESETS: dict[str, dict[str, Any]] = {
-    "default": dict(layers=4, hidden=256, seq=64, batch=8, warmup=5, steps=40, reps=3),
+    "default": dict(layers=4, hidden=512, seq=32, batch=8, warmup=5, steps=40, reps=3),
     "quick": dict(layers=2, hidden=128, seq=64, batch=8, warmup=3, steps=20, reps=3),
     "large": dict(layers=24, hidden=2048, seq=512, batch=8, warmup=3, steps=40, reps=3),
 }
@@ -73,7 +78,12 @@ def _run(a: argparse.Namespace, make: Any, variant: str, out: Path, ckpt: Path) 
             if trainer.global_rank != 0:
                 return
             saver = next((c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)), None)
-            size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) if ckpt.exists() else 0
+            size = 0
+            if saver is not None:
+                saver.writer.wait()  # the last save complete: measure the newest checkpoint alone
+                newest = saver.complete_checkpoints(trainer)[-1]
+                size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file()) if newest.is_dir() \
+                    else newest.stat().st_size
             out.write_text(json.dumps({
                 "starts": self.starts, "bytes": size,
                 "waits": saver.step_waits if saver else [],
@@ -105,6 +115,8 @@ def _run(a: argparse.Namespace, make: Any, variant: str, out: Path, ckpt: Path) 
     result: dict[str, Any] = json.loads(out.read_text())
     starts = result["starts"][a.warmup:a.warmup + a.steps + 1]
     result["mean_step_s"] = (starts[-1] - starts[0]) / a.steps
+    result["median_step_s"] = statistics.median(b - a_ for a_, b in itertools.pairwise(starts))
+    result["over_median"] = result["mean_step_s"] / result["median_step_s"]
     return result
 
 
@@ -134,8 +146,9 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
         f"checkpoint every {EVERY} steps; mean step over {a.steps} steps after {a.warmup} of warm-up; "
         f"{a.reps} interleaved repetitions (ratios: median of the per-repetition ratios, range in brackets).",
         "",
-        "| format | none: step ms | async: step ms | sync: step ms | async / none | sync / none | async / sync | "
-        "save held the step, async / sync (ms) | background part (ms) | checkpoint MB |",
+        "| format | mean step ms: none / async / sync | async / none | sync / none | async / sync | each run's mean "
+        "over its median step: none / async / sync | the same: async / none, sync / none, async / sync | save held "
+        "the step, async / sync (ms) | background part (ms) | checkpoint MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     records = []
@@ -143,26 +156,32 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
         by = results[name]
         step = {v: statistics.median(r["mean_step_s"] for r in by[v]) for v in VARIANTS}
 
-        def ratio(x: str, y: str, by: dict[str, list[dict[str, Any]]] = by) -> tuple[float, float, float]:
-            values = [rx["mean_step_s"] / ry["mean_step_s"] for rx, ry in zip(by[x], by[y], strict=True)]
+        def ratio(x: str, y: str, key: str = "mean_step_s",
+                  by: dict[str, list[dict[str, Any]]] = by) -> tuple[float, float, float]:
+            values = [rx[key] / ry[key] for rx, ry in zip(by[x], by[y], strict=True)]
             return statistics.median(values), min(values), max(values)
 
         waits = {v: statistics.median(w for r in by[v] for w in r["waits"]) for v in ("async", "sync")}
         background = [d for r in by["async"] for d in r["background"]]
-        size = max(r["bytes"] for r in by["sync"])
+        size = max(r["bytes"] for r in by["sync"])  # the newest checkpoint of a run
         rs = {key: ratio(*key.split("/")) for key in ("async/none", "sync/none", "async/sync")}
+        own = {key: ratio(*key.split("/"), key="over_median") for key in ("async/none", "sync/none", "async/sync")}
+        over = {v: statistics.median(r["over_median"] for r in by[v]) for v in VARIANTS}
 
         def fmt(r: tuple[float, float, float]) -> str:
             return f"{r[0]:.3f} [{r[1]:.3f}-{r[2]:.3f}]"
 
         lines.append(
-            f"| {name} | {step['none'] * 1e3:.1f} | {step['async'] * 1e3:.1f} | {step['sync'] * 1e3:.1f} | "
+            f"| {name} | {step['none'] * 1e3:.1f} / {step['async'] * 1e3:.1f} / {step['sync'] * 1e3:.1f} | "
             f"{fmt(rs['async/none'])} | {fmt(rs['sync/none'])} | {fmt(rs['async/sync'])} | "
+            f"{over['none']:.3f} / {over['async']:.3f} / {over['sync']:.3f} | "
+            f"{own['async/none'][0]:.3f}, {own['sync/none'][0]:.3f}, {own['async/sync'][0]:.3f} | "
             f"{waits['async'] * 1e3:.0f} / {waits['sync'] * 1e3:.0f} | "
             f"{statistics.median(background) * 1e3 if background else 0:.0f} | {size / 2**20:.1f} |")
-        records.append({"format": name, "step_s": step, "ratios": rs, "held_step_s": waits,
+        records.append({"format": name, "step_s": step, "ratios": rs, "over_median": over, "own_ratios": own,
+                        "held_step_s": waits,
                         "background_s": background, "checkpoint_bytes": size,
-                        "runs": {v: [{k: r[k] for k in ("mean_step_s", "waits", "background", "bytes")}
+                        "runs": {v: [{k: r[k] for k in ("mean_step_s", "median_step_s", "waits", "background", "bytes")}
                                      for r in by[v]] for v in VARIANTS}})
     text = f"{header}\n\n" + "\n".join(lines) + "\n"
     print(text)
