@@ -9,6 +9,7 @@ against Lightning's built-in strategies, on the same GPT, global batch and seed.
     python benchmarks/bench.py --profile ddp       # torch.profiler of the library and its anchor: where the time goes
     python benchmarks/bench.py --cases ddp,zero1,zero2,zero3 --dp 1,2,4   # data parallelism over 1, 2 and 4 ranks
     python benchmarks/bench.py --study bubble      # one of the studies below instead of the table
+    python benchmarks/bench.py --study compile --quick   # parallel.compile on/off under every strategy
 
 **Cases** (``--cases``; the anchors are written with torch only, no framework):
 
@@ -66,7 +67,9 @@ each study's own defaults): ``recompute`` -- the bytes one step keeps for backwa
 ``bubble`` -- each pipeline rank's busy and idle time per schedule and number of micro-batches against the textbook
 bubble, the micro-batches in flight and the saved activations (``--pp``, ``--m-factors``, ``--schedules``);
 ``offload`` -- ZeRO-2/3 with and without CPU offload: device and host bytes per rank against the formulas and
-DeepSpeed's estimator, step time against no offload (with ``--device cuda``: the largest GPT that trains on one GPU).
+DeepSpeed's estimator, step time against no offload (with ``--device cuda``: the largest GPT that trains on one GPU);
+``compile`` -- ``parallel.compile`` on and off under every strategy: step time compiled over eager and the loss
+difference. ``--compile`` makes the table's library runs compile their blocks.
 
 On a machine with fewer cores than ranks (this CPU: 2 cores; 4 and 8 single-threaded ranks) the ranks share cores:
 the absolute times are slow, the ratios between variants of one case still compare the same work.

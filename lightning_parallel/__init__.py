@@ -5,7 +5,7 @@ Importing the package registers its strategies with Lightning (``Trainer(strateg
 """
 
 from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, check_model_compat
-from lightning_parallel.module_hooks import ParallelModuleMixin
+from lightning_parallel.module_hooks import ParallelModuleMixin, PipelineLayer
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.strategies import LayoutStrategy, LPDDPStrategy, register_strategies
 
@@ -20,6 +20,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelDims",
     "ParallelModuleMixin",
+    "PipelineLayer",
     "UserInputError",
     "__version__",
     "check_model_compat",

@@ -201,7 +201,8 @@ def _runnable(candidate: Candidate, module: nn.Module | None, options: PlannerOp
         return "NVMe offload needs --planner.nvme_path"
     if module is not None:
         for size, hook in ((layout.pipeline_parallel_size, "pipeline_layers"),
-                           (layout.tensor_parallel_size, "tensor_parallel_plan")):
+                           (layout.tensor_parallel_size, "tensor_parallel_plan"),
+                           (layout.context_parallel_size, "context_parallel_plan")):
             if size > 1 and not _has_hook(module, hook):
                 return f"{type(module).__name__} does not implement {hook}()"
     return ""

@@ -23,13 +23,21 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 import lightning_parallel  # noqa: F401  (registers the strategies)
-from lightning_parallel.callbacks import RunSummary
+from lightning_parallel.callbacks import ResumableDataLoaders, RunSummary
 from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, unknown_key_message
 from lightning_parallel.planner.detect import PlannerOptions
-from lightning_parallel.recipe_files import compose_recipe, expand_config_args, read_yaml, written_batch_limits
+from lightning_parallel.recipe_files import (
+    compose_recipe,
+    expand_config_args,
+    read_yaml,
+    remove_temporary_recipes,
+    temporary_recipe,
+    written_batch_limits,
+)
 from lightning_parallel.strategies.base import LayoutStrategy
 
 AUTO_STRATEGY = "lp_auto"
@@ -140,6 +148,90 @@ def check_recipe_parallel(args: list[str]) -> str | None:
     return None
 
 
+_CLASS_SECTIONS = {"model": "LightningModule", "data": "LightningDataModule"}
+
+
+def unknown_class_paths(args: list[str]) -> str | None:
+    """The refusal for a ``--model``/``--data`` class (command line or a ``--config`` recipe's ``class_path``) that
+    does not import, with the nearest class names of the kind, or None. (jsonargparse's own error lists every type it
+    tried and suggests nothing.)"""
+    for section, given, where in _class_path_values(args):
+        if _importable(given, section):
+            continue
+        kind = _CLASS_SECTIONS[section]
+        near = _nearest_classes(given, section)
+        hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+        example = "lightning_parallel.models.GPT" if section == "model" else "lightning_parallel.data.TextDataModule"
+        return (f"{where}: {given!r} is not an importable {kind} class.{hint} Fix: the full import path of a "
+                f"{kind} subclass (e.g. {example}).")
+    return None
+
+
+def _class_path_values(args: list[str]) -> list[tuple[str, str, str]]:
+    found: list[tuple[str, str, str]] = []
+    for i, arg in enumerate(args):
+        for section in _CLASS_SECTIONS:
+            for flag in (f"--{section}", f"--{section}.class_path"):
+                value = args[i + 1] if arg == flag and i + 1 < len(args) else (
+                    arg.split("=", 1)[1] if arg.startswith(flag + "=") else None)
+                if value is not None and not value.startswith(("{", "-")) and not value.endswith((".yaml", ".yml")):
+                    found.append((section, value, flag))
+        path = args[i + 1] if arg in ("--config", "-c") and i + 1 < len(args) else None
+        if path is not None and path.endswith((".yaml", ".yml")):
+            try:
+                recipe = compose_recipe(path)
+            except Exception:  # unreadable: the CLI's own parser reports it
+                continue
+            for section in _CLASS_SECTIONS:
+                node = recipe.get(section) if isinstance(recipe, dict) else None
+                value = node.get("class_path") if isinstance(node, dict) else node if isinstance(node, str) else None
+                if isinstance(value, str):
+                    found.append((section, value, f"{section}.class_path in {path}"))
+    return found
+
+
+def _importable(path: str, section: str) -> bool:
+    import importlib
+
+    if "." not in path:  # a bare class name: jsonargparse resolves it among the subclasses imported
+        return path in {c.__name__ for c in _known_classes(section)}
+    module_name, _, name = path.rpartition(".")
+    try:
+        return hasattr(importlib.import_module(module_name), name)
+    except Exception:
+        return False
+
+
+def _known_classes(section: str) -> list[type]:
+    import lightning.pytorch as pl
+
+    import lightning_parallel.data
+    import lightning_parallel.models  # noqa: F401  (their classes become known subclasses)
+
+    base = pl.LightningModule if section == "model" else pl.LightningDataModule
+    seen: list[type] = []
+    todo = list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(cls.__subclasses__())
+    return [c for c in seen if not c.__name__.startswith("_")]
+
+
+def _nearest_classes(given: str, section: str) -> list[str]:
+    import difflib
+
+    classes = _known_classes(section)
+    public = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
+    for c in classes:  # the package-level path a class is exported under (lightning_parallel.models.GPT)
+        package = c.__module__.rpartition(".")[0]
+        if package and getattr(__import__(package, fromlist=["_"]), c.__name__, None) is c:
+            public[f"{package}.{c.__name__}"] = c
+    names = sorted(public) if "." in given else sorted({c.__name__ for c in classes})
+    return difflib.get_close_matches(given, names, n=2, cutoff=0.6)
+
+
 class LightningParallelCLI(LightningCLI):
     """LightningCLI with the ``parallel`` section, OmegaConf interpolation, subclass mode and a run summary."""
 
@@ -158,49 +250,52 @@ class LightningParallelCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """Lightning reads a checkpoint file's hyperparameters into the model's config here (with a bare
         ``torch.load``, and silently over what the user set). Instead: the path is verified first (missing, empty,
-        truncated, not a checkpoint, failing its checksums: one message each), and the model's configured init
-        arguments must agree with the hyperparameters it was saved with; a disagreement is refused with both values.
-        Folders are checked for their format; their shapes are checked when the ranks load them."""
-        from lightning_parallel.checkpoint.formats import detect_format, load_torch_file
-        from lightning_parallel.strategies.layout import check_ckpt_path
-
+        truncated, not a checkpoint, of an unknown format version, failing its checksums: one message each), and the
+        model's configured init arguments must agree with the hyperparameters it was saved with -- for every format
+        (a file, an lp_sharded, DCP or DeepSpeed folder); a disagreement is refused with both values. With
+        ``--resume_weights_only`` the path is taken off ``ckpt_path`` and its weights are loaded in
+        :meth:`before_fit`."""
         if not self.config.get("subcommand"):
             return
         section = self.config[self.config.subcommand]
         ckpt_path = section.get("ckpt_path")
         if ckpt_path == "last":
             ckpt_path = section.ckpt_path = _resolve_last(section)
+        self._weights_from = None
         if not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path \
                 or ckpt_path.startswith("registry"):
             return
-        check_ckpt_path(None, ckpt_path)  # a missing path: the same refusal the launchers give scripts
-        path = Path(ckpt_path)
-        if path.is_dir():
-            from lightning_parallel.checkpoint.verify import verify_folder
+        check_ckpt_against_config(section, ckpt_path)
+        if section.get("resume_weights_only"):
+            self._weights_from = ckpt_path
+            section.ckpt_path = None
 
-            detect_format(path)
-            verify_folder(path)
-            return
-        checkpoint = load_torch_file(path, what="a checkpoint written by trainer.save_checkpoint")
-        saved = dict(checkpoint.get("hyper_parameters") or {}) if isinstance(checkpoint, dict) else {}
-        model = section.get("model")
-        init = getattr(model, "init_args", None) if model is not None else None
-        if not saved or init is None:
-            return
-        differ = [(key, init[key], saved[key]) for key in sorted(saved)
-                  if key in init and _normalized(init[key]) != _normalized(saved[key])]
-        if differ:
-            listing = "; ".join(f"{key}: configured {mine!r}, saved {theirs!r}" for key, mine, theirs in differ)
-            raise LayoutError(
-                f"--ckpt_path {ckpt_path} was saved by a model with other hyperparameters than the one configured: "
-                f"{listing}. Fix: configure the model as it was saved (e.g. --model.init_args.{differ[0][0]} "
-                f"{differ[0][2]!r}), or start a new run without --ckpt_path."
-            )
+    def before_fit(self) -> None:
+        """``--resume_weights_only``: the checkpoint's weights (any format, joined into whole tensors) go into the
+        module, which must fit them; the optimizer, LR schedulers and step count start fresh. For a strategy without
+        the library's checked launchers (``lp_dp``, Lightning's own), the checks those launchers run before any rank
+        starts run here (:func:`~lightning_parallel.strategies.layout.preflight`)."""
+        from lightning_parallel.strategies.layout import (
+            CheckedMultiProcessingLauncher,
+            CheckedSubprocessLauncher,
+            preflight,
+        )
+
+        weights = getattr(self, "_weights_from", None)
+        if weights:
+            load_weights_only(self.model, weights)
+        launcher = getattr(self.trainer.strategy, "_launcher", None)
+        if not isinstance(launcher, CheckedSubprocessLauncher | CheckedMultiProcessingLauncher):
+            ckpt = self._get(self.config_init, "ckpt_path")
+            preflight(self.trainer.strategy, self.trainer, (self.model, None, None, self.datamodule, ckpt))
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ParallelConfig, "parallel", fail_untyped=False)
         parser.add_class_arguments(PlannerOptions, "planner", fail_untyped=False)
+        parser.add_argument("--resume_weights_only", type=bool, default=False,
+                            help="with --ckpt_path: load only the checkpoint's weights (any format) and start the "
+                                 "optimizer, LR schedulers and step count afresh (e.g. after changing the optimizer)")
 
     @override
     def instantiate_classes(self) -> None:
@@ -234,6 +329,8 @@ class LightningParallelCLI(LightningCLI):
         existing = list(config.get("callbacks") or []) + list(callbacks)
         if not any(isinstance(c, RunSummary) for c in existing):
             callbacks = [*callbacks, RunSummary()]
+        if not any(isinstance(c, ResumableDataLoaders) for c in existing):
+            callbacks = [*callbacks, ResumableDataLoaders()]  # exact mid-epoch resume under Lightning's strategies
         return super()._instantiate_trainer(config, callbacks)
 
 
@@ -366,6 +463,57 @@ def _resolve_last(section: Any) -> str | None:
     return None
 
 
+def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
+    """``--ckpt_path`` before anything is built: the path exists and verifies (a folder against its checksums), its
+    format version is readable, and the model's configured init arguments equal the hyperparameters it was saved
+    with, for every checkpoint format; refused with both values otherwise."""
+    from lightning_parallel.checkpoint.resume import TRUST_ENV
+    from lightning_parallel.checkpoint.summary import summarize
+    from lightning_parallel.checkpoint.verify import verify_folder
+    from lightning_parallel.strategies.layout import check_ckpt_path
+
+    check_ckpt_path(None, ckpt_path)  # a missing path: the same refusal the launchers give scripts
+    if Path(ckpt_path).is_dir():
+        verify_folder(ckpt_path)
+    summary = summarize(ckpt_path, trusted=os.environ.get(TRUST_ENV, "") == "1")
+    saved = summary.hyper_parameters or {}
+    model = section.get("model")
+    init = getattr(model, "init_args", None) if model is not None else None
+    if not saved or init is None:
+        return
+    differ = [(key, init[key], saved[key]) for key in sorted(saved)
+              if key in init and _normalized(init[key]) != _normalized(saved[key])]
+    if differ:
+        listing = "; ".join(f"{key}: configured {mine!r}, saved {theirs!r}" for key, mine, theirs in differ)
+        raise LayoutError(
+            f"--ckpt_path {ckpt_path} ({summary.info.describe()}) was saved by a model with other hyperparameters "
+            f"than the one configured: {listing}. Fix: configure the model as it was saved (e.g. "
+            f"--model.init_args.{differ[0][0]} {differ[0][2]!r}), or start a new run without --ckpt_path."
+        )
+
+
+def load_weights_only(module: Any, ckpt_path: str) -> None:
+    """``--resume_weights_only``: the weights of ``ckpt_path`` (any format, joined into whole tensors) into
+    ``module``, which must hold exactly those tensors with those shapes (refused otherwise, before any rank starts)."""
+    import torch
+
+    from lightning_parallel.checkpoint.errors import ResumeError
+    from lightning_parallel.checkpoint.read import full_state_dict
+    from lightning_parallel.checkpoint.resume import TRUST_ENV
+    from lightning_parallel.checkpoint.summary import resume_refusal, summarize
+
+    trusted = os.environ.get(TRUST_ENV, "") == "1"
+    why = resume_refusal(summarize(ckpt_path, trusted=trusted), module=module, weights_only=True)
+    if why:
+        raise ResumeError(why)
+    state = full_state_dict(ckpt_path, trusted=trusted)
+    meta = any(t.is_meta for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+    module.load_state_dict(state, strict=True, assign=meta)
+    if _launching_process():
+        print(f"lightning-parallel: --resume_weights_only: the weights of {ckpt_path} ({len(state)} tensors) are "
+              "loaded; the optimizer, LR schedulers and step count start afresh.", flush=True)
+
+
 def _constructor_error(err: Exception) -> str:
     """The useful lines of a constructor's refusal: jsonargparse lists one error per type it tried (``- ...``); the
     ones that are not "Expected a <class 'NoneType'>" are the class's own words."""
@@ -419,14 +567,27 @@ class _CheckCLI(LightningParallelCLI):
     its strategy and the layout resolved against ``devices x num_nodes`` -- and nothing started."""
 
     @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="the checkpoint `fit --ckpt_path` would resume: checked against the model, its "
+                                 "optimizers and LR schedulers, as fit checks it before any rank starts")
+
+    @override
     def instantiate_classes(self) -> None:
         import torch
+
+        from lightning_parallel.strategies.layout import LAUNCH_NOTES_ONLY
 
         with torch.device("meta"):
             self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
-        self.trainer = self.instantiate_trainer()
+        LAUNCH_NOTES_ONLY["on"] = True  # a recipe for several nodes is checked where they are not started
+        try:
+            self.trainer = self.instantiate_trainer()
+        finally:
+            LAUNCH_NOTES_ONLY["on"] = False
 
 
 def check_recipe(args: list[str]) -> str:
@@ -437,36 +598,52 @@ def check_recipe(args: list[str]) -> str:
     the module against the layout (heads % tp, layers >= pp). Starts no process and allocates no weights. Returns the
     summary line; a bad recipe raises :class:`LayoutError` (or exits through the parser, like ``fit``).
     """
+    from lightning_parallel.strategies.layout import preflight
+
     expanded = expand_config_args(args)
     cli = _CheckCLI(args=expanded, run=False, written_limits=written_batch_limits(expanded))
     strategy = cli.trainer.strategy
-    check_module = getattr(strategy, "check_module", None)
-    if callable(check_module):
-        check_module(cli.model)
-    check_data = getattr(strategy, "check_data", None)
-    if callable(check_data):
-        check_data((cli.datamodule,))
-    from lightning_parallel.callbacks.global_batch import apply_global_batch
+    ckpt_path = cli.config.get("ckpt_path")
+    if ckpt_path == "last":
+        ckpt_path = _resolve_last(cli.config)
+    weights_only = bool(cli.config.get("resume_weights_only"))
+    if isinstance(ckpt_path, str) and "://" not in ckpt_path:
+        check_ckpt_against_config(cli.config, ckpt_path)
+    if weights_only and isinstance(ckpt_path, str):
+        from lightning_parallel.checkpoint.errors import ResumeError
+        from lightning_parallel.checkpoint.summary import resume_refusal, summarize
 
-    global_batch = apply_global_batch(strategy, cli.trainer, (cli.datamodule,)) if takes_layout(strategy) else None
+        why = resume_refusal(summarize(ckpt_path), module=cli.model, weights_only=True)
+        if why:
+            raise ResumeError(why)
+        ckpt_path = None
+    cli.trainer.state.fn = TrainerFn.FITTING
+    cli.trainer.strategy._lightning_module = cli.model
+    preflight(strategy, cli.trainer, (cli.model, None, None, cli.datamodule, ckpt_path))
+    from lightning_parallel.callbacks.global_batch import GlobalBatch
+
+    global_batch = next((c for c in cli.trainer.callbacks if isinstance(c, GlobalBatch)),  # type: ignore[attr-defined]
+                        None)
     describe = getattr(strategy, "describe", None)
     name = describe() if callable(describe) else type(strategy).__name__
     n_params = sum(p.numel() for p in cli.model.parameters())
     cut = getattr(strategy, "describe_cut", None)
     stages = f" | {cut(cli.model)}" if callable(cut) else ""
     batch = f" | {global_batch.describe()}" if global_batch is not None else ""
+    note = getattr(strategy, "launch_note", None)
+    launch = (f" | note: started as here, fit would be refused ({note.split(': ', 1)[0]}): launch it with "
+              "scripts/launch/torchrun.sh or scripts/launch/slurm.sbatch" if note else "")
     return (
         f"lightning-parallel: recipe OK | strategy {name} | {cli.trainer.num_nodes} node(s) x "
         f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}){batch} | model "
         f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device){stages} | nothing was "
-        "started"
+        f"started{launch}"
     )
 
 
 def auto_parallel_args(args: list[str]) -> list[str]:
     """``parallel: auto`` (in a ``--config`` file) and ``--parallel auto`` mean ``trainer.strategy: lp_auto``: rewrite
     them so (a temporary copy of the recipe without the ``parallel`` key); a strategy named beside them is refused."""
-    import tempfile
 
     out: list[str] = []
     auto = False
@@ -492,11 +669,9 @@ def auto_parallel_args(args: list[str]) -> list[str]:
                                       f"trainer.strategy is {named!r}. Fix: remove one of the two.")
                 trainer["strategy"] = AUTO_STRATEGY
                 data["trainer"] = trainer
-                tmp = tempfile.NamedTemporaryFile("w", prefix="auto.", suffix=".yaml", delete=False)
-                with tmp:
-                    tmp.write(f"# {path} with `parallel: auto` read as trainer.strategy: lp_auto\n")
-                    tmp.write(yaml.safe_dump(data, sort_keys=False))
-                out += [arg, tmp.name]
+                name = temporary_recipe(f"# {path} with `parallel: auto` read as trainer.strategy: lp_auto\n"
+                                        + yaml.safe_dump(data, sort_keys=False), prefix="auto.")
+                out += [arg, name]
                 i += 2
                 continue
         out.append(arg)
@@ -513,7 +688,13 @@ def auto_parallel_args(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lightning-parallel`` command."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        remove_temporary_recipes()
+
+
+def _main(args: list[str]) -> int:
     if args and args[0] == "plan":
         from lightning_parallel.planner.cli import main as plan_main
 
@@ -527,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
                 check_args = auto_parallel_args(expand_config_args(args[1:]))
-                refusal = unknown_parallel_keys(check_args) or check_recipe_parallel(args[1:])
+                refusal = (unknown_parallel_keys(check_args) or check_recipe_parallel(args[1:])
+                           or unknown_class_paths(args[1:]))
                 if refusal:
                     raise LayoutError(refusal)
                 print(check_recipe(check_args), flush=True)
@@ -540,14 +722,31 @@ def main(argv: list[str] | None = None) -> int:
             # we pass the (expanded) arguments on purpose; LightningCLI warns when sys.argv has them too
             warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
             expanded = auto_parallel_args(expand_config_args(args))
-            refusal = unknown_parallel_keys(expanded) or check_recipe_parallel(args)
+            refusal = unknown_parallel_keys(expanded) or check_recipe_parallel(args) or unknown_class_paths(args)
             if refusal:
                 raise LayoutError(refusal)
-            LightningParallelCLI(args=expanded, written_limits=written_batch_limits(expanded))
+            cli = LightningParallelCLI(args=expanded, written_limits=written_batch_limits(expanded))
     except (UserInputError, MisconfigurationException) as err:
         print(f"lightning-parallel: error: {err}", file=sys.stderr)
         return 2
+    except _RUN_STOPPED as err:  # the same on every rank: said once, by the process the user started
+        if _launching_process():
+            print(f"lightning-parallel: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    del cli
     return 0
+
+
+def _run_stopped_errors() -> tuple[type[BaseException], ...]:
+    from lightning_parallel.callbacks.nonfinite import NonFiniteLossError, NoTrainingStepError
+    from lightning_parallel.checkpoint.errors import CheckpointWriteError
+
+    return (NonFiniteLossError, NoTrainingStepError, CheckpointWriteError)
+
+
+_RUN_STOPPED = _run_stopped_errors()
+"""Errors that stop a run on every rank at once with one message (a non-finite loss, a fit that ran no step, a
+checkpoint the disk refused): printed as one line, exit code 1, no traceback."""
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 __all__ = [
     "SCHEDULES",
     "ActivationCheckpointing",
+    "ContextParallelStyle",
     "LayoutError",
     "MeshOrder",
     "Offload",
@@ -28,6 +29,7 @@ __all__ = [
     "ScheduleInfo",
     "UserInputError",
     "ZeroStage",
+    "check_context_compat",
     "check_micro_batches",
     "check_model_compat",
     "unknown_key_message",
@@ -39,6 +41,9 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 """The names of :data:`SCHEDULES` (a test checks that the two agree), as a type for the CLI and type checkers."""
 ActivationCheckpointing = Literal["none", "selective", "full"]
 MeshOrder = Literal["dp-pp-tp", "pp-dp-tp"]
+ContextParallelStyle = Literal["ring", "all_to_all"]
+"""How attention runs over the ``cp`` axis: ``ring`` (key/value blocks travel the ring point to point, head-tail load
+balancing) or ``all_to_all`` (Ulysses: heads <-> sequence by two all-to-alls around a local attention)."""
 
 _SIZE_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 
@@ -169,6 +174,10 @@ class ParallelConfig:
     """Shard layer norms and dropout along the sequence dim over the tp axis; needs tensor_parallel_size > 1."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward: none, selective (attention core) or full (every block)."""
+    compile: bool | str = False
+    """torch.compile each block (the module's ``full_checkpointing_modules()``: the transformer blocks) inside the
+    composition, after the tensor plan and recomputation and before the data-parallel wrap; true = the default
+    backend (inductor), a string names another (e.g. ``aot_eager``)."""
     collective_timeout: int | None = None
     """Seconds a collective may wait for a peer before the run fails with the stuck rank named; None = the
     strategy's ``timeout`` argument when given, else 600 s on CPU (gloo) and Lightning's 30 minutes on accelerators.
@@ -184,6 +193,15 @@ class ParallelConfig:
     replicas outermost (across nodes); pp-dp-tp: pipeline stages outermost, so that on several nodes only the
     point-to-point activations cross nodes and the dp gradient exchange stays inside a node (Megatron, torchtitan).
     The rank arithmetic of both: :mod:`lightning_parallel.parallel.dims`."""
+    context_parallel_size: int = 1
+    """Context parallelism (``cp``): ranks each sequence is split across (each holds ``s/cp`` tokens, in two chunks:
+    head and tail); attention runs over the cp group as ``context_parallel_style`` says. The cp axis sits just
+    outside tp (next to it, inside a node); world = dp x cp x pp x tp. cp ranks of a replica read the same batch and
+    their gradients are averaged over dp x cp. Bounds: >= 1; the sequence length divisible by 2 x cp."""
+    context_parallel_style: ContextParallelStyle = "ring"
+    """``ring`` (default: key/value blocks passed around the cp ranks point to point, exact online-softmax merge,
+    head-tail load balancing) or ``all_to_all`` (Ulysses: needs the attention heads of a rank, n_head / tp,
+    divisible by cp)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_stage_layers, list):  # a recipe's YAML list
@@ -259,6 +277,13 @@ class ParallelConfig:
         _check_choice("pipeline_schedule", self.pipeline_schedule, tuple(SCHEDULES))
         _check_choice("activation_checkpointing", self.activation_checkpointing, get_args(ActivationCheckpointing))
         _check_choice("sequence_parallel", self.sequence_parallel, (True, False))
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise LayoutError(
+                f"parallel.compile={self.compile!r} must be true, false or the name of a torch.compile backend "
+                "(e.g. 'inductor', 'aot_eager'). Fix: compile=true."
+            )
+        _check_positive_int("context_parallel_size", self.context_parallel_size)
+        _check_choice("context_parallel_style", self.context_parallel_style, get_args(ContextParallelStyle))
         if self.mesh_order not in get_args(MeshOrder):
             raise LayoutError(
                 f"parallel.mesh_order={self.mesh_order!r} is not a mesh order: tp is always innermost (tensor-parallel "
@@ -269,6 +294,7 @@ class ParallelConfig:
         self._validate_zero()
         self._validate_fsdp()
         self._validate_pipeline()
+        self._validate_context()
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise LayoutError(
                 "parallel.sequence_parallel=True shards activations over the tp axis, but tensor_parallel_size=1. "
@@ -283,10 +309,11 @@ class ParallelConfig:
                 "Fix: zero_stage=2 (optimizer offload) or zero_stage=3 (optimizer and parameter offload)."
             )
         if offload != "none" and (pp > 1 or self.tensor_parallel_size > 1):
+            fix = "pipeline_parallel_size=1" if self.tensor_parallel_size == 1 else "set both to 1"
             raise LayoutError(
                 f"parallel.offload={offload!r} runs on the DeepSpeed engine, which here is data parallel only, "
                 f"but pipeline_parallel_size={pp} and tensor_parallel_size={self.tensor_parallel_size}. "
-                "Fix: set both to 1, or offload='none'."
+                f"Fix: {fix}, or offload='none' (ZeRO-2/3 without offload run inside pipelines as FSDP2)."
             )
         if offload == "nvme" and not self.nvme_path:
             raise LayoutError("parallel.offload='nvme' needs parallel.nvme_path (a folder on a fast local disk).")
@@ -358,19 +385,41 @@ class ParallelConfig:
             raise LayoutError(f"parallel.num_micro_batches={m}: {why}.")
         layers = self.pipeline_stage_layers
         if layers is not None:
-            if (not isinstance(layers, tuple) or len(layers) != pp * v
-                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in layers)):
+            shown = list(layers) if isinstance(layers, tuple) else layers
+            bad = [c for c in layers if isinstance(c, bool) or not isinstance(c, int) or c < 1] if isinstance(
+                layers, tuple) else []
+            if bad:
                 raise LayoutError(
-                    f"parallel.pipeline_stage_layers={list(layers) if isinstance(layers, tuple) else layers!r} must "
-                    f"list one positive layer count per stage: pipeline_parallel_size={pp} x "
-                    f"virtual_pipeline_stages={v} = {pp * v} counts. Fix: give {pp * v} counts, or remove it to "
+                    f"parallel.pipeline_stage_layers={shown!r}: {bad[0]!r} is not a positive layer count (every "
+                    "stage holds at least one layer). Fix: give each stage at least 1 layer, or remove the key to "
                     "balance the stages by parameter count."
+                )
+            if not isinstance(layers, tuple) or len(layers) != pp * v:
+                raise LayoutError(
+                    f"parallel.pipeline_stage_layers={shown!r} must list one positive layer count per stage: "
+                    f"pipeline_parallel_size={pp} x virtual_pipeline_stages={v} = {pp * v} counts, got "
+                    f"{len(layers) if isinstance(layers, tuple) else 'not a list'}. Fix: give {pp * v} counts, or "
+                    "remove it to balance the stages by parameter count."
                 )
         if self.num_micro_batches is not None and pp == 1 and self.num_micro_batches > 1:
             raise LayoutError(
                 f"parallel.num_micro_batches={self.num_micro_batches} splits batches for a pipeline, but "
                 "pipeline_parallel_size=1. Fix: remove num_micro_batches, or use gradient accumulation "
                 "(trainer.accumulate_grad_batches) for the same effect without a pipeline."
+            )
+
+    def _validate_context(self) -> None:
+        cp = self.context_parallel_size
+        if cp > 1 and self.offload_device != "none":
+            raise LayoutError(
+                f"parallel.context_parallel_size={cp} with offload={self.offload_device!r}: offload runs on the "
+                "DeepSpeed engine, which here is data parallel only and does not split sequences. Fix: "
+                "context_parallel_size=1, or offload='none' (ZeRO-3 over dp x cp shards the model states instead)."
+            )
+        if self.context_parallel_style != "ring" and cp == 1:
+            raise LayoutError(
+                f"parallel.context_parallel_style={self.context_parallel_style!r} is used only with "
+                "context_parallel_size >= 2, got 1. Fix: set context_parallel_size, or remove context_parallel_style."
             )
 
     def describe(self) -> str:
@@ -386,8 +435,14 @@ class ParallelConfig:
             text += f" recompute={self.activation_checkpointing}"
         if self.data_parallel_shard_size is not None:
             text += f" shard={self.data_parallel_shard_size}"
+        if self.compile:
+            text += " compile" if self.compile is True else f" compile={self.compile}"
         if self.mesh_order != "dp-pp-tp":
             text += f" order={self.mesh_order}"
+        if self.context_parallel_size > 1:
+            text += f" cp={self.context_parallel_size}"
+            if self.context_parallel_style != "ring":
+                text += f" cp_style={self.context_parallel_style}"
         return text
 
 
@@ -396,13 +451,16 @@ def _largest_divisor(n: int, limit: int) -> int:
 
 
 def check_model_compat(
-    config: ParallelConfig, *, n_layer: int | None = None, n_head: int | None = None, vocab_size: int | None = None
+    config: ParallelConfig, *, n_layer: int | None = None, n_head: int | None = None, vocab_size: int | None = None,
+    sequence_length: int | None = None,
 ) -> None:
-    """Rules that tie a layout to a model's shape: heads % tp, layers >= pp x v, vocab % tp.
+    """Rules that tie a layout to a model's shape: heads % tp, layers >= pp x v, vocab % tp; with cp > 1 the
+    sequence length % (2 x cp) and, for ``context_parallel_style: all_to_all``, (heads / tp) % cp.
 
     Raised before launch, with the arithmetic and the fix.
     """
     tp, pp, v = config.tensor_parallel_size, config.pipeline_parallel_size, config.virtual_pipeline_stages
+    check_context_compat(config, n_head=n_head, sequence_length=sequence_length)
     if n_head is not None and n_head % tp:
         divisors = [d for d in range(1, n_head + 1) if n_head % d == 0]
         raise LayoutError(
@@ -420,4 +478,33 @@ def check_model_compat(
             f"parallel.pipeline_parallel_size={pp} x virtual_pipeline_stages={v} = {pp * v} stages, but the model "
             f"has only n_layer={n_layer} layers to split. Fix: pipeline_parallel_size x virtual_pipeline_stages "
             f"<= {n_layer}."
+        )
+
+
+def check_context_compat(config: ParallelConfig, *, n_head: int | None = None, sequence_length: int | None = None,
+                         where: str = "the sequence length") -> None:
+    """The context-parallel rules of a model or batch: the sequence length divisible by ``2 x cp`` (each cp rank
+    holds two chunks of ``s / (2 cp)`` tokens: chunk ``r`` and chunk ``2 cp - 1 - r``, so the causal work is
+    balanced) and, for ``all_to_all``, each rank's heads (``n_head / tp``) divisible by cp (the all-to-all gives
+    every cp rank ``n_head / (tp x cp)`` whole heads over the whole sequence). No rule at cp = 1."""
+    cp, tp = config.context_parallel_size, config.tensor_parallel_size
+    if cp == 1:
+        return
+    if sequence_length is not None and sequence_length % (2 * cp):
+        below = sequence_length - sequence_length % (2 * cp)
+        good = [k for k in (below, below + 2 * cp) if k > 0]
+        raise LayoutError(
+            f"parallel.context_parallel_size={cp} splits each sequence into 2 x cp = {2 * cp} chunks (head and tail "
+            f"per rank), but {where} is {sequence_length}: {sequence_length} % {2 * cp} = "
+            f"{sequence_length % (2 * cp)}. Fix: a sequence length that is a multiple of {2 * cp} (e.g. "
+            f"{' or '.join(str(k) for k in good)}), or context_parallel_size in "
+            f"{[c for c in range(1, sequence_length // 2 + 1) if sequence_length % (2 * c) == 0][:6]}."
+        )
+    if n_head is not None and config.context_parallel_style == "all_to_all" and (n_head // max(tp, 1)) % cp:
+        local = n_head // max(tp, 1)
+        raise LayoutError(
+            f"parallel.context_parallel_style='all_to_all' gives each of the cp={cp} ranks whole heads over the "
+            f"whole sequence, so the heads of a rank must divide by cp: n_head={n_head} / tensor_parallel_size={tp} "
+            f"= {local} heads, {local} % {cp} = {local % cp}. Fix: context_parallel_style='ring' (no heads rule), "
+            f"or context_parallel_size in {[c for c in range(1, local + 1) if local % c == 0]}."
         )

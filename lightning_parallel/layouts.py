@@ -25,7 +25,7 @@ from lightning_parallel.config import Offload, ParallelConfig
 __all__ = ["LAYOUT_KEYS", "LAYOUT_STRATEGIES", "LayoutStrategyEntry", "available_strategies", "entry", "refusal",
            "strategy_for", "strategy_for_key", "zero_and_offload"]
 
-LAYOUT_KEYS = ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload")
+LAYOUT_KEYS = ("pipeline_parallel_size", "tensor_parallel_size", "zero_stage", "offload", "context_parallel_size")
 """The keys whose values the table bounds, in the order a refusal checks them (``data_parallel_size`` is free)."""
 
 
@@ -56,6 +56,11 @@ class LayoutStrategyEntry:
     other keys."""
     available: bool = True
     """False for a strategy that is planned but not in this version: never recommended, never named as a fix."""
+    pipeline_stages: tuple[int, ...] = ()
+    """ZeRO stages it runs with tp > 1 only inside a pipeline (pp > 1): there they run as FSDP2 per stage; without a
+    pipeline that is ``lp_tensor``'s layout, where they are not composed."""
+    context: bool = True
+    """Runs ``context_parallel_size`` > 1 (sequences split over a ``cp`` axis, gradients averaged over dp x cp)."""
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -71,11 +76,18 @@ class LayoutStrategyEntry:
             return self.stages
         if key == "offload":
             return self.offloads
+        if key == "context_parallel_size":
+            return () if self.context else (1,)
         raise KeyError(f"{key!r} is not a key of the layout table; its keys are {list(LAYOUT_KEYS)}.")
 
     def runs(self, layout: ParallelConfig, keys: tuple[str, ...] = LAYOUT_KEYS) -> bool:
         """Whether ``layout``'s values of ``keys`` are all this row's (unset zero_stage/offload read as 0/none)."""
-        return all(_runs(self.allowed(key), _value(layout, key)) for key in keys)
+        return all(_runs(self.allowed(key), _value(layout, key)) for key in keys) and not (
+            "zero_stage" in keys and self._needs_pipeline(layout))
+
+    def _needs_pipeline(self, layout: ParallelConfig) -> bool:
+        return (layout.zero in self.pipeline_stages and layout.tensor_parallel_size > 1
+                and layout.pipeline_parallel_size == 1)
 
     @property
     def region(self) -> str:
@@ -110,7 +122,7 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
     LayoutStrategyEntry(
         "lp_zero_offload", pipeline=False, tensor=False,
         zero_stages=((1, "DeepSpeed ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")), offloads=("none", "cpu", "nvme"),
-        shape="is data parallel only, on the DeepSpeed engine", zero_why=" (no ZeRO)",
+        shape="is data parallel only, on the DeepSpeed engine", zero_why=" (no ZeRO)", context=False,
         zero_fix="set zero_stage to {stages} (or leave it unset: stage {preset}), or use strategy {use} for plain "
                  "data parallelism"),
     LayoutStrategyEntry(
@@ -130,7 +142,7 @@ LAYOUT_STRATEGIES: tuple[LayoutStrategyEntry, ...] = (
         zero_stages=((0, "all-reduce of the stage's gradient shards over dp"), (1, "ZeRO-1 on them"),
                      (2, "FSDP2 on each stage's TP shards, gathered once per step"),
                      (3, "FSDP2 on each stage's TP shards, resharded after forward")),
-        offloads=("none",), shape="composes dp x pp x tp (+ ZeRO 1, 2 or 3 over dp)"),
+        offloads=("none",), shape="composes dp x pp x tp (+ ZeRO 1, 2 or 3 over dp)", pipeline_stages=(2,)),
 )
 
 _BY_NAME = {e.name: e for e in LAYOUT_STRATEGIES}
@@ -176,7 +188,8 @@ def strategy_for_key(key: str) -> str:
     names = [e.name for e in LAYOUT_STRATEGIES[1:] if e.available and _widens(e, key)]
     if names:
         return "or use strategy " + " or ".join(names)
-    what = {"pipeline_parallel_size": "pipeline", "tensor_parallel_size": "tensor"}.get(key, key)
+    what = {"pipeline_parallel_size": "pipeline", "tensor_parallel_size": "tensor",
+            "context_parallel_size": "context"}.get(key, key)
     return f"(no strategy of this version runs {what} parallelism yet)"
 
 
@@ -213,6 +226,12 @@ def refusal(name: str, layout: ParallelConfig, *, keys: tuple[str, ...] = LAYOUT
         allowed = " or ".join(repr(v) for v in row.allowed(key))
         return (f"{name} {row.shape} (layout {row.region}), but parallel.{key}={value!r}. Fix: set {key} to {allowed} "
                 f"{use}.")
+    if "zero_stage" in keys and row._needs_pipeline(layout):
+        return (f"{name} runs zero_stage={layout.zero} as FSDP2 per pipeline stage, but pipeline_parallel_size=1 "
+                f"(tensor_parallel_size={layout.tensor_parallel_size}, no pipeline): "
+                f"parallel.zero_stage={layout.zero}. "
+                "Fix: zero_stage=1 (the same bytes, the gradients stay whole) or 3 (FSDP2 over the TP shards), or "
+                "pipeline_parallel_size > 1.")
     return None
 
 

@@ -12,6 +12,8 @@ integer batch limits as floats").
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_parallel.config import LayoutError
 
-__all__ = ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "read_yaml", "written_batch_limits"]
+__all__ = ["BATCH_LIMIT_KEYS", "compose_recipe", "expand_config_args", "read_yaml", "remove_temporary_recipes",
+           "temporary_recipe", "written_batch_limits"]
 
 BATCH_LIMIT_KEYS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
                     "overfit_batches")
@@ -134,10 +137,29 @@ def _expanded(path: str, overrides: dict[str, Any]) -> str:
         current = OmegaConf.select(composed, key, default=None, throw_on_resolution_failure=False)
         if current is not None and not isinstance(current, DictConfig | ListConfig):
             OmegaConf.update(composed, key, value)
-    tmp = tempfile.NamedTemporaryFile("w", prefix=f"{p.stem}.", suffix=".composed.yaml", delete=False)
+    return temporary_recipe(f"# composed from {p}\n" + OmegaConf.to_yaml(composed), prefix=f"{p.stem}.",
+                            suffix=".composed.yaml")
+
+
+_TEMPORARY: list[str] = []
+"""The recipe files this process wrote for the parser (composed ``defaults:``, ``parallel: auto`` rewritten)."""
+
+
+def temporary_recipe(text: str, *, prefix: str, suffix: str = ".yaml") -> str:
+    """Write ``text`` to a temporary recipe file for the CLI's parser; :func:`remove_temporary_recipes` deletes it
+    when the command ends (each rank the launcher starts composes its own)."""
+    tmp = tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=suffix, delete=False)
     with tmp:
-        tmp.write(f"# composed from {p}\n" + OmegaConf.to_yaml(composed))
+        tmp.write(text)
+    _TEMPORARY.append(tmp.name)
     return tmp.name
+
+
+def remove_temporary_recipes() -> None:
+    """Delete the temporary recipe files this process wrote (the command is over: the parser read them)."""
+    while _TEMPORARY:
+        with contextlib.suppress(OSError):
+            os.unlink(_TEMPORARY.pop())
 
 
 def written_batch_limits(args: list[str]) -> dict[str, int | float]:

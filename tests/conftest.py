@@ -47,3 +47,17 @@ def no_thread_left_behind() -> Iterator[None]:
     if alive:
         pytest.fail(f"the test left thread(s) running in the pytest process: {', '.join(alive)}. Stop them (join) "
                     "before the test ends: later tests fork this process.", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def environment_restored_after_each_module() -> Iterator[None]:
+    """Environment variables a module sets (``LIGHTNING_PARALLEL_TRUST_CHECKPOINTS`` in module-scoped fixtures,
+    Lightning's ``MASTER_PORT``/``LOCAL_RANK`` written by an in-process fit, ...) end with the module: a later module
+    must see the environment the suite started with (a leaked trust flag once changed a later test's message)."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value

@@ -285,11 +285,50 @@ def hand_pipeline(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def hand_cp(ctx: Ctx) -> dict[str, Any]:
+    """Context parallelism's anchors. CPU: one device's step on the whole sequence, run by every rank (rank 0's clock;
+    torch's ``context_parallel`` dispatches CUDA attention kernels only, so there is no torch CP to run on CPU).
+    CUDA: torch's own API -- DDP over the cp ranks and ``context_parallel(mesh, buffers=[x, y])`` around forward and
+    backward (head-tail load balancing, its ring); the GPT's positions come from this rank's head-tail chunks, the
+    layout torch's balancer gives them. The loss is averaged over cp (the one-device value)."""
+    model = ctx.model().to(ctx.device)
+    opt = _adamw(model)
+    if ctx.device.type != "cuda":
+        out = _hand_loop(ctx, _plain_step(model, model, opt))
+        out["states"] = _states(model, opt)
+        return out
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_parallel.parallel.context_parallel import ContextParallelState, SequenceShard, activated
+
+    cp = ctx.case.cp
+    mesh = init_device_mesh("cuda", (cp,), mesh_dim_names=("cp",))
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index])
+    state = ContextParallelState(group=mesh.get_group(), shard=SequenceShard(cp, dist.get_rank()), style="ring")
+
+    def step(x: Tensor, y: Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        with activated(state), context_parallel(mesh, buffers=[x, y], buffer_seq_dims=[1, 1],
+                                                no_restore_buffers={x, y}):
+            loss = model.pipeline_loss(ddp(x), y)
+            loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return float(mean.item()) / cp
+
+    out = _hand_loop(ctx, step)
+    out["states"] = _states(model, opt)
+    return out
+
+
 HAND: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "dp": hand_one, "ddp": hand_ddp, "zero1": functools.partial(hand_ddp, zero=True),
     "zero2": functools.partial(hand_fsdp, reshard=False), "zero3": hand_fsdp, "offload": hand_deepspeed,
     "tp": hand_tp, "tp2d": hand_tp, "pp": hand_pipeline, "hybrid": hand_pipeline,
-    "ppzero3": hand_pipeline, "hsdp": hand_fsdp,
+    "ppzero3": hand_pipeline, "hsdp": hand_fsdp, "cp": hand_cp,
 }
 
 

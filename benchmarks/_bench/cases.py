@@ -34,6 +34,8 @@ class Case:
     """HSDP's shard-group size (0: none, FSDP2 over the whole dp axis)."""
     label: str = ""
     """The row's name when it differs from ``key`` (a case run at another ``--dp``)."""
+    cp: int = 1
+    """Context parallelism: the ranks each sequence is split over."""
 
     @property
     def name(self) -> str:
@@ -45,12 +47,12 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.processes if self.processes is not None else self.dp * self.pp * self.tp
+        return self.processes if self.processes is not None else self.dp * self.pp * self.tp * self.cp
 
     @property
     def scalable(self) -> bool:
         """Data parallelism alone: ``--dp`` sets its size."""
-        return self.pp == 1 and self.tp == 1 and not self.shard
+        return self.pp == 1 and self.tp == 1 and self.cp == 1 and not self.shard
 
     def with_dp(self, n: int) -> Case:
         """This case on ``n`` data-parallel ranks (lp_dp: ``n`` replicas), named ``key-dpN`` unless ``n`` is the
@@ -88,6 +90,10 @@ CASES: dict[str, Case] = {c.key: c for c in (
     Case("hsdp", "lp_sharded zero3 HSDP 2 replicas x 2 shards", dp=4, zero=3, shard=2,
          anchor="FSDP2 fully_shard per block + root on a 2-D (replicate, shard) mesh",
          lightning_missing="Lightning's ModelParallelStrategy has no HSDP"),
+    Case("cp", "lp_ddp cp2 (ring attention)", dp=1, cp=2,
+         anchor="CPU: one device on the whole sequence (torch's context_parallel dispatches CUDA attention kernels "
+                "only); CUDA: torch context_parallel (head-tail, all-gather rotation) + DDP over cp",
+         lightning_missing="Lightning has no context parallelism"),
 )}
 
 

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                         f"once per size (default {DEFAULT_DP}; e.g. 1,2,4 for their scaling)")
     p.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches (pp, hybrid)")
     p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank")
+    p.add_argument("--compile", action="store_true",
+                   help="the library's runs compile each block (parallel.compile: true, inductor; the anchors and "
+                        "Lightning's built-ins stay eager); --study compile times both")
     p.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                    help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     s.add_argument("--m-factors", type=_ints, metavar="F[,F...]",
                    help="bubble: micro-batch counts as multiples of p (default 1,2,4; --quick 1,2)")
     s.add_argument("--schedules", help="bubble: comma-separated schedules (default all four)")
+    s.add_argument("--budget-mib", type=float, default=None,
+                   help="context: per-rank budget of saved activations, MiB (default 16; --quick 4)")
     a = p.parse_args(argv)
     preset_name = "quick" if a.quick else "large" if a.large else "default"
     preset = dict(PRESETS[preset_name])
@@ -61,6 +66,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
             setattr(a, key, value)
     if a.hidden % a.heads:
         p.error(f"--hidden {a.hidden} must be divisible by --heads {a.heads}.")
+    if a.budget_mib is None:
+        a.budget_mib = 4.0 if a.quick else 16.0
     if a.study is not None:
         if a.profile is not None or a.render is not None:
             p.error("--study runs on its own: without --profile or --render.")

@@ -64,8 +64,11 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
     return s.device + s.host
 
 
-def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
-    """Bytes one rank sends per step by axis (ring model): the technique's textbook figure."""
+def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[str, float]:
+    """Bytes one rank sends per step by axis (ring model): the technique's textbook figure. The library's strategies
+    (``role="ours"``) also average the logged training loss over the replicas (dp, or dp x cp) -- one fp32
+    all-reduce per step, so that the logged curve is one device's; the hand loops and Lightning's strategies log each
+    rank's own value and do not."""
     out: dict[str, float] = {}
     psi = _local_params(a, case) * 4
     d, b, s, h = case.dp, a.batch // case.dp, a.seq, a.hidden
@@ -96,6 +99,19 @@ def comm_theory(a: argparse.Namespace, case: Case) -> dict[str, float]:
         out["tp"] = m * max(stages)
     if case.pp > 1:  # each micro-batch's activation forward, its gradient backward: b s h 4 per step each way
         out["pp"] = float(b * s * h * 4)
+    if case.cp > 1:  # ring attention per layer: k and v (2 b (s/cp) h, fp32) cp - 1 hops forward, cp - 1 again
+        # backward plus the dk/dv accumulator (fp32) cp hops; then the DDP all-reduce over dp x cp
+        c = case.cp
+        block = 2 * b * (s // c) * h * 4
+        out["cp"] = a.layers * ((c - 1) + (c - 1) + c) * block
+        replicas = d * c
+        key = "cp" if d == 1 else "dp_cp"  # with dp = 1 the replicas' group is the cp group
+        out[key] = out.get(key, 0.0) + 2 * (replicas - 1) / replicas * psi
+        out.pop("dp", None)
+    replicas = d * case.cp
+    if role == "ours" and case.key != "dp" and replicas > 1:  # the logged loss averaged over the replicas
+        key = "dp" if case.cp == 1 else ("cp" if d == 1 else "dp_cp")
+        out[key] = out.get(key, 0.0) + ring_bytes("all_reduce", full_bytes=4, world_size=replicas)
     return out
 
 
@@ -153,7 +169,7 @@ def summarize(a: argparse.Namespace, case: Case, reps: list[dict[str, dict[str, 
         elif count is not None:
             row["count_error"] = count["error"].strip().splitlines()[-1][:300]
         row["states_formula"] = states_formula(a, case)
-        row["comm_theory"] = comm_theory(a, case)
+        row["comm_theory"] = comm_theory(a, case, role)
         rows.append(row)
     torch_row = next((r for r in rows if r["role"] == "torch" and "losses" in r), None)
     for row in rows:

@@ -46,6 +46,8 @@ def _probe(ctx: Ctx) -> Any:
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            if ctx.case.cp > 1:  # the loss of this rank's tokens; the logged one is averaged over dp x cp
+                loss = trainer.callback_metrics["train_loss"]
             if hasattr(loss, "full_tensor"):
                 loss = loss.full_tensor()
             self.timer.end(batch_idx, None if loss is None else loss.detach().item())
@@ -123,25 +125,28 @@ def _our_strategy(ctx: Ctx) -> Any:
     )
 
     c, m = ctx.case, ctx.a.micro_batches
+    on = {"compile": bool(getattr(ctx.a, "compile", False))}  # --compile: parallel.compile (each block, inductor)
     if c.key == "dp":
         return LPDPStrategy()
     if c.key == "ddp":
-        return LPDDPStrategy()
+        return LPDDPStrategy(on)
     if c.key in ("zero1", "zero2", "zero3"):
-        return LPShardedStrategy(zero_stage=c.zero)
+        return LPShardedStrategy(on, zero_stage=c.zero)
+    if c.key == "cp":
+        return LPDDPStrategy({**on, "context_parallel_size": c.cp})
     if c.key == "hsdp":
-        return LPShardedStrategy({"zero_stage": c.zero, "data_parallel_shard_size": c.shard})
+        return LPShardedStrategy({**on, "zero_stage": c.zero, "data_parallel_shard_size": c.shard})
     if c.key == "ppzero3":
-        return LPPipelineStrategy({"data_parallel_size": c.dp, "pipeline_parallel_size": c.pp, "zero_stage": c.zero,
-                                   "num_micro_batches": m, "pipeline_schedule": "1f1b"})
+        return LPPipelineStrategy({**on, "data_parallel_size": c.dp, "pipeline_parallel_size": c.pp,
+                                   "zero_stage": c.zero, "num_micro_batches": m, "pipeline_schedule": "1f1b"})
     if c.key == "offload":
-        return LPZeroOffloadStrategy(zero_stage=c.zero, offload=c.offload)  # type: ignore[arg-type]
+        return LPZeroOffloadStrategy(on, zero_stage=c.zero, offload=c.offload)  # type: ignore[arg-type]
     if c.key in ("tp", "tp2d"):
-        return LPTensorStrategy({"data_parallel_size": c.dp, "tensor_parallel_size": c.tp, "zero_stage": c.zero})
+        return LPTensorStrategy({**on, "data_parallel_size": c.dp, "tensor_parallel_size": c.tp, "zero_stage": c.zero})
     if c.key == "pp":
-        return LPPipelineStrategy({"pipeline_parallel_size": c.pp, "num_micro_batches": m,
+        return LPPipelineStrategy({**on, "pipeline_parallel_size": c.pp, "num_micro_batches": m,
                                    "pipeline_schedule": "1f1b"})
-    return LPHybridStrategy({"data_parallel_size": c.dp, "pipeline_parallel_size": c.pp,
+    return LPHybridStrategy({**on, "data_parallel_size": c.dp, "pipeline_parallel_size": c.pp,
                              "tensor_parallel_size": c.tp, "zero_stage": 0, "num_micro_batches": m,
                              "pipeline_schedule": "1f1b"})
 

@@ -65,7 +65,7 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
         from lightning_parallel.parallel.dims import ParallelDims
 
         dims = ParallelDims(dp=case.dp if case.processes is None else 1, pp=case.pp, tp=case.tp, world_size=world,
-                            dp_shard=case.shard)
+                            dp_shard=case.shard, cp=case.cp if case.processes is None else 1)
         counter = None
         if job["count"]:
             counter = CommCount(local_rank, dims)

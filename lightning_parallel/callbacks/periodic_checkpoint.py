@@ -132,7 +132,7 @@ class PeriodicCheckpoint(Callback):
         """Save at ``step`` (every rank calls it; ``in_background`` defaults to ``async_save``); returns the path."""
         in_background = self.async_save if in_background is None else in_background
         start = time.perf_counter()
-        self.writer.wait()  # at most one in flight; raises the previous one's failure
+        self._wait(trainer)  # at most one in flight; raises the previous one's failure, on every rank
         self._prune(trainer)
         path = self.path_for(trainer, step)
         if in_background:
@@ -145,6 +145,19 @@ class PeriodicCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         return path
 
+    def _wait(self, trainer: pl.Trainer) -> None:
+        """Wait for this process's save in flight (a collective): if its background part failed on any rank, every
+        rank raises -- the failing one its :class:`~lightning_parallel.checkpoint.async_save.BackgroundSaveError`,
+        the others an error naming that rank -- so none goes on into a save the others left."""
+        from lightning_parallel.checkpoint.formats.common import agree_on_failure
+
+        error: BaseException | None = None
+        try:
+            self.writer.wait()
+        except background.BackgroundSaveError as err:
+            error = err
+        agree_on_failure(trainer.strategy, error)  # type: ignore[arg-type]  # every Lightning strategy has them
+
     def _prune(self, trainer: pl.Trainer) -> None:
         """Remove all but the ``keep`` newest complete checkpoints (every rank calls; the strategy's rank 0 acts)."""
         done = self.complete_checkpoints(trainer)
@@ -154,7 +167,7 @@ class PeriodicCheckpoint(Callback):
     # ------------------------------------------------------------------ the end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.writer.wait()  # a failure in the background is raised here
+        self._wait(trainer)  # a failure in the background is raised here, on every rank
         if self.save_on_train_end and trainer.global_step not in self.saved_steps and trainer.global_step > 0:
             self.save(trainer, trainer.global_step, in_background=False)
         self._prune(trainer)

@@ -76,6 +76,32 @@ class AsyncWriter:
         if self._group is not None:
             dist.barrier(group=self._group)
 
+    def agree(self, error: BaseException | None, *, cleanup: Any = None) -> None:
+        """In the background part, on every rank (a collective on the writer's group): each rank passes what its own
+        part raised (or None); when any rank failed, rank 0 removes ``cleanup`` (the ``.partial`` folder) and every
+        rank's part raises -- so no rank's thread waits at the next barrier for one that gave up, and every rank's
+        next save (or the end of training) reports the failure."""
+        if self._group is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=self._group)
+            failed = [(rank, text) for rank, text in enumerate(gathered) if text is not None]
+            first = dist.get_rank() == 0
+        else:
+            failed, first = ([] if error is None else [(0, None)]), True
+        if not failed:
+            return
+        if cleanup is not None and first:
+            from .atomic import remove_path
+
+            with contextlib.suppress(OSError):
+                remove_path(cleanup)
+        if error is not None:
+            raise error
+        rank, text = failed[0]
+        raise CheckpointFormatError(f"rank {rank}'s part of the background save failed ({text}); this rank's part "
+                                    "stops with it.")
+
     # ------------------------------------------------------------------ jobs
     @property
     def in_flight(self) -> bool:
@@ -118,7 +144,7 @@ class AsyncWriter:
             err, self._error = self._error, None
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise BackgroundSaveError(f"the background save of {self._target} failed: {type(err).__name__}: "
-                                      f"{first}; it was left as {self._target}.partial (the previous checkpoint is "
+                                      f"{first}; nothing was written under its name (the previous checkpoint is "
                                       "whole).") from err
         return True
 

@@ -10,13 +10,22 @@ are written the same way by Lightning (a temporary file, then a move).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import CheckpointWriteError, UnwritableFolderError
 from .names import OLD_SUFFIX, PARTIAL_SUFFIX
 
-__all__ = ["PARTIAL_SUFFIX", "fresh_partial", "partial_path", "remove_path", "replace_with"]
+__all__ = ["PARTIAL_SUFFIX", "check_writable_dir", "check_writable_file", "disk_errors", "fresh_partial",
+           "interrupted_saves", "partial_path", "remove_path", "replace_with"]
+
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_WRITE_FAILED = ("unexpected pos", "failed writing", "file write failed", "no space left", "file too large")
+"""How torch's zip writer (``torch.save``, DCP's shard writer) reports a write the disk refused."""
 
 
 def partial_path(target: str | Path) -> Path:
@@ -51,3 +60,120 @@ def replace_with(partial: Path, target: str | Path) -> None:
         os.replace(target, old)
     os.replace(partial, target)
     remove_path(old)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(folder: str | Path, *, what: str) -> None:
+    """Raise :class:`~.errors.UnwritableFolderError` when ``folder`` (existing, or to be created) cannot be written:
+    a file is in the way, or the nearest existing folder is not writable (read-only file system, permissions).
+    ``what`` names the setting (``trainer.default_root_dir``, ...) for the message."""
+    path = Path(folder)
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise UnwritableFolderError(f"{what}={str(folder)!r} cannot be created: {base} is a file, not a folder. Fix: "
+                                    "point it at a folder (or remove the file).")
+    if not os.access(base, os.W_OK | os.X_OK) or _read_only(base):
+        reason = "is on a read-only file system" if _read_only(base) else "is not writable by this user"
+        raise UnwritableFolderError(f"{what}={str(folder)!r} cannot be written: {base} {reason}. Fix: point it at a "
+                                    "folder you can write, or fix the folder's permissions.")
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_writable_file(file: str | Path) -> None:
+    """Raise ``OSError`` naming the path when ``file`` cannot be created (a parent that is a file, a read-only or
+    unwritable folder)."""
+    path = Path(file)
+    blocking = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(errno.ENOTDIR, "a parent of the output path is a file, not a folder", str(blocking))
+    base = _existing_ancestor(path.parent)
+    if _read_only(base):
+        raise OSError(errno.EROFS, "read-only file system", str(base))
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "permission denied (the folder is not writable by this user)", str(base))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)  # torch DCP's CheckpointException: {rank: (exception, trace)}
+        if isinstance(failures, dict):
+            todo.extend(f[0] for f in failures.values() if isinstance(f, tuple) and f)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+
+
+def disk_full_cause(exc: BaseException, folder: str | Path, needed: int | None = None) -> str | None:
+    """``"no space left on device"`` / ``"file too large"`` when ``exc`` (or what it wraps) is a write the disk
+    refused -- an ``OSError`` with ENOSPC/EFBIG/EDQUOT, or torch's zip writer's "unexpected pos" once the file
+    system holds fewer free bytes than ``needed`` -- else None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return "file too large" if e.errno == errno.EFBIG else "no space left on device"
+    text = " ".join(str(e).lower() for e in _chain(exc))
+    if any(marker in text for marker in _WRITE_FAILED):
+        free = _free_bytes(folder)
+        if free is not None and (needed is None or free < needed or free == 0):
+            return "no space left on device"
+    return None
+
+
+def _free_bytes(folder: str | Path) -> int | None:
+    try:
+        return int(shutil.disk_usage(_existing_ancestor(Path(folder))).free)
+    except OSError:
+        return None
+
+
+def disk_full_message(cause: str, path: str | Path, needed: int | None) -> str:
+    free = _free_bytes(path)
+    need = f"it needs about {needed:,} bytes" if needed else "its size is unknown"
+    have = f", the file system has {free:,} bytes free" if free is not None else ""
+    return (f"{cause} while writing the checkpoint {path}: {need}{have}. Nothing was put in place of the previous "
+            "checkpoint of that name. Fix: free space on that disk, or save elsewhere (ModelCheckpoint(dirpath=...),"
+            " trainer.default_root_dir)")
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | Path, *, needed: int | None = None) -> Iterator[None]:
+    """Around a checkpoint write: a write the disk refused (full, file too large) becomes a
+    :class:`CheckpointWriteError` naming the path, the bytes needed and the bytes free; anything else passes."""
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        cause = disk_full_cause(exc, Path(path).parent, needed)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(errno.ENOSPC if "space" in cause else errno.EFBIG,
+                                   disk_full_message(cause, path, needed), str(path)) from None
+
+
+def interrupted_saves(folders: list[Path]) -> list[Path]:
+    """The ``<name>.partial`` and ``<name>.old`` left under ``folders`` by saves that were cut short (a crash,
+    ``kill -9``, a full disk): a ``.partial`` is an incomplete new checkpoint, an ``.old`` the previous one moved
+    aside by a rename that did not finish."""
+    found: set[Path] = set()
+    for folder in folders:
+        if folder.is_dir():
+            for pattern in (f"*{PARTIAL_SUFFIX}", f"*{OLD_SUFFIX}"):
+                found.update(p for p in folder.rglob(pattern) if not p.name.startswith("."))
+    return sorted(found)

@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .atomic import check_writable_file, disk_errors
 from .errors import CheckpointFormatError
 from .formats import CheckpointInfo, detect_format
 from .names import RESUMED_FROM_KEY
 from .read import DROPPED_KEYS, read_checkpoint
+from .verify import verify_folder
 
 __all__ = ["ConsolidateResult", "consolidate", "main"]
 
@@ -52,8 +54,8 @@ class ConsolidateResult:
                 f"{self.parameters:,} parameters, {self.bytes:,} bytes; {tail}")
 
 
-def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resumable: bool = False
-                ) -> ConsolidateResult:
+def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resumable: bool = False,
+                overwrite: bool = False) -> ConsolidateResult:
     """Write the one-file, single-device Lightning checkpoint of ``src`` (any supported format) to ``dst``.
 
     The file holds ``state_dict`` with the LightningModule's own names (full tensors, as trained; DeepSpeed: fp32
@@ -69,14 +71,23 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resu
     layouts (a one-file checkpoint from a one-device run is also the starting point of a sharded one as it is).
 
     ``dst`` is written atomically (a temporary file in its folder, then renamed); missing parent folders are
-    created; ``dst`` may not be ``src`` itself or an existing folder. ``trusted``: see :func:`full_state_dict`.
-    Raises :class:`CheckpointFormatError` for an unreadable source, ``OSError`` for an unwritable destination.
+    created; ``dst`` may not be ``src`` itself or an existing folder, and an existing file is replaced only with
+    ``overwrite``. The destination is checked before the source is read (a large checkpoint is not joined for a path
+    that cannot be written). ``trusted``: see :func:`full_state_dict`. Raises :class:`CheckpointFormatError` for an
+    unreadable source, ``OSError`` for an unwritable destination (``FileExistsError`` for an existing file without
+    ``overwrite``).
     """
     source, out = Path(src), Path(dst)
     if out.exists() and out.is_dir():
-        raise IsADirectoryError(f"{out}: the output is an existing folder; expected a file path for the checkpoint.")
+        raise IsADirectoryError(errno.EISDIR, "the output is an existing folder; give a file path for the checkpoint",
+                                str(out))
     if source.exists() and out.exists() and out.resolve() == source.resolve():
         raise CheckpointFormatError(f"{out}: the output is the input checkpoint itself; write it to another file.")
+    if out.exists() and not overwrite:
+        raise FileExistsError(errno.EEXIST, "the file exists; pass --force (overwrite=True) to replace it", str(out))
+    check_writable_file(out)
+    if source.is_dir():  # against its checksum list (a DCP folder without one is refused); a file when it is read
+        verify_folder(source)
     if resumable:
         from .resume import read_resumable
 
@@ -93,14 +104,15 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resu
         checkpoint = {k: v for k, v in rest.items() if k not in DROPPED_KEYS}
         checkpoint["state_dict"] = {k: _own_storage(v) for k, v in state.items()}
     tensors = [v for v in checkpoint["state_dict"].values() if isinstance(v, Tensor)]
-    blocking = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
-    if blocking is not None:
-        raise NotADirectoryError(errno.ENOTDIR, "a parent of the output path is a file, not a folder", str(blocking))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, out)
+        with disk_errors(out, needed=sum(t.numel() * t.element_size() for t in tensors)):
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, out)
+    except RuntimeError as err:  # torch's writer: "File ... cannot be opened" and the like
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(errno.EIO, first, str(out)) from err
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -127,8 +139,8 @@ _DESCRIPTION = (
     "device. The format is detected from the files. Optimizer and LR-scheduler states are dropped (a weights-only "
     "checkpoint); weights, hyper_parameters and Lightning's other keys are kept."
 )
-_EPILOG = ("Exit status: 0 written, 1 the input could not be read or the output not written (the reason is printed), "
-           "2 bad arguments.")
+_EPILOG = ("Exit status: 0 written, 1 the input could not be read or the output not written (the reason is printed; "
+           "an existing OUT needs --force), 2 bad arguments.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="load a Lightning file or an lp_sharded folder with torch.load(weights_only=False), "
                              "which runs code stored in the files: only for files you trust (needed when they hold "
                              "pickled objects; DeepSpeed folders are always read that way)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists (without it, an existing "
+                        "OUT is refused)")
     parser.add_argument("--resumable", action="store_true",
                         help="keep the optimizer state (joined into the one-device form), LR schedulers and loop "
                              "position, so that Trainer.fit(ckpt_path=OUT) resumes on one device or under any "
@@ -148,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():  # DeepSpeed's own choice without a GPU, minus the warning it prints on stdout
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        result = consolidate(args.input, args.output, trusted=args.trust, resumable=args.resumable)
+        result = consolidate(args.input, args.output, trusted=args.trust, resumable=args.resumable,
+                             overwrite=args.force)
     except CheckpointFormatError as err:
         print(f"lightning-parallel consolidate: error: {err}", file=sys.stderr)
         return 1
     except OSError as err:
-        print(f"lightning-parallel consolidate: error: cannot write {args.output}: "
-              f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(args.output) else ""
+        print(f"lightning-parallel consolidate: error: cannot write {args.output}: {err.strerror or err}{where}",
+              file=sys.stderr)
         return 1
     print(result.summary())
     return 0

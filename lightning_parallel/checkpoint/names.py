@@ -19,6 +19,8 @@ __all__ = [
     "DEEPSPEED_MODEL_STATES_GLOB",
     "DEEPSPEED_OPTIM_STATES_GLOB",
     "DEEPSPEED_RANK0_MODEL_STATES",
+    "FORMAT_VERSION",
+    "FORMAT_VERSION_KEY",
     "LAYOUT_FILE",
     "MANIFEST_FILE",
     "META_FILE",
@@ -38,6 +40,13 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------------------- every format
+FORMAT_VERSION = 1
+"""The version of the on-disk layout this code writes, and the newest it reads. 0: written before versions existed
+(read as before); 1: the version is recorded, and every folder format carries :data:`MANIFEST_FILE`. A checkpoint of
+a higher version is refused, naming both versions."""
+FORMAT_VERSION_KEY = "lp_format_version"
+"""Top-level key of the Lightning checkpoint dict (a one-file checkpoint, an lp_sharded or DCP ``meta.pt``, a DeepSpeed
+folder's client state) holding :data:`FORMAT_VERSION`; ``layout.json`` holds it as ``format_version``."""
 RNG_KEY = "lp_rng_states"
 """Top-level key: every rank's RNG states (:mod:`lightning_parallel.checkpoint.rng`)."""
 PARTIAL_SUFFIX = ".partial"
@@ -45,7 +54,8 @@ PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 """The previous checkpoint of the same name, moved aside during the rename."""
 MANIFEST_FILE = "checksums.json"
-"""A checkpoint folder's CRC-32 and size per file (DCP folders; DCP's ``.distcp`` shards carry no checksums)."""
+"""A checkpoint folder's CRC-32 and size per file, written last by rank 0 (every folder format from version 1; a DCP
+folder without it is refused: DCP's ``.distcp`` shards carry no checksums of their own)."""
 
 # ---------------------------------------------------------------------------------------------- lp_sharded folder
 META_FILE = "meta.pt"

@@ -262,7 +262,11 @@ def resume_one_device(strategy: ResumingStrategy, path: str | Path, *, optimizer
     (:func:`load_for_resume`), refused if it does not fit the module (:func:`check_fits` with ``optimizers``, the
     strategy's own by default, and ``whole_module``), put into the strategy's state by ``place`` where the strategy
     loads it itself, a note on rank 0 when it was re-sharded, and this rank's RNG states kept for the start of
-    training. ``path`` is the same on every rank (broadcast by the caller)."""
+    training. ``path`` is the same on every rank (broadcast by the caller). A folder is first checked against its
+    checksums on rank 0 (every rank stops on a mismatch; :func:`~.verify.verify_folder_on_rank_zero`)."""
+    from .verify import verify_folder_on_rank_zero
+
+    verify_folder_on_rank_zero(strategy, path)
     checkpoint = load_for_resume(path, strategy=strategy.strategy_name)
     module = strategy.lightning_module
     if module is not None:

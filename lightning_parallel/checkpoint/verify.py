@@ -8,7 +8,8 @@ have the checksum the damaged record has now). It also tells an empty file, a tr
 index, written last, is missing) and one that is not a torch archive at all apart, each with one message.
 
 A folder's files are checked against its :data:`~lightning_parallel.checkpoint.names.MANIFEST_FILE`
-(:func:`write_manifest` when saving, :func:`verify_folder` before loading). This module imports no format module:
+(:func:`write_manifest` when saving, :func:`verify_folder` before loading); a DCP folder without it is refused unless
+:data:`UNVERIFIED_ENV` says to load it unverified. This module imports no format module:
 the format modules use it for every file they load.
 """
 
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import CheckpointFormatError
-from .names import MANIFEST_FILE
+from .names import DCP_METADATA_FILE, LAYOUT_FILE, MANIFEST_FILE
 
-__all__ = ["MANIFEST_FILE", "verify_folder", "verify_folder_on_rank_zero", "verify_torch_file", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "UNVERIFIED_ENV", "require_manifest", "verify_folder", "verify_folder_on_rank_zero",
+           "verify_torch_file", "write_manifest"]
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header: 30 bytes
 
@@ -131,16 +133,52 @@ def write_manifest(folder: str | Path) -> Path:
     return out
 
 
+UNVERIFIED_ENV = "LIGHTNING_PARALLEL_ALLOW_UNVERIFIED"
+"""Set to ``1`` to load a DCP checkpoint folder that has no ``checksums.json`` (written before the list existed, or
+with the list lost), unverified. Unset, such a folder is refused: its ``.distcp`` shards carry no checksums, so without
+the list nothing would be checked."""
+
+
+def _is_dcp_like(root: Path) -> bool:
+    return (root / DCP_METADATA_FILE).is_file() or (root / LAYOUT_FILE).is_file() or any(root.glob("*.distcp"))
+
+
+def require_manifest(folder: str | Path) -> None:
+    """Refuse (:class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError`) a DCP folder without its
+    ``checksums.json`` unless :data:`UNVERIFIED_ENV` is ``1``: the absence of the list is never read as "nothing to
+    check". Cheap (no file is read); :func:`verify_folder` calls it first."""
+    import os
+
+    root = Path(folder)
+    if not root.is_dir() or (root / MANIFEST_FILE).is_file() or not _is_dcp_like(root):
+        return
+    if os.environ.get(UNVERIFIED_ENV, "") == "1":
+        return
+    raise _error(
+        f"{root}: a DCP checkpoint folder without {MANIFEST_FILE}. The library writes that list (CRC-32 and size of "
+        "every file) last into every folder it saves; DCP's .distcp shards carry no checksums of their own, so "
+        "without it a changed or truncated shard would load unnoticed. Fix: copy the folder again with its "
+        f"{MANIFEST_FILE}, or -- for a folder written before the list existed, which you trust -- set "
+        f"{UNVERIFIED_ENV}=1 to load it unverified."
+    )
+
+
 def verify_folder(folder: str | Path) -> None:
-    """Check every file of a checkpoint folder against its ``checksums.json``; a folder without one (lp_sharded,
-    DeepSpeed, or written before the list existed) has each of its ``.pt`` torch archives checked against the
-    CRC-32 of their records instead; raise :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` naming
-    the file that is missing, of another size, or changed."""
+    """Check every file of a checkpoint folder against its ``checksums.json`` (a missing, resized, changed or
+    unlisted file is refused). Without the list: a DCP folder is refused (:func:`require_manifest`); an lp_sharded or
+    DeepSpeed folder written before the list existed has each of its ``.pt`` torch archives checked against the
+    CRC-32 of their records instead. Raises :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError`
+    naming the file."""
     import json
+    import os
 
     root = Path(folder)
     manifest = root / MANIFEST_FILE
+    require_manifest(root)
     if not manifest.is_file():  # lp_sharded and DeepSpeed folders: their .pt files are torch archives with CRCs
+        if _is_dcp_like(root) and os.environ.get(UNVERIFIED_ENV, "") == "1":
+            print(f"lightning-parallel: {root} has no {MANIFEST_FILE}; loading its DCP shards unverified "
+                  f"({UNVERIFIED_ENV}=1)", flush=True)
         for file in sorted(root.rglob("*.pt")):
             verify_torch_file(file)
         return
@@ -148,6 +186,16 @@ def verify_folder(folder: str | Path) -> None:
         entries = json.loads(manifest.read_text())
     except (OSError, ValueError) as err:
         raise _error(f"{manifest}: unreadable checksum list ({err}); the folder cannot be verified.") from err
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) and {"crc32", "bytes"} <= set(e)
+                                                for e in entries.values()):
+        raise _error(f"{manifest}: not a checksum list (file -> crc32, bytes); the folder cannot be verified. Fix: "
+                     "copy the folder again, or use another checkpoint.")
+    unlisted = sorted(str(f.relative_to(root)) for f in root.rglob("*")
+                      if f.is_file() and f.name != MANIFEST_FILE and str(f.relative_to(root)) not in entries)
+    if unlisted:
+        raise _error(f"{root}: {unlisted[:4]}{' ...' if len(unlisted) > 4 else ''} not listed in {MANIFEST_FILE}: "
+                     "files of another save mixed in, or the list was replaced. Fix: copy the folder again, or use "
+                     "another checkpoint.")
     for name, entry in sorted(entries.items()):
         file = root / name
         if not file.is_file():
@@ -171,10 +219,18 @@ class _Ranks(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
+_VERIFIED: set[tuple[str, int]] = set()
+
+
 def verify_folder_on_rank_zero(strategy: _Ranks, path: str | Path) -> None:
     """:func:`verify_folder` on rank 0 for a checkpoint folder (a file is left to its reader); every rank raises
-    the same :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` on a mismatch (a collective)."""
+    the same :class:`~lightning_parallel.checkpoint.errors.CheckpointFormatError` on a mismatch (a collective). A
+    folder this process verified already (the same path, unchanged) is not read again: every rank calls this in the
+    same order, so every rank skips it alike."""
     if not Path(path).is_dir():
+        return
+    key = (str(Path(path).resolve()), Path(path).stat().st_mtime_ns)
+    if key in _VERIFIED:
         return
     problem = ""
     if strategy.is_global_zero:
@@ -185,3 +241,4 @@ def verify_folder_on_rank_zero(strategy: _Ranks, path: str | Path) -> None:
     problem = strategy.broadcast(problem)
     if problem:
         raise CheckpointFormatError(problem)
+    _VERIFIED.add(key)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_parallel.module_hooks import ParallelModuleMixin
+from lightning_parallel.parallel.context_parallel import sequence_length, sequence_positions
 
 __all__ = ["GPT", "MLP", "AttentionCore", "Block", "CausalSelfAttention", "Embedding", "Head"]
 
@@ -133,10 +134,10 @@ class Embedding(nn.Module):
         self.block_size = block_size
 
     def forward(self, idx: Tensor) -> Tensor:
-        t = idx.shape[1]
+        t = sequence_length(idx.shape[1])  # the whole sequence's length (this rank holds t / cp tokens under cp)
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}.")
-        pos = torch.arange(t, device=idx.device)
+        pos = sequence_positions(idx.shape[1], device=idx.device)  # this rank's global positions under cp
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -324,6 +325,12 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
     def selective_checkpointing_modules(self) -> list[str]:
         """Each present block's attention core, ``blocks.<i>.attn.core`` (see :class:`AttentionCore`)."""
         return [f"blocks.{i}.attn.core" for i, _ in self._present_blocks()]
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        """Context parallelism: each block's attention core runs over the cp ranks (:class:`AttentionCore` is
+        causal and parameter-free); tokens and labels, ``(b, s)``, are split along dim 1. Positions come from
+        ``sequence_positions`` in :class:`Embedding`, and the loss is the mean over this rank's tokens."""
+        return {"attention": [f"blocks.{i}.attn.core" for i, _ in self._present_blocks()], "batch": {0: 1, 1: 1}}
 
     def full_checkpointing_modules(self) -> list[str]:
         """Each present block, ``blocks.<i>``: a block then keeps only its input for backward. The embedding and

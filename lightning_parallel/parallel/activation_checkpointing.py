@@ -59,9 +59,11 @@ class _Checkpointed(nn.Module):
     _lp_original_class: type[nn.Module]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # parallel.compile on a recomputed block compiles the original forward; the checkpoint stays around it
+        inner = self.__dict__.get("_lp_compiled_forward") or super().forward
         if not torch.is_grad_enabled():
-            return super().forward(*args, **kwargs)
-        return checkpoint(super().forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         cls = type(self)

@@ -11,9 +11,18 @@
    materialized there with its ``init_weights()`` -- after the split, so a rank allocates only what it keeps;
 3. **tensor plan** (tp > 1): the module's ``tensor_parallel_plan()`` splits the present layers over ``tp``
    (DTensor shards; entries naming other stages' layers are skipped);
-4. **activation checkpointing** (``parallel.activation_checkpointing``): recompute the named submodules in backward
-   (a class swap: names unchanged, the TP hooks stay on the submodules);
-5. **data-parallel wrap** over ``dp``, as :func:`data_parallel_plan` decides from the layout:
+4. **context parallel** (cp > 1): the attention submodules of the module's ``context_parallel_plan()`` run ring
+   (or all-to-all) attention over ``cp`` (a class swap: names unchanged; :mod:`.context_parallel`), and the process's
+   cp state is set (this rank's head-tail chunks, positions); batches are split at step time by the strategy;
+5. **activation checkpointing** (``parallel.activation_checkpointing``): recompute the named submodules in backward
+   (a class swap: names unchanged, the TP hooks stay on the submodules; a recomputed attention core recomputes its
+   ring);
+6. **compile** (``parallel.compile``): ``torch.compile`` each block in place (:mod:`lightning_parallel.parallel.
+   compile`), so the graphs see the TP shards and the recomputation and the dp wrap goes around them (torchtitan's
+   order);
+7. **data-parallel wrap** over the model's replicas -- ``dp``, or ``dp x cp`` (the mesh's ``dp_cp``) with context
+   parallelism: cp ranks hold the same weights and their gradients are averaged with the dp replicas' -- as
+   :func:`data_parallel_plan` decides from the layout:
 
    ========== =========================================== ==============================================
    sync       layouts                                     what the wrap does (the step's part: step.py)
@@ -36,7 +45,7 @@ axis (accumulation, the dp gradient sync, ZeRO's optimizer, clipping over every 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -46,14 +55,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.dims import ParallelDims
 
+from .context_parallel import ContextParallelPlan, ContextParallelState, SequenceShard, activate, active
 from .pipeline import StageChunk, StagePlan, has_meta_tensors, materialize, plan_stages, prune_to
 
 __all__ = ["COMPOSITION_ORDER", "Composition", "CompositionOrderError", "DataParallelPlan", "DataParallelSync",
-           "apply_recomputation", "apply_tensor_plan", "compose", "composition_of", "composition_path",
-           "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy", "split_pipeline", "steps_done",
-           "wrap_data_parallel"]
+           "apply_compile", "apply_context_parallel_step", "apply_recomputation", "apply_tensor_plan", "compose",
+           "composition_of", "composition_path", "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy",
+           "split_pipeline", "steps_done", "wrap_data_parallel"]
 
-COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "activation checkpointing", "data-parallel wrap")
+COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "context parallel", "activation checkpointing",
+                     "compile",
+                     "data-parallel wrap")
 """The steps of :func:`compose`, in the only order they may run."""
 
 DataParallelSync = Literal["ddp", "allreduce", "zero", "fsdp", "fairscale"]
@@ -79,6 +91,16 @@ class DataParallelPlan:
     """FSDP2 (``sync="fsdp"``): free gathered parameters after forward; None = per stage (:func:`reshard_policy`)."""
     hsdp: bool = False
     """FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` mesh: shard inside a group, all-reduce across groups."""
+    param_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype FSDP2 all-gathers and computes the parameters in (None: their own); the
+    strategies set bf16 under ``bf16-mixed`` (FSDP2's ``MixedPrecisionPolicy``)."""
+    reduce_dtype: torch.dtype | None = None
+    """``sync="fsdp"``: the dtype the gradients are reduce-scattered in (None: ``param_dtype``'s)."""
+    axis: str = "dp"
+    """The mesh dim of the replicas the plan keeps equal: ``dp``, or ``dp_cp`` with context parallelism."""
+    fsdp_axes: tuple[str, ...] = ("dp",)
+    """The mesh dims FSDP2 shards over (``sync="fsdp"``): ``(axis,)``, or HSDP's ``(dp_replicate, dp_shard)``
+    (``dp_shard_cp`` with context parallelism)."""
 
     @property
     def wraps_module(self) -> bool:
@@ -95,6 +117,17 @@ def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: S
     pipeline stages, whose micro-batches add into the whole gradient of the step; under HSDP): parameters gathered
     once per step, gradients reduce-scattered once per step -- ZeRO-2's traffic.
     """
+    plan = _data_parallel_plan(layout, dims, backend=backend, ddp_options=ddp_options)
+    if dims.cp == 1:
+        return plan
+    if plan.sync == "fairscale":
+        raise LayoutError(f"the fairscale backend runs over the dp group alone, but context_parallel_size={dims.cp} "
+                          "averages gradients over dp x cp. Fix: backend='native'.")
+    return replace(plan, axis=dims.replica_axis, fsdp_axes=dims.fsdp_axes)
+
+
+def _data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: ShardingBackend,
+                        ddp_options: Mapping[str, Any] | None) -> DataParallelPlan:
     zero = layout.zero
     reshard = None if layout.reshard_after_forward == "auto" else bool(layout.reshard_after_forward)
     if dims.hsdp and zero < 2:
@@ -107,8 +140,9 @@ def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: S
                               f"pp={dims.pp}, tp={dims.tp}, data_parallel_shard_size={dims.dp_shard}. "
                               "Fix: backend='native'.")
         return DataParallelPlan("fairscale", zero)
+    fsdp = ("dp_replicate", "dp_shard") if dims.hsdp else ("dp",)
     if zero == 3:
-        return DataParallelPlan("fsdp", 3, reshard_after_forward=reshard, hsdp=dims.hsdp)
+        return DataParallelPlan("fsdp", 3, reshard_after_forward=reshard, hsdp=dims.hsdp, fsdp_axes=fsdp)
     if zero == 2:
         if dims.tp > 1 and dims.pp == 1:
             raise LayoutError(
@@ -117,7 +151,7 @@ def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: S
                 "too. Fix: zero_stage=1 or 3.")
         if dims.pp > 1 or dims.hsdp:
             return DataParallelPlan("fsdp", 2, reshard_after_forward=False if reshard is None else reshard,
-                                    hsdp=dims.hsdp)
+                                    hsdp=dims.hsdp, fsdp_axes=fsdp)
         return DataParallelPlan("zero", 2)
     if zero == 1:
         return DataParallelPlan("zero", 1)
@@ -161,6 +195,12 @@ class Composition:
     """The expanded tensor-parallel plan applied here (empty without TP)."""
     recomputed: list[str] = field(default_factory=list)
     """Submodules recomputed in backward."""
+    compiled: list[str] = field(default_factory=list)
+    """Submodules compiled in place (``parallel.compile``)."""
+    context_plan: ContextParallelPlan | None = None
+    """The module's context-parallel plan as applied (None without cp): its routed attention, its batch dims."""
+    context_state: ContextParallelState | None = None
+    """The cp state the composition activated (made active again when the composition is reused)."""
 
     @property
     def fully_sharded(self) -> bool:
@@ -196,7 +236,7 @@ def split_pipeline(module: nn.Module, *, layout: ParallelConfig, dims: ParallelD
     counts = None if layout.pipeline_stage_layers is None else [int(c) for c in layout.pipeline_stage_layers]
     plan = plan_stages(module, layers, pp=dims.pp, chunks=layout.virtual_pipeline_stages, pp_rank=pp_rank,
                        layers_per_stage=counts)
-    return plan, prune_to(module, plan)
+    return plan, prune_to(module, plan, layers)
 
 
 def place(module: nn.Module, *, device: torch.device, seed: int) -> None:
@@ -220,53 +260,80 @@ def apply_tensor_plan(module: nn.Module, *, tp_mesh: DeviceMesh, sequence_parall
                                  mesh=tp_mesh, sequence_parallel=sequence_parallel, skip_missing=skip_missing)
 
 
+def apply_context_parallel_step(module: nn.Module, *, cp_group: Any, shard: SequenceShard, style: str,
+                                skip_missing: bool = False) -> ContextParallelPlan:
+    """Step 4: route the attention submodules of ``module.context_parallel_plan()`` to ring (``style="ring"``) or
+    all-to-all attention over ``cp_group`` and make this rank's ``shard`` the process's cp state
+    (:func:`~lightning_parallel.parallel.context_parallel.apply_context_parallel`). Returns the plan."""
+    from .context_parallel import apply_context_parallel
+
+    _enter(module, "context parallel")
+    return apply_context_parallel(module, group=cp_group, shard=shard, style=style, skip_missing=skip_missing)
+
+
 def apply_recomputation(module: nn.Module, *, mode: str) -> list[str]:
-    """Step 4: recompute activations in backward as ``mode`` (``selective``/``full``) says; returns the names."""
+    """Step 5: recompute activations in backward as ``mode`` (``selective``/``full``) says; returns the names."""
     from lightning_parallel.parallel.activation_checkpointing import apply_activation_checkpointing
 
     _enter(module, "activation checkpointing")
     return apply_activation_checkpointing(module, mode)
 
 
+def apply_compile(module: nn.Module, *, setting: bool | str, tensor_plan: dict[str, Any] | None = None) -> list[str]:
+    """Step 6: ``torch.compile`` each block in place (``setting``: true or a backend name); returns the names.
+    ``tensor_plan``: the plan step 3 applied (its local outputs that enter a compiled block are copied)."""
+    from lightning_parallel.parallel.compile import apply_compile as compile_blocks
+    from lightning_parallel.parallel.compile import copy_local_outputs_into_compiled
+
+    _enter(module, "compile")
+    names = compile_blocks(module, setting)
+    if tensor_plan:
+        copy_local_outputs_into_compiled(module, tensor_plan, names)
+    return names
+
+
 def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh, dp_src: int,
                        fitting: bool, stages: list[tuple[int, nn.Module]] | None = None, num_stages: int = 1,
                        schedule: str = "1f1b") -> nn.Module:
-    """Step 5: make the dp replicas equal and wrap as ``plan`` says; returns what the loops call.
+    """Step 7: make the replicas equal and wrap as ``plan`` says; returns what the loops call.
 
-    Every replica's tensors (local TP shards included) := those of global rank ``dp_src`` (dp rank 0 of this rank's
-    dp group), then: ``fsdp`` -- FSDP2 ``fully_shard`` (in place) over the dp sub-mesh, or over
-    ``(dp_replicate, dp_shard)`` for HSDP, with the whole module as the root or, in a pipeline, each of this rank's
-    ``stages`` (``(stage index, stage module)``) as a root of its own; ``ddp`` (and fairscale stage 1) when
-    fitting -- torch DDP over the dp group (see :func:`ddp_wrapper`).
+    Every replica's tensors (local TP shards included) := those of global rank ``dp_src`` (the first rank of this
+    rank's ``plan.axis`` group: dp, or dp x cp), then: ``fsdp`` -- FSDP2 ``fully_shard`` (in place) over the
+    ``plan.fsdp_axes`` sub-mesh (dp; dp x cp; HSDP's ``(dp_replicate, dp_shard)`` or ``(dp_replicate,
+    dp_shard_cp)``), with the whole module as the root or, in a pipeline, each of this rank's ``stages``
+    (``(stage index, stage module)``) as a root of its own; ``ddp`` (and fairscale stage 1) when fitting -- torch DDP
+    over the ``plan.axis`` group (see :func:`ddp_wrapper`).
     """
     from lightning_parallel.parallel.zero.comm import broadcast_module_states
 
     _enter(module, "data-parallel wrap")
-    broadcast_module_states(module, group=mesh.get_group("dp"), src_rank=dp_src)
+    broadcast_module_states(module, group=mesh.get_group(plan.axis), src_rank=dp_src)
     if plan.sync == "fsdp":
         from lightning_parallel.parallel.zero import apply_zero3
 
-        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if plan.hsdp else mesh["dp"]
+        fsdp_mesh = mesh[plan.fsdp_axes] if len(plan.fsdp_axes) > 1 else mesh[plan.fsdp_axes[0]]
+        dtypes = {"param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype}
         if not stages:
             return apply_zero3(module, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
-                plan, stage=None, num_stages=1, schedule=schedule))
+                plan, stage=None, num_stages=1, schedule=schedule), **dtypes)
         for index, stage in stages:
             apply_zero3(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
-                plan, stage=index, num_stages=num_stages, schedule=schedule))
+                plan, stage=index, num_stages=num_stages, schedule=schedule), **dtypes)
         return module
     return ddp_wrapper(module, plan=plan, mesh=mesh) if fitting else module
 
 
 def ddp_wrapper(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh) -> nn.Module:
-    """The fit-time wrapper of ``plan`` around a composed ``module``: torch DDP over the dp group for ``ddp`` and
-    fairscale stage 1 (its constructor broadcasts dp rank 0's weights), else the module itself."""
+    """The fit-time wrapper of ``plan`` around a composed ``module``: torch DDP over the ``plan.axis`` group (dp, or
+    dp x cp) for ``ddp`` and fairscale stage 1 (its constructor broadcasts the group's first rank's weights), else the
+    module itself."""
     if not plan.wraps_module:
         return module
     from torch.nn.parallel import DistributedDataParallel
 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device.index],
-                                   process_group=mesh.get_group("dp"), **dict(plan.ddp_options))
+                                   process_group=mesh.get_group(plan.axis), **dict(plan.ddp_options))
 
 
 # ---------------------------------------------------------------------------------------------------- all of it
@@ -302,7 +369,12 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
                 f"{done.data_parallel.sync}); a module is composed once. Fix: build a fresh module for the new layout."
             )
         done.module = ddp_wrapper(module, plan=data_parallel, mesh=mesh) if fitting else module
+        if done.context_state is not None and active() is not done.context_state:
+            activate(done.context_state)  # a later fit/validate of this process: the cp state again
         return done
+    from lightning_parallel.parallel.compile import unwrap_compiled
+
+    unwrap_compiled(module)  # a submodule the user compiled: names without "_orig_mod." from here on
     out = Composition(data_parallel=data_parallel, module=module, key=key)
     coords = dims.coords(rank)
     for step in composition_path(layout, dims, pipeline=pipelined):
@@ -313,14 +385,22 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
         elif step == "tensor plan":
             out.tensor_plan = apply_tensor_plan(module, tp_mesh=mesh["tp"], sequence_parallel=layout.sequence_parallel,
                                                 skip_missing=out.stage_plan is not None)
+        elif step == "context parallel":
+            shard = SequenceShard(dims.cp, dims.coord(rank, "cp"))
+            out.context_plan = apply_context_parallel_step(module, cp_group=mesh.get_group("cp"), shard=shard,
+                                                           style=layout.context_parallel_style,
+                                                           skip_missing=out.stage_plan is not None)
+            out.context_state = active()
         elif step == "activation checkpointing":
             out.recomputed = apply_recomputation(module, mode=layout.activation_checkpointing)
+        elif step == "compile":
+            out.compiled = apply_compile(module, setting=layout.compile, tensor_plan=out.tensor_plan)
         else:
             stages: list[tuple[int, nn.Module]] | None = None
             if out.stage_plan is not None:
                 stages = list(zip(out.stage_plan.my_stages, out.chunks, strict=True))
             out.module = wrap_data_parallel(module, plan=data_parallel, mesh=mesh,
-                                            dp_src=dims.group_ranks("dp", rank)[0], fitting=fitting, stages=stages,
+                                            dp_src=dims.replica_group_ranks(rank)[0], fitting=fitting, stages=stages,
                                             num_stages=out.stage_plan.num_stages if out.stage_plan else 1,
                                             schedule=layout.pipeline_schedule)
     object.__setattr__(module, _COMPOSITION, out)
@@ -329,13 +409,16 @@ def compose(module: nn.Module, *, layout: ParallelConfig, dims: ParallelDims, ra
 
 def composition_path(layout: ParallelConfig, dims: ParallelDims, *, pipeline: bool | None = None) -> tuple[str, ...]:
     """The steps of :data:`COMPOSITION_ORDER` that :func:`compose` applies for ``layout`` (in that order): the
-    split with a pipeline, placement always, the tensor plan with tp > 1, recomputation when asked, the dp wrap
-    always (with one dp rank it is a no-op broadcast and, for ``ddp``, a one-rank DDP)."""
+    split with a pipeline, placement always, the tensor plan with tp > 1, the cp routing with cp > 1, recomputation
+    and compile when asked, the dp wrap always (with one dp rank it is a no-op broadcast and, for ``ddp``, a one-rank
+    DDP)."""
     wanted = {
         "pipeline split": pipeline if pipeline is not None else dims.pp > 1,
         "placement": True,
         "tensor plan": dims.tp > 1,
+        "context parallel": dims.cp > 1,
         "activation checkpointing": layout.activation_checkpointing != "none",
+        "compile": bool(layout.compile),
         "data-parallel wrap": True,
     }
     return tuple(step for step in COMPOSITION_ORDER if wanted[step])

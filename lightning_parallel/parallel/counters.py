@@ -160,12 +160,15 @@ class CommCounter:
         """The mesh axis whose group is ``ranks`` (``world`` for the whole world of a layout of several axes)."""
         if self.dims is None:
             return "group"
-        axes = ("dp", "pp", "tp")
-        if len(ranks) == self.dims.world_size and sum(self.dims.size(a) > 1 for a in axes) > 1:
+        axes = ("dp", "pp", "cp", "tp") if getattr(self.dims, "cp", 1) > 1 else ("dp", "pp", "tp")
+        if len(ranks) == self.dims.world_size and sum(self.dims.size(a) > 1 for a in axes) > 1 and \
+                not (getattr(self.dims, "cp", 1) > 1 and len(ranks) == self.dims.replicas):
             return "world"
         for axis in axes:
             if self.dims.size(axis) > 1 and sorted(ranks) == sorted(self.dims.group_ranks(axis, self.rank)):
                 return axis
+        if getattr(self.dims, "cp", 1) > 1 and sorted(ranks) == sorted(self.dims.replica_group_ranks(self.rank)):
+            return "dp_cp"  # the replicas of context parallelism: dp x cp
         if getattr(self.dims, "hsdp", False):
             for part in ("dp_shard", "dp_replicate"):
                 if sorted(ranks) == sorted(self.dims.dp_subgroup_ranks(part, self.rank)):
@@ -176,8 +179,8 @@ class CommCounter:
         """The mesh axis along which global rank ``peer`` differs from this rank (point-to-point)."""
         if self.dims is None:
             return "group"
-        mine, theirs = self.dims.coords(self.rank), self.dims.coords(peer)
-        moved = [a for a in ("dp", "pp", "tp") if getattr(mine, a) != getattr(theirs, a)]
+        axes = ("dp", "pp", "cp", "tp") if getattr(self.dims, "cp", 1) > 1 else ("dp", "pp", "tp")
+        moved = [a for a in axes if self.dims.coord(self.rank, a) != self.dims.coord(peer, a)]
         return moved[0] if len(moved) == 1 else "other"
 
     # ------------------------------------------------------------------ reading

@@ -44,6 +44,20 @@ place of ``dp`` (plus ``pp``, ``tp``) and ``dp`` is their flattened view: ``mesh
 the sampler, the broadcasts and every strategy that does not use HSDP; FSDP2 takes ``mesh["dp_replicate",
 "dp_shard"]`` (shard inside, all-reduce across). Ranks keep their coordinates and dp groups.
 
+**Context parallelism** (``parallel.context_parallel_size = c > 1``): a fourth axis ``cp`` sits just outside ``tp``
+(next to it, inside a node: the ring passes key/value blocks every layer, in forward and backward), so the mesh's
+axes are ``(dp, pp, cp, tp)`` or ``(pp, dp, cp, tp)`` and the world is ``dp x pp x cp x tp``::
+
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank          (dp-pp-tp, the default)
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank          (pp-dp-tp)
+
+With ``c = 1`` the axis is left out of :attr:`ParallelDims.order`, of the shape and of the mesh, and every stride
+is what it was without it: the rank arithmetic of every existing layout is unchanged. The cp ranks of a replica
+hold the same weights and read the same batch (the sampler takes dp only), so everything that makes or keeps
+replicas equal runs over ``dp x cp``: the mesh gets the flattened dim ``dp_cp`` (:attr:`ParallelDims.replica_axis`)
+for the dp broadcast, torch DDP, the gradient all-reduce, ZeRO's shards and FSDP2, and, with HSDP,
+``dp_shard_cp`` (FSDP2 shards over ``dp_shard x cp``, replicates over ``dp_replicate``, as torchtitan does).
+
 Nothing else in the library creates process groups: strategies ask this object for the mesh and address its
 sub-groups by name (``mesh["dp"]``, ``mesh.get_group("pp")``), never by position. No Lightning import here.
 """
@@ -58,10 +72,14 @@ from lightning_parallel.config import LayoutError, MeshOrder, ParallelConfig
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "MESH_ORDERS", "ParallelDims", "RankCoords"]
+__all__ = ["ALL_AXES", "MESH_AXES", "MESH_ORDERS", "ParallelDims", "RankCoords"]
 
 MESH_AXES: tuple[str, str, str] = ("dp", "pp", "tp")
 """The axis names, in the field order of :class:`RankCoords`; also the default mesh order (``dp-pp-tp``)."""
+
+ALL_AXES: tuple[str, str, str, str] = ("dp", "pp", "cp", "tp")
+"""Every axis, ``cp`` (context parallelism) included: the axes :meth:`ParallelDims.size`,
+:meth:`ParallelDims.coord` and :meth:`ParallelDims.group_ranks` take."""
 
 
 def _axes(order: str) -> tuple[str, str, str]:
@@ -94,23 +112,31 @@ class ParallelDims:
     pp: int
     tp: int
     world_size: int
-    order: tuple[str, str, str] = MESH_AXES
-    """The mesh axes, outermost first: ``("dp", "pp", "tp")`` or ``("pp", "dp", "tp")``; tp is always innermost."""
+    order: tuple[str, ...] = MESH_AXES
+    """The mesh axes, outermost first: ``("dp", "pp", "tp")`` or ``("pp", "dp", "tp")``; tp is always innermost.
+    With ``cp > 1``, ``"cp"`` is inserted just outside ``tp`` (``("dp", "pp", "cp", "tp")``); a 3-axis order given
+    with ``cp > 1`` gets it there."""
     dp_shard: int = 0
     """HSDP: the dp ranks of one FSDP2 shard group (``parallel.data_parallel_shard_size``); 0 (or ``dp``) = the whole
     dp axis, no HSDP. Divides ``dp``."""
+    cp: int = 1
+    """Context parallelism: the ranks one sequence is split across (``parallel.context_parallel_size``)."""
 
     def __post_init__(self) -> None:
-        for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("world_size", self.world_size)):
+        for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("world_size", self.world_size),
+                            ("cp", self.cp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r} must be a positive integer.")
-        if tuple(self.order) not in MESH_ORDERS.values():
+        three = tuple(a for a in self.order if a != "cp") if isinstance(self.order, (tuple, list)) else self.order
+        if three not in MESH_ORDERS.values() or (isinstance(self.order, (tuple, list)) and "cp" in self.order
+                                                  and tuple(self.order)[-2:] != ("cp", "tp")):
             raise LayoutError(
                 f"ParallelDims order={self.order!r} is not a mesh order; tp is always innermost. "
                 f"Fix: order={MESH_ORDERS['dp-pp-tp']} or {MESH_ORDERS['pp-dp-tp']} (parallel.mesh_order "
-                "'dp-pp-tp' or 'pp-dp-tp')."
+                "'dp-pp-tp' or 'pp-dp-tp'; cp, when above 1, goes just outside tp)."
             )
-        object.__setattr__(self, "order", tuple(self.order))
+        assert isinstance(three, tuple)
+        object.__setattr__(self, "order", (*three[:2], "cp", "tp") if self.cp > 1 else three)
         if self.dp_shard == 0:
             object.__setattr__(self, "dp_shard", self.dp)
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 1 or \
@@ -119,11 +145,13 @@ class ParallelDims:
                 f"data_parallel_shard_size={self.dp_shard!r} must divide data_parallel_size={self.dp} (dp = replicate "
                 f"x shard). Fix: one of {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}, or remove it."
             )
-        if self.dp * self.pp * self.tp != self.world_size:
+        if self.dp * self.pp * self.cp * self.tp != self.world_size:
+            cp = f" x context_parallel_size ({self.cp})" if self.cp > 1 else ""
             raise LayoutError(
                 f"data_parallel_size ({self.dp}) x pipeline_parallel_size ({self.pp}) x tensor_parallel_size "
-                f"({self.tp}) = {self.dp * self.pp * self.tp}, but the world size is {self.world_size}. "
-                f"Fix: make the product equal {self.world_size}, for example data_parallel_size='auto'."
+                f"({self.tp}){cp} = {self.dp * self.pp * self.cp * self.tp}, but the world size is "
+                f"{self.world_size}. Fix: make the product equal {self.world_size}, for example "
+                "data_parallel_size='auto'."
             )
 
     @classmethod
@@ -138,23 +166,26 @@ class ParallelDims:
         where = (
             f" (devices={devices_per_node} per node x num_nodes={num_nodes})" if devices_per_node is not None else ""
         )
-        pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+        pp, tp, cp = config.pipeline_parallel_size, config.tensor_parallel_size, config.context_parallel_size
+        model = pp * tp * cp  # the ranks of one model replica
+        with_cp = f" x context_parallel_size ({cp})" if cp > 1 else ""
         if config.data_parallel_size == "auto":
-            if world_size % (pp * tp):
+            if world_size % model:
                 raise LayoutError(
                     f"data_parallel_size='auto' needs the world size to be a multiple of pipeline_parallel_size "
-                    f"({pp}) x tensor_parallel_size ({tp}) = {pp * tp}, but the world size is {world_size}{where}: "
-                    f"{world_size} % {pp * tp} = {world_size % (pp * tp)}. Fix: launch a multiple of {pp * tp} "
-                    f"processes, or change pipeline_parallel_size / tensor_parallel_size."
+                    f"({pp}) x tensor_parallel_size ({tp}){with_cp} = {model}, but the world size is "
+                    f"{world_size}{where}: {world_size} % {model} = {world_size % model}. Fix: launch a multiple of "
+                    f"{model} processes, or change pipeline_parallel_size / tensor_parallel_size"
+                    f"{' / context_parallel_size' if cp > 1 else ''}."
                 )
-            dp = world_size // (pp * tp)
+            dp = world_size // model
         else:
             dp = config.data_parallel_size
-            if dp * pp * tp != world_size:
+            if dp * model != world_size:
                 raise LayoutError(
-                    f"data_parallel_size ({dp}) x pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp}) = "
-                    f"{dp * pp * tp}, but the world size is {world_size}{where}. Fix: set data_parallel_size="
-                    f"{_suggest_dp(world_size, pp, tp)}, or launch {dp * pp * tp} processes "
+                    f"data_parallel_size ({dp}) x pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp})"
+                    f"{with_cp} = {dp * model}, but the world size is {world_size}{where}. Fix: set "
+                    f"data_parallel_size={_suggest_dp(world_size, pp, tp * cp)}, or launch {dp * model} processes "
                     f"(devices x num_nodes)."
                 )
         if devices_per_node is not None and num_nodes > 1 and tp > devices_per_node:
@@ -163,6 +194,14 @@ class ParallelDims:
                 "peers exchange activations twice per layer and must share a node's fast links. "
                 f"Fix: tensor_parallel_size <= {devices_per_node}; use pipeline_parallel_size across nodes."
             )
+        if devices_per_node is not None and num_nodes > 1 and cp > 1 and cp * tp > devices_per_node:
+            import warnings
+
+            warnings.warn(
+                f"context_parallel_size ({cp}) x tensor_parallel_size ({tp}) = {cp * tp} exceeds the devices of one "
+                f"node ({devices_per_node}): the cp ring (key/value blocks every layer, forward and backward) then "
+                f"crosses nodes. Fix: context_parallel_size <= {max(1, devices_per_node // tp)} to keep it inside "
+                "a node.", stacklevel=2)
         shard = config.data_parallel_shard_size
         if shard is not None and dp % shard:
             raise LayoutError(
@@ -171,7 +210,7 @@ class ParallelDims:
                 f"{[d for d in range(1, dp + 1) if dp % d == 0]}."
             )
         dims = cls(dp=dp, pp=pp, tp=tp, world_size=world_size, order=MESH_ORDERS[config.mesh_order],
-                   dp_shard=shard or dp)
+                   dp_shard=shard or dp, cp=cp)
         if dims.hsdp and devices_per_node is not None and num_nodes > 1 and \
                 dims.shard_group_crosses_nodes(devices_per_node):
             import warnings
@@ -180,8 +219,10 @@ class ParallelDims:
                 f"parallel.data_parallel_shard_size={dims.dp_shard}: a shard group spans {dims.dp_shard} dp ranks "
                 f"{dims.stride('dp')} apart, which crosses nodes of {devices_per_node} devices, so FSDP2's "
                 "all-gathers and reduce-scatters (every step, 3 x the parameters) run over the inter-node links. "
-                f"Fix: data_parallel_shard_size <= {max(1, devices_per_node // dims.stride('dp'))} (one node's dp "
-                "ranks), so only the all-reduce of the gradient shards crosses nodes.", stacklevel=2)
+                + (f"Fix: data_parallel_shard_size <= {devices_per_node // dims.stride('dp')} (one node's dp ranks), "
+                   if devices_per_node // dims.stride("dp") >= 2 else
+                   "Fix: mesh_order='pp-dp-tp' (dp ranks next to each other inside a node), ")
+                + "so that only the all-reduce of the gradient shards crosses nodes.", stacklevel=2)
         return dims
 
     # ------------------------------------------------------------------ pure arithmetic
@@ -214,11 +255,12 @@ class ParallelDims:
 
     @property
     def mesh_order(self) -> str:
-        """:attr:`order` as ``parallel.mesh_order`` spells it, e.g. ``pp-dp-tp``."""
-        return "-".join(self.order)
+        """:attr:`order` as ``parallel.mesh_order`` spells it, e.g. ``pp-dp-tp`` (``cp`` left out: it always sits
+        just outside ``tp``)."""
+        return "-".join(a for a in self.order if a != "cp")
 
     def size(self, axis: str) -> int:
-        """The degree of ``axis`` (``dp``, ``pp`` or ``tp``)."""
+        """The degree of ``axis`` (``dp``, ``pp``, ``cp`` or ``tp``)."""
         return int(getattr(self, _check_axis(axis)))
 
     @property
@@ -226,30 +268,72 @@ class ParallelDims:
         """The mesh's shape: the axis sizes in :attr:`order` (``(dp, pp, tp)`` for the default order)."""
         return tuple(self.size(axis) for axis in self.order)
 
+    @property
+    def _full_order(self) -> tuple[str, ...]:
+        """:attr:`order` with ``cp`` in its place even when it is 1 (a size-1 axis changes no stride)."""
+        return self.order if "cp" in self.order else (*self.order[:2], "cp", "tp")
+
     def stride(self, axis: str) -> int:
         """How far apart in rank two neighbours along ``axis`` are: the product of the sizes inside it."""
-        inner = self.order[self.order.index(_check_axis(axis)) + 1:]
+        order = self._full_order
+        inner = order[order.index(_check_axis(axis)) + 1:]
         out = 1
         for a in inner:
             out *= self.size(a)
         return out
 
-    def coords(self, rank: int) -> RankCoords:
-        """The coordinates of a global rank: ``coord[a] = (rank // stride[a]) % size[a]``."""
+    def coord(self, rank: int, axis: str) -> int:
+        """``rank``'s coordinate along ``axis`` (any of :data:`ALL_AXES`): ``(rank // stride) % size``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks.")
-        return RankCoords(*((rank // self.stride(a)) % self.size(a) for a in MESH_AXES))
+        return (rank // self.stride(axis)) % self.size(axis)
 
-    def rank_of(self, coords: RankCoords | tuple[int, int, int]) -> int:
-        """The global rank at ``(dp, pp, tp)`` (field order, whatever the mesh order); inverse of :meth:`coords`."""
-        return sum(int(c) * self.stride(a) for a, c in zip(MESH_AXES, coords, strict=True))
+    def coords(self, rank: int) -> RankCoords:
+        """The coordinates of a global rank: ``coord[a] = (rank // stride[a]) % size[a]`` (the cp coordinate:
+        :meth:`coord`)."""
+        return RankCoords(*(self.coord(rank, a) for a in MESH_AXES))
+
+    def rank_of(self, coords: RankCoords | tuple[int, int, int], *, cp: int = 0) -> int:
+        """The global rank at ``(dp, pp, tp)`` (field order, whatever the mesh order) and cp coordinate ``cp``;
+        inverse of :meth:`coords` and :meth:`coord`."""
+        return sum(int(c) * self.stride(a) for a, c in zip(MESH_AXES, coords, strict=True)) + cp * self.stride("cp")
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks that share every coordinate with ``rank`` except along ``axis``, in the order of the axis
         coordinate (``stride(axis)`` apart)."""
         stride, size = self.stride(axis), self.size(axis)
-        base = rank - getattr(self.coords(rank), axis) * stride
+        base = rank - self.coord(rank, axis) * stride
         return [base + i * stride for i in range(size)]
+
+    @property
+    def replica_axis(self) -> str:
+        """The mesh dim whose ranks hold the same weights and split the work of one step: ``dp``, or the flattened
+        ``dp_cp`` with context parallelism (the dp broadcast, DDP, the gradient all-reduce, ZeRO, the logged loss)."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
+    def replicas(self) -> int:
+        """The size of :attr:`replica_axis`: ``dp x cp``."""
+        return self.dp * self.cp
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The mesh dims FSDP2 runs over: ``(replica_axis,)``, or with HSDP ``("dp_replicate", "dp_shard")``
+        (``"dp_shard_cp"``, the flattened ``dp_shard x cp``, with context parallelism)."""
+        if not self.hsdp:
+            return (self.replica_axis,)
+        return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
+
+    def shard_group_ranks(self, rank: int) -> list[int]:
+        """The ranks ``rank``'s model states are sharded over by ZeRO / FSDP2 (in the mesh's order): its
+        :meth:`replica_group_ranks`, or with HSDP its ``dp_shard`` group (times cp: ``dp_shard_cp``)."""
+        if not self.hsdp:
+            return self.replica_group_ranks(rank)
+        return [r for d in self.dp_subgroup_ranks("dp_shard", rank) for r in self.group_ranks("cp", d)]
+
+    def replica_group_ranks(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s :attr:`replica_axis` group (its dp x cp ranks, dp major), as the mesh orders them."""
+        return [r for d in self.group_ranks("dp", rank) for r in self.group_ranks("cp", d)]
 
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis`` (``world_size / size(axis)`` of them, each as :meth:`group_ranks` lists it),
@@ -266,7 +350,7 @@ class ParallelDims:
             return f"{a}={self.size(a)}"
 
         text = " x ".join(axis(a) for a in self.order) + f" = {self.world_size} ranks"
-        return text if self.order == MESH_AXES else f"{text}, mesh_order {self.mesh_order}"
+        return text if self.mesh_order == "dp-pp-tp" else f"{text}, mesh_order {self.mesh_order}"
 
     # ------------------------------------------------------------------ the mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -287,7 +371,10 @@ class ParallelDims:
                 f"has {dist.get_world_size()}. Fix: launch {self.world_size} processes."
             )
         if not self.hsdp:
-            return init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.order)
+            if self.cp > 1:
+                mesh["dp", "cp"]._flatten("dp_cp")  # the replicas of one model: dp x cp
+            return mesh
         names: list[str] = []
         shape: list[int] = []
         for a in self.order:
@@ -299,12 +386,15 @@ class ParallelDims:
                 shape.append(self.size(a))
         mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
         mesh["dp_replicate", "dp_shard"]._flatten("dp")  # mesh["dp"]: the whole dp axis, in dp order
+        if self.cp > 1:
+            mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP2 shards over dp_shard x cp
         return mesh
 
 
 def _check_axis(axis: str) -> str:
-    if axis not in MESH_AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {MESH_AXES}.")
+    if axis not in ALL_AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {ALL_AXES}.")
     return axis
 
 

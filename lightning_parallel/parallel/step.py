@@ -18,8 +18,16 @@ to it at step time, for every layout strategy alike (``lp_ddp``, ``lp_sharded``,
 * **clipping by the global norm** -- :meth:`TrainStep.clip_grad_norm_`: the L2 norm of the whole model's gradient,
   each shard counted once: squares summed over ``tp`` (tp-replicated tensors weighted ``1/t``), over ``pp`` (other
   stages), and over ``dp`` where gradients are sharded there (ZeRO, FSDP2 with TP);
-* **the logged loss** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
-  global batch when each dp rank holds the mean of its part).
+* **the logged values** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
+  global batch when each dp rank holds the mean of its part); :func:`reduce_logged` (:meth:`TrainStep.reduce_logged`):
+  a value a module logs, combined over ``dp`` by its ``reduce_fx`` (mean, sum, max, min) -- one all-reduce of a
+  scalar, no host synchronisation.
+
+With context parallelism (cp > 1) the replicas of the model are the ``dp x cp`` ranks (the plan's ``axis``,
+``dp_cp``): each cp rank's gradient is that of the mean loss over its own tokens, its share of the ring attention's
+key/value gradients included, so the gradient of the one-device mean is their average over ``dp x cp`` -- the
+all-reduce, ZeRO's reduce-scatter and FSDP2's run over ``dp_cp`` (FSDP2 under HSDP over ``dp_shard_cp``), and the
+logged loss is averaged over ``dp x cp`` (every cp rank holds ``s / cp`` tokens: the mean of the means is the mean).
 
 No Lightning import.
 """
@@ -39,7 +47,7 @@ from lightning_parallel.parallel.compose import DataParallelPlan
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.parallel.zero import ZeroOptimizer
 
-__all__ = ["TrainStep"]
+__all__ = ["TrainStep", "logged_reduce_op", "reduce_logged"]
 
 
 class TrainStep:
@@ -52,7 +60,8 @@ class TrainStep:
 
     def __init__(self, plan: DataParallelPlan, *, dims: ParallelDims, mesh: DeviceMesh) -> None:
         self.plan, self.dims, self.mesh = plan, dims, mesh
-        self.dp_group = mesh.get_group("dp")
+        self.dp_group = mesh.get_group(plan.axis)
+        """The replicas' group: ``dp``, or ``dp_cp`` with context parallelism."""
         self.accumulating = False
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
 
@@ -115,7 +124,7 @@ class TrainStep:
             from lightning_parallel.parallel.tensor.sync import settle_gradients
 
             settle_gradients(model.parameters())  # sequence-parallel partial gradients summed over tp
-        if self.plan.sync == "allreduce" and self.dims.dp > 1:
+        if self.plan.sync == "allreduce" and self.dims.replicas > 1:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
             allreduce_gradients(model.parameters(), group=self.dp_group)
@@ -139,17 +148,52 @@ class TrainStep:
             return None
         groups = [self.group("tp"), self.group("pp")]
         if self.plan.sync == "fsdp":  # gradients sharded over dp (over each HSDP shard group, replicated across)
-            groups.append(self.mesh.get_group("dp_shard") if self.dims.hsdp else self.group("dp"))
+            shard_axis = self.plan.fsdp_axes[-1]
+            groups.append(self.mesh.get_group(shard_axis) if self.dims.hsdp or self.dims.replicas > 1 else None)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return clip_grad_norm_(params, max_norm, tp_size=self.dims.tp, groups=groups)
 
-    # ------------------------------------------------------------------ the logged loss
+    # ------------------------------------------------------------------ the logged values
     def reduce_mean(self, value: Tensor) -> Tensor:
-        """``value`` averaged over ``dp`` (a copy; ``value`` itself is left as it is)."""
-        if self.dims.dp == 1:
+        """``value`` averaged over ``dp`` (``dp x cp`` with context parallelism; a copy that keeps its graph,
+        ``value`` itself is left as it is)."""
+        if self.dims.replicas == 1:
             return value
         value = value.clone()
         dist.all_reduce(value, group=self.dp_group)
-        value /= self.dims.dp
+        value /= self.dims.replicas
         return value
+
+    def reduce_logged(self, value: Tensor, reduce_fx: Any = "mean") -> Tensor:
+        """A logged ``value`` combined over ``dp`` (``dp x cp`` with context parallelism) as one device would log it
+        (:func:`reduce_logged`)."""
+        return reduce_logged(value, group=self.dp_group, size=self.dims.replicas, reduce_fx=reduce_fx)
+
+
+_OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
+
+
+def logged_reduce_op(reduce_fx: Any) -> str | None:
+    """``mean``/``sum``/``max``/``min`` for a logged ``reduce_fx`` (a name or ``torch.mean``, ``torch.sum``, ...);
+    None for another callable (its combination over ranks is unknown)."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", None)
+    return _OPS.get(name) if isinstance(name, str) else None
+
+
+def reduce_logged(value: Tensor, *, group: dist.ProcessGroup | None, size: int, reduce_fx: Any = "mean") -> Tensor:
+    """``value`` (each rank's value of the same metric, e.g. the loss of its part of the global batch) combined over
+    the ``size`` ranks of ``group`` (None: the world) by ``reduce_fx``: the mean of equal parts' means is the global
+    batch's mean, the sum of their sums its sum. A copy, detached; ``value`` is returned as it is when ``size`` is 1
+    or ``reduce_fx`` is not one of mean/sum/max/min. One all-reduce, issued without waiting on the host (every rank
+    of ``group`` must log the value: as for Lightning's ``sync_dist=True``)."""
+    op = logged_reduce_op(reduce_fx)
+    if size == 1 or op is None:
+        return value
+    out = value.detach().clone()
+    dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=dist_op, group=group)
+    if op == "mean":
+        out /= size
+    return out
 

@@ -18,6 +18,13 @@ each a s^2 b). Without dropout the masks vanish: ``16 e`` and ``e``. The part th
 ``4 e + 2`` (= 10: LayerNorm inputs, masks, the QKV and MLP inputs); sequence parallelism splits it too.
 Selective recompute drops the ``a s^2 b`` term (attention core recomputed in backward).
 
+Context parallelism (``cp``) splits every sequence over ``cp`` ranks: each keeps the activations of ``s / cp``
+tokens, so every ``s b h`` term divides by ``cp``; the attention core runs as ring (or all-to-all) attention, which
+keeps per layer only a log-sum-exp per query and head (``4 a (s / cp) b / t`` bytes, fp32) and no ``s^2`` tensor
+(dropout on attention is refused under cp)::
+
+    context parallel (cp ranks)         (s / cp) b h (10 + 24 / t) + 4 a (s / cp) b / t   (+ SP: the 10 / t too)
+
 The pipeline schedule decides how many micro-batches' activations the first stage holds at once: GPipe ``m``,
 1F1B and zero-bubble ``min(p, m)``, interleaved 1F1B ``p + (p - 1) / v`` (the paper's ``1 + (p-1)/(p v)`` factor
 on the whole model's activations). Outside the blocks we count the embedding output's dropout mask and the head:
@@ -47,9 +54,19 @@ def layer_activation_bytes(
     recompute: str = "none",
     element_bytes: int = 2,
     dropout: bool = True,
+    cp: int = 1,
 ) -> int:
-    """Bytes of activations one transformer layer keeps for backward on one tp rank (Korthikanti Table 2)."""
+    """Bytes of activations one transformer layer keeps for backward on one tp rank (Korthikanti Table 2); with
+    ``cp > 1`` on one rank of the cp group (``seq_len / cp`` tokens, ring attention: no ``s^2`` term)."""
     s, b, h, a, t, e = seq_len, micro_batch_size, hidden, heads, tp, element_bytes
+    if cp > 1:
+        s_local = Fraction(s, cp)
+        if recompute == "full":
+            return math.ceil(e * s_local * b * h / (t if sequence_parallel else 1))
+        whole = 4 * e  # no dropout under cp
+        per_sbh = Fraction(whole, t) if sequence_parallel else Fraction(whole)
+        core = 0 if recompute == "selective" else Fraction(4 * a * s_local * b, t)  # the ring's log-sum-exp
+        return math.ceil(s_local * b * h * (per_sbh + Fraction(12 * e, t)) + core)
     masks = 2 if dropout else 0
     if recompute == "full":
         return math.ceil(Fraction(e * s * b * h, t if sequence_parallel else 1))
@@ -81,9 +98,9 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
     shape = model.shape
     if shape is None:
         raise ValueError("activation memory needs the model's shape (layers, hidden size, heads).")
-    pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
+    pp, tp, cp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.context_parallel_size
     s, b, h = training.sequence_length(shape.block_size), training.micro_batch_size, shape.n_embd
-    e, dropout = training.activation_bytes, shape.dropout > 0
+    e, dropout = training.activation_bytes, shape.dropout > 0 and cp == 1
     per_layer = layer_activation_bytes(
         seq_len=s,
         micro_batch_size=b,
@@ -94,11 +111,13 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
         recompute=layout.activation_checkpointing,
         element_bytes=e,
         dropout=dropout,
+        cp=cp,
     )
     in_flight = micro_batches_in_flight(layout, training.micro_batches(pp))
     layers = math.ceil(shape.n_layer / pp)
-    embedding = Fraction(s * b * h, tp if layout.sequence_parallel else 1) if dropout else Fraction(0)
-    head = Fraction(2 * e * s * b * h) + Fraction(4 * s * b * shape.vocab_size, tp)
+    local = Fraction(s, cp)  # tokens per rank
+    embedding = Fraction(local * b * h, tp if layout.sequence_parallel else 1) if dropout else Fraction(0)
+    head = Fraction(2 * e * local * b * h) + Fraction(4 * local * b * shape.vocab_size, tp)
     first = (layers * per_layer + embedding) * in_flight
     if pp == 1:
         return math.ceil(first + head)

@@ -91,7 +91,7 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
             ("--params", args.params),
             ("--model", args.model),
             ("--recipe", args.recipe),
-            ("--layers/--hidden/--heads", args.layers or args.hidden or args.heads),
+            ("--layers/--hidden/--heads", any(v is not None for v in (args.layers, args.hidden, args.heads))),
         )
         if on
     ]
@@ -108,16 +108,16 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
     if args.model:
         shape = MODEL_PRESETS[args.model]
         return ModelSpec.from_shape(_override_shape(shape, args), largest_layer_params=largest, name=args.model), {}
-    if not (args.layers and args.hidden and args.heads):
+    if args.layers is None or args.hidden is None or args.heads is None:
         raise ValueError(
             "a GPT shape needs all of --layers, --hidden and --heads (e.g. --layers 12 --hidden 768 --heads 12)."
         )
-    block = args.block_size or args.seq_len or 2048
+    block = _first_given(args.block_size, args.seq_len, 2048)
     shape = ModelShape(
         n_layer=args.layers,
         n_embd=args.hidden,
         n_head=args.heads,
-        vocab_size=args.vocab or 50304,
+        vocab_size=_first_given(args.vocab, 50304),
         block_size=block,
         tie_embeddings=bool(args.tie_embeddings),
     )
@@ -126,16 +126,18 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any]]:
 
 def _override_shape(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
     changes: dict[str, Any] = {}
-    if args.vocab:
+    if args.vocab is not None:
         changes["vocab_size"] = args.vocab
-    if args.block_size:
+    if args.block_size is not None:
         changes["block_size"] = args.block_size
     if args.tie_embeddings is not None:
         changes["tie_embeddings"] = args.tie_embeddings
     return ModelShape(**{**vars(shape), **changes})
 
 
-def _hardware(args: argparse.Namespace) -> Hardware:
+def _hardware(args: argparse.Namespace, hints: dict[str, Any] | None = None) -> tuple[Hardware, str | None]:
+    """The hardware to plan for, and a note when it was not given but found on this machine for a recipe's trainer
+    section (``--recipe`` without ``--hardware``/``--gpu-memory``)."""
     flags = {
         "nodes": args.nodes,
         "gpus_per_node": args.gpus_per_node,
@@ -148,24 +150,58 @@ def _hardware(args: argparse.Namespace) -> Hardware:
         "accelerator": args.accelerator,
     }
     if args.hardware:
-        return load_profile(args.hardware, **flags)
+        return load_profile(args.hardware, **flags), None
+    trainer = (hints or {}).get("trainer")
+    if args.gpu_memory is None and trainer is not None:
+        from lightning_parallel.planner.detect import detect_hardware
+
+        accelerator = trainer.get("accelerator", "auto")
+        devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+        found, _ = detect_hardware(accelerator=accelerator if args.accelerator is None else args.accelerator,
+                                   devices=devices, num_nodes=int(nodes or 1))
+        values = {**{f: getattr(found, f) for f in ("gpus_per_node", "nodes", "gpu_memory", "intra_node",
+                                                     "inter_node", "cpu_memory_per_node", "nvme",
+                                                     "reserved_memory", "peak_tflops", "accelerator")},
+                  **{k: v for k, v in flags.items() if v is not None}}
+        note = (f"Hardware found on this machine for the recipe's trainer section (accelerator {accelerator}, "
+                f"devices {devices} x num_nodes {nodes}); give --hardware or --gpu-memory to plan for another.")
+        return make_hardware(**values), note
     if args.gpu_memory is None:
         raise ValueError(
             "give --gpu-memory (e.g. 32GB or 80GiB) or a --hardware profile "
-            f"({', '.join(list_profiles()) or 'none found'})."
+            f"({', '.join(list_profiles()) or 'none found'}), or a --recipe whose trainer section says the devices."
         )
-    return make_hardware(**flags)
+    return make_hardware(**flags), None
 
 
 def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettings:
     return TrainingSettings(
         precision=args.precision or hints.get("precision", "bf16-mixed"),
         optimizer=args.optimizer,
-        micro_batch_size=args.micro_batch_size or hints.get("micro_batch_size", 1),
-        seq_len=args.seq_len or hints.get("seq_len"),
+        micro_batch_size=_first_given(args.micro_batch_size, hints.get("micro_batch_size"), 1),
+        seq_len=_first_given(args.seq_len, hints.get("seq_len")),
         activation_checkpointing=args.activation_checkpointing,
         num_micro_batches=args.micro_batches,
     )
+
+
+def _first_given(*values: Any) -> Any:
+    """The first value that is not None (``0`` counts as given: it is refused, not read as "the default")."""
+    return next((v for v in values if v is not None), None)
+
+
+_AT_LEAST = {"layers": 1, "hidden": 1, "heads": 1, "vocab": 1, "block_size": 1, "nodes": 1, "gpus_per_node": 1,
+             "micro_batch_size": 1, "seq_len": 1, "micro_batches": 1, "max_steps": 1, "top": 0}
+"""The integer options and their smallest value: a value below it is refused (``0`` never means "the default")."""
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for key, least in _AT_LEAST.items():
+        value = getattr(args, key)
+        if value is not None and value < least:
+            flag = "--" + key.replace("_", "-")
+            what = "0 = all candidates" if key == "top" else "leave the option out for the default"
+            raise ValueError(f"{flag}={value} must be at least {least} ({what}).")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -190,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
+        _check_counts(args)
         model, hints = _model(args)
-        plan = make_plan(model, _training(args, hints), _hardware(args))
+        hardware, note = _hardware(args, hints)
+        plan = make_plan(model, _training(args, hints), hardware)
         if args.write_recipe:
             command = shlex.join(["lightning-parallel", "plan", *argv])
             write_recipe(
@@ -203,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(plan_json(plan), indent=2))
     else:
+        if note:
+            print(note)
         print(format_plan(plan, top=args.top))
         if args.write_recipe:
             print(

@@ -11,6 +11,9 @@ Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches 
   ``2 (t - 1) / t``, on the intra-node link (6 with full recompute);
 * pp: one activation ``e s b h`` forward and one gradient backward per micro-batch and stage boundary (``/ t``
   with sequence parallelism);
+* cp (context parallelism, ring attention): per layer and micro-batch, the k/v block ``2 e b (s/c) h / t`` travels
+  ``c - 1`` hops forward and ``c - 1`` backward, and its fp32 dk/dv accumulator ``2 x 4 b (s/c) h / t`` ``c`` hops;
+  compute divides by ``c`` (each rank runs ``s / c`` tokens) and the dp exchange runs over the ``dp x c`` replicas;
 * offload: 16-bit gradients out and weights back over PCIe (``2 g P / N_d``; ZeRO-3 fetches weights in forward and
   backward, ``+ 2 p P / N_d``), the host optimizer at 2.5e8 parameters/s per rank, NVMe reading and writing the
   optimizer state once per step.
@@ -97,10 +100,11 @@ def axis_links(layout: ParallelConfig, hardware: Hardware) -> dict[str, str]:
     nodes (rank ``r`` on node ``r // gpus_per_node``), else intra-node."""
     intra, inter = f"intra-node {hardware.intra_node}", f"inter-node {hardware.inter_node}"
     g = hardware.gpus_per_node
-    out = {axis: intra for axis in (*MESH_AXES, *DP_PARTS)}
+    axes = (*MESH_AXES, *(("cp",) if layout.context_parallel_size > 1 else ()), *DP_PARTS)
+    out = {axis: intra for axis in axes}
     if hardware.nodes > 1:
         dims = layout_dims(layout, hardware)
-        for axis in (*MESH_AXES, *DP_PARTS):
+        for axis in axes:
             if any(_nodes_spanned(group, g) > 1 for group in _groups(dims, axis)):
                 out[axis] = inter
     return {**out, "offload": "host PCIe", "nvme": "NVMe"}
@@ -111,8 +115,15 @@ DP_PARTS = ("dp_shard", "dp_replicate")
 
 
 def _groups(dims: ParallelDims, axis: str) -> list[list[int]]:
-    """Every group of a mesh axis, or of one of HSDP's dp parts (each once, ordered by first rank)."""
-    if axis in MESH_AXES:
+    """Every group of a mesh axis, or of one of HSDP's dp parts (each once, ordered by first rank). With context
+    parallelism the gradient exchange booked on ``dp`` runs over the ``dp x cp`` replicas: their groups."""
+    if axis == "dp" and dims.cp > 1 and not dims.hsdp:
+        groups: dict[int, list[int]] = {}
+        for r in range(dims.world_size):
+            replicas = dims.replica_group_ranks(r)
+            groups.setdefault(replicas[0], replicas)
+        return [groups[k] for k in sorted(groups)]
+    if axis in (*MESH_AXES, "cp"):
         return dims.axis_groups(axis)
     seen: dict[int, list[int]] = {}
     for rank in range(dims.world_size):
@@ -154,7 +165,7 @@ def cross_node_bytes(
     if gpus_per_node < 1 or virtual_stages < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node} and virtual_stages={virtual_stages} must be >= 1.")
     out: dict[str, float] = {}
-    for axis in (*MESH_AXES, *DP_PARTS):
+    for axis in (*MESH_AXES, *(("cp",) if dims.cp > 1 else ()), *DP_PARTS):
         per_rank = float(bytes_per_rank.get(axis, 0.0))
         edges = 0
         for group in _groups(dims, axis) if per_rank and len(_groups(dims, axis)[0]) > 1 else []:
@@ -182,7 +193,7 @@ def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardwa
     shape = model.shape
     s = training.sequence_length(shape.block_size if shape else 2048)
     b, m = training.micro_batch_size, training.micro_batches(pp)
-    flops = RECOMPUTE_FLOPS[layout.activation_checkpointing] * local * b * s * m
+    flops = RECOMPUTE_FLOPS[layout.activation_checkpointing] * local * b * s * m / layout.context_parallel_size
     rate = hardware.peak_tflops * 1e12 * MFU / (1 if training.mixed else 4)
     compute = flops / rate
     if pp > 1:
@@ -203,7 +214,7 @@ def axis_bytes_per_rank(
     pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
     s = training.sequence_length(model.shape.block_size if model.shape else 2048)
     traffic = _traffic(model, training, layout, hardware, local=model.params_per_device(pp=pp, tp=tp), seq_len=s)
-    return {axis: traffic[axis] for axis in (*MESH_AXES, *DP_PARTS) if axis in traffic}
+    return {axis: traffic[axis] for axis in (*MESH_AXES, "cp", *DP_PARTS) if axis in traffic}
 
 
 def cross_node_bytes_by_order(
@@ -232,9 +243,15 @@ def _traffic(
 ) -> dict[str, float]:
     """Bytes per device and step on each axis (``host_optimizer`` is a parameter count, not bytes)."""
     dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
+    cp = layout.context_parallel_size
     state, e = training.state_bytes, training.activation_bytes
     b, m = training.micro_batch_size, training.micro_batches(pp)
     out: dict[str, float] = {}
+    if cp > 1 and model.shape is not None:  # ring attention: k/v blocks forward and backward, dk/dv accumulators
+        block = 2 * b * (seq_len / cp) * model.shape.n_embd / tp
+        per_layer = (2 * (cp - 1) * e + cp * 4) * block
+        out["cp"] = per_layer * math.ceil(model.shape.n_layer / pp) * m
+    dp = dp * cp  # the replicas the gradients are exchanged over: dp x cp
     if dp > 1:
         if pp > 1 and layout.zero >= 2:
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
@@ -243,7 +260,7 @@ def _traffic(
             per_param = gathers * state.param + state.grad
         else:
             per_param = (3 if layout.zero == 3 else 2) * state.grad
-        s = layout.data_parallel_shard_size or dp
+        s = (layout.data_parallel_shard_size or dp // cp) * cp
         if s < dp:  # HSDP: FSDP2's collectives inside each shard group, then an all-reduce of the shards across
             r = dp // s
             out["dp_shard"] = per_param * local * (s - 1) / s
@@ -253,10 +270,10 @@ def _traffic(
     shape = model.shape
     if shape is not None and tp > 1:
         collectives = 6 if layout.activation_checkpointing == "full" else 4
-        per_layer = collectives * 2 * (tp - 1) / tp * e * seq_len * b * shape.n_embd
+        per_layer = collectives * 2 * (tp - 1) / tp * e * (seq_len // cp) * b * shape.n_embd
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m
     if shape is not None and pp > 1:
-        out["pp"] = 2 * m * e * seq_len * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
+        out["pp"] = 2 * m * e * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
     if layout.offload_device != "none":
         shard = local / dp
         out["offload"] = 2 * state.grad * shard + (2 * state.param * shard if layout.zero == 3 else 0)

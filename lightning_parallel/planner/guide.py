@@ -10,6 +10,10 @@ Branches::
                    without NVLink PP first; largest layer does not fit -> ZeRO (tiled), else TP
     several nodes  fits -> DDP; does not fit, fast inter-node -> ZeRO, or PP+TP+DP;
                    slow inter-node -> DP+PP+TP+ZeRO-1; largest layer does not fit -> ZeRO (tiled) or TP
+    one node or several, the model states fit one device but the sequence's activations do not (with the
+                   lightest recomputation tried), and splitting the sequence over the cp ranks of a node makes it
+                   fit without more recomputation -> context parallelism (cp ranks each hold s / cp tokens; cp next
+                   to tp inside a node); when no such split fits, the branches above decide, with recomputation
 
 Within the branch's first family that has a layout that fits, the layout with the best estimated throughput
 (:mod:`.cost`) wins; ties go to the smaller model-parallel degree, then the lower ZeRO stage. Every layout that
@@ -46,6 +50,7 @@ __all__ = [
     "assess",
     "choose_branch",
     "choose_mesh_order",
+    "context_sizes",
     "enumerate_layouts",
     "evaluate",
     "family_of",
@@ -68,6 +73,9 @@ BRANCH_FAMILIES: dict[str, tuple[str, ...]] = {
     "several-nodes/does-not-fit/slow": ("3d-zero1", "fsdp-pp", "hybrid", "pp", "tp", "zero", "offload"),
     "several-nodes/largest-layer-does-not-fit/fast": ("zero", "fsdp-pp", "3d-zero1", "hybrid", "tp", "offload"),
     "several-nodes/largest-layer-does-not-fit/slow": ("3d-zero1", "fsdp-pp", "hybrid", "tp", "zero", "offload"),
+    "one-node/sequence-does-not-fit": ("cp", "ddp", "zero", "tp", "pp", "fsdp-pp", "hybrid", "offload"),
+    "several-nodes/sequence-does-not-fit": ("cp", "ddp", "zero", "fsdp-pp", "3d-zero1", "hybrid", "tp", "pp",
+                                            "offload"),
 }
 """For each branch of the guide, the families of layouts in the order the guide prefers them."""
 
@@ -104,6 +112,13 @@ class Situation:
     largest_layer_bytes: int | None
     """(p + g) x largest layer: what one device must hold of it at once; None when unknown."""
     largest_layer_fits: bool
+    activations_fit: bool = True
+    """One device holds the model with the lightest activation checkpointing tried (``none`` under ``auto``)."""
+    states_fit: bool = True
+    """One device holds the model states (with the runtime's reserved memory), activations aside."""
+    sequence_split_fits: bool = False
+    """Some cp > 1 inside a node (dp the rest, no ZeRO, the lightest recomputation tried) fits each device: the
+    guide's sequence branch is open."""
 
 
 def strategy_name(layout: ParallelConfig, *, world_size: int) -> str:
@@ -115,10 +130,12 @@ def strategy_name(layout: ParallelConfig, *, world_size: int) -> str:
 
 
 def family_of(layout: ParallelConfig, *, world_size: int) -> str:
-    """single | ddp | zero (HSDP included) | offload | pp | tp | 3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | fsdp-pp
-    (ZeRO-2/3 over FSDP2 inside pipeline stages, with or without TP: torchtitan's FSDP x TP x PP) | hybrid (other
-    mixes)."""
+    """single | cp (context parallelism, with anything else) | ddp | zero (HSDP included) | offload | pp | tp |
+    3d-zero1 (dp, pp, tp > 1 and ZeRO-1) | fsdp-pp (ZeRO-2/3 over FSDP2 inside pipeline stages, with or without TP:
+    torchtitan's FSDP x TP x PP) | hybrid (other mixes)."""
     pp, tp, zero = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.zero
+    if layout.context_parallel_size > 1:
+        return "cp"
     if int(layout.data_parallel_size) > 1 and pp > 1 and tp > 1 and zero == 1:
         return "3d-zero1"
     if int(layout.data_parallel_size) > 1 and pp > 1 and zero >= 2 and layout.offload_device == "none":
@@ -140,9 +157,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> list[ParallelConfig]:
+def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Hardware, *,
+                      context: bool = False) -> list[ParallelConfig]:
     """Every layout the library can run on this machine: tp <= devices per node (dividing heads and vocabulary),
-    pp dividing the layers, dp the rest; ZeRO 1-3 over dp; offload (ZeRO 2/3, data parallel only)."""
+    pp dividing the layers, dp the rest; ZeRO 1-3 over dp; offload (ZeRO 2/3, data parallel only). With
+    ``context`` (the guide's sequence branch) also every cp > 1 that keeps cp x tp inside a node, splits the sequence
+    into 2 x cp chunks and runs without attention dropout (ZeRO over dp x cp, no offload)."""
     world, shape = hardware.world_size, model.shape
     # Without a shape activations are not estimated, so checkpointing options would only repeat each layout.
     checkpointing = training.checkpointing_options if shape is not None else training.checkpointing_options[:1]
@@ -154,25 +174,34 @@ def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Ha
             if shape is not None and shape.n_layer % pp:
                 continue
             layouts.extend(_layouts_for(world // (tp * pp), pp, tp, training, hardware, checkpointing))
+            for cp in context_sizes(model, training, hardware, world=world // (tp * pp), tp=tp) if context else []:
+                layouts.extend(_layouts_for(world // (tp * pp * cp), pp, tp, training, hardware, checkpointing,
+                               cp=cp))
     return layouts
 
 
 def _layouts_for(
-    dp: int, pp: int, tp: int, training: TrainingSettings, hardware: Hardware, checkpointing: tuple[str, ...]
+    dp: int, pp: int, tp: int, training: TrainingSettings, hardware: Hardware, checkpointing: tuple[str, ...],
+    *, cp: int = 1,
 ) -> list[ParallelConfig]:
-    base = {
+    base: dict[str, Any] = {
         "data_parallel_size": dp,
         "pipeline_parallel_size": pp,
         "tensor_parallel_size": tp,
         "sequence_parallel": tp > 1,
         "num_micro_batches": training.micro_batches(pp) if pp > 1 else None,
     }
+    if cp > 1:
+        base["context_parallel_size"] = cp
     # The (zero_stage, offload) pairs the layout table runs at these sizes and the layout's rules accept (offload
     # needs ZeRO 2/3); without offload no ZeRO with one replica (nothing to shard over); NVMe only where there is one.
+    # Context parallelism: the cp ranks are replicas too (ZeRO shards over dp x cp), no offload.
     stages = [(zero, offload) for zero, offload in zero_and_offload(pipeline=pp > 1, tensor=tp > 1)
-              if (offload != "none" or dp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
-              and _accepted(zero_stage=zero, offload=offload, **_nvme(offload))]
-    shard = _node_shard(dp, pp, tp, hardware)
+              if (offload != "none" or dp * cp > 1 or zero == 0) and (offload != "nvme" or hardware.nvme)
+              and (cp == 1 or offload == "none") and not (zero == 2 and tp > 1 and pp == 1)  # no strategy runs it
+              and _accepted(zero_stage=zero, offload=offload, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                            **_nvme(offload))]
+    shard = _node_shard(dp, pp, tp, hardware) if cp == 1 else None
     out = []
     for recompute in checkpointing:
         for zero, offload in stages:
@@ -307,14 +336,40 @@ def assess(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> 
     single = next((m for m in options if m.total <= hardware.gpu_memory), options[-1])
     layer = _layer_bytes(model, training, tp=1)
     layer_fits = layer is None or layer + hardware.reserved <= hardware.gpu_memory
+    lightest = options[0]
     return Situation(
+        sequence_split_fits=_sequence_split_fits(model, training, hardware),
         world_size=hardware.world_size,
         nodes=hardware.nodes,
         single_device=single,
         fits_one_device=single.total <= hardware.gpu_memory,
         largest_layer_bytes=layer,
         largest_layer_fits=layer_fits,
+        activations_fit=lightest.activations is None or lightest.total <= hardware.gpu_memory,
+        states_fit=lightest.model_states + hardware.reserved <= hardware.gpu_memory,
     )
+
+
+def context_sizes(model: ModelSpec, training: TrainingSettings, hardware: Hardware, *, world: int | None = None,
+                  tp: int = 1) -> list[int]:
+    """The cp > 1 the planner tries: dividing ``world`` (the devices left by tp and pp), cp x tp inside a node, the
+    sequence in 2 x cp chunks, and no attention dropout (refused under cp); none without the model's shape."""
+    shape = model.shape
+    if shape is None or shape.dropout > 0:
+        return []
+    seq = training.sequence_length(shape.block_size)
+    n = hardware.world_size if world is None else world
+    return [cp for cp in _divisors(n) if cp > 1 and cp * tp <= hardware.gpus_per_node and seq % (2 * cp) == 0]
+
+
+def _sequence_split_fits(model: ModelSpec, training: TrainingSettings, hardware: Hardware) -> bool:
+    lightest = training.checkpointing_options[0]
+    for cp in context_sizes(model, training, hardware):
+        layout = ParallelConfig.from_dict({"data_parallel_size": hardware.world_size // cp,
+                                           "context_parallel_size": cp, "activation_checkpointing": lightest})
+        if estimate_memory(model, training, hardware, layout).total <= hardware.gpu_memory:
+            return True
+    return False
 
 
 def choose_branch(situation: Situation, hardware: Hardware) -> str:
@@ -323,6 +378,9 @@ def choose_branch(situation: Situation, hardware: Hardware) -> str:
         scope = "one-gpu"
     else:
         scope = "one-node" if situation.nodes == 1 else "several-nodes"
+    if (scope != "one-gpu" and not situation.activations_fit and situation.states_fit
+            and situation.largest_layer_fits and situation.sequence_split_fits):
+        return f"{scope}/sequence-does-not-fit"  # the sequence is the problem and splitting it suffices: cp
     if situation.fits_one_device:
         return f"{scope}/fits"
     if not situation.largest_layer_fits:

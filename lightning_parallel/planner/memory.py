@@ -144,15 +144,17 @@ def estimate_memory(
     ``tiles`` > 1: the largest layer runs tiled (Memory Centric Tiling), so ZeRO-3 gathers one tile at a time.
     """
     dp, pp, tp = _degrees(layout)
+    cp = layout.context_parallel_size  # the cp ranks are replicas too: ZeRO shards over dp x cp (HSDP: shard x cp)
     n_local = model.params_per_device(pp=pp, tp=tp)
     state = training.state_bytes
-    states = model_states(n_local, state, dp=dp, zero_stage=layout.zero, offload=layout.offload_device,
-                          shard=layout.data_parallel_shard_size, pipeline=pp > 1, reshard=reshards(layout))
+    shard = layout.data_parallel_shard_size
+    states = model_states(n_local, state, dp=dp * cp, zero_stage=layout.zero, offload=layout.offload_device,
+                          shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout))
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:
         buffers += math.ceil((state.param + state.grad) * model.largest_layer_per_device(tp=tp) / tiles)
-    ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp)
+    ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp * cp)
     return MemoryEstimate(
         params=states.params,
         grads=states.grads,

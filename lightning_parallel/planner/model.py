@@ -167,16 +167,30 @@ _GPT_DEFAULTS: dict[str, Any] = {
 def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     """Read a recipe's model section (GPT init args) and the hints the planner uses from the rest of it.
 
-    Returns the shape and ``{"micro_batch_size", "seq_len", "precision"}`` where the recipe sets them.
+    The recipe is read as the CLI reads it: its ``defaults`` fragments merged in and its ``${...}`` interpolations
+    resolved. Returns the shape and ``{"micro_batch_size", "seq_len", "precision", "trainer"}`` where the recipe sets
+    them (``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the hardware is found for when no
+    ``--hardware``/``--gpu-memory`` is given).
     """
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--recipe {str(path)!r}: no such file. Give the path of a recipe YAML.")
-    from lightning_parallel.recipe_files import read_yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lightning_parallel.recipe_files import compose_recipe, read_yaml
 
     data = read_yaml(file) or {}  # a syntax error: LayoutError (a ValueError) with the line and column
     if not isinstance(data, dict):
         raise ValueError(f"--recipe {str(path)!r} must be a mapping at the top level, not a {type(data).__name__}.")
+    # as the CLI reads it: the `defaults` fragments merged in, then the ${...} interpolations resolved
+    try:
+        resolved: Any = OmegaConf.to_container(OmegaConf.create(compose_recipe(file)), resolve=True)
+        data = resolved if isinstance(resolved, dict) else {}
+    except OmegaConfBaseException as err:
+        first = str(err).strip().splitlines()[0]
+        raise ValueError(f"--recipe {str(path)!r}: an interpolation does not resolve ({first}). Fix the recipe "
+                         "(`lightning-parallel check --config RECIPE` shows it as fit reads it).") from None
     model = data.get("model") or {}
     args = dict(model.get("init_args") or {})
     shape_args = {k: args.get(k, v) for k, v in _GPT_DEFAULTS.items()}
@@ -186,7 +200,9 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     if "batch_size" in data_args:
         hints["micro_batch_size"] = int(data_args["batch_size"])
     hints["seq_len"] = int(data_args.get("block_size", shape.block_size))
-    precision = (data.get("trainer") or {}).get("precision")
+    trainer = data.get("trainer") or {}
+    precision = trainer.get("precision")
     if precision is not None:
         hints["precision"] = str(precision)
+    hints["trainer"] = {k: trainer[k] for k in ("accelerator", "devices", "num_nodes") if k in trainer}
     return shape, hints

@@ -47,11 +47,17 @@ _BRANCH_TEXT: dict[str, str] = {
     "fast inter-node links: ZeRO with tiled layers, or TP inside the node",
     "several-nodes/largest-layer-does-not-fit/slow": "several nodes, the largest layer does not fit on one GPU, "
     "slow inter-node links: DP+PP+TP+ZeRO-1 with TP splitting the layer",
+    "one-node/sequence-does-not-fit": "one node, the model states fit on one GPU but the sequence's activations do "
+    "not, and splitting the sequence over cp ranks makes them fit: context parallelism (before recomputation)",
+    "several-nodes/sequence-does-not-fit": "several nodes, the model states fit on one GPU but the sequence's "
+    "activations do not, and splitting the sequence over cp ranks of a node makes them fit: context parallelism "
+    "(before recomputation)",
 }
 
 
 _FAMILY_TEXT: dict[str, str] = {
     "single": "one device",
+    "cp": "context parallelism (with or without DP/TP/PP/ZeRO)",
     "ddp": "DDP",
     "zero": "ZeRO (1-3)",
     "offload": "ZeRO-offload",
@@ -93,6 +99,9 @@ def _rank_key(candidate: Candidate, families: tuple[str, ...]) -> tuple[Any, ...
     per_token = float(f"{1.0 / candidate.cost.tokens_per_s:.3g}")
     offload_rank = get_args(Offload).index(layout.offload_device)
     model_parallel = layout.pipeline_parallel_size * layout.tensor_parallel_size
+    recompute = ("none", "selective", "full").index(layout.activation_checkpointing)
+    if candidate.family == "cp":  # the sequence branch: cp first, recomputation only when cp alone does not fit
+        return (family_rank, recompute, per_token, layout.context_parallel_size, model_parallel, layout.zero)
     return (family_rank, candidate.tiled_layers, per_token, model_parallel, layout.zero, offload_rank)
 
 
@@ -101,7 +110,9 @@ def make_plan(model: ModelSpec, training: TrainingSettings, hardware: Hardware) 
     situation = assess(model, training, hardware)
     branch = choose_branch(situation, hardware)
     families = BRANCH_FAMILIES[branch]
-    evaluated = [evaluate(model, training, hardware, layout) for layout in enumerate_layouts(model, training, hardware)]
+    context = branch.endswith("sequence-does-not-fit")  # cp layouts are tried only where the sequence is the problem
+    evaluated = [evaluate(model, training, hardware, layout)
+                 for layout in enumerate_layouts(model, training, hardware, context=context)]
     fitting = sorted((c for c in evaluated if c.fits), key=lambda c: _rank_key(c, families))
     rest = sorted((c for c in evaluated if not c.fits), key=lambda c: c.memory.total)
     ranked = fitting + rest
@@ -232,6 +243,7 @@ def _cheaper_not_fitting(chosen: Candidate, ranked: list[Candidate]) -> str:
         and c.layout.pipeline_parallel_size == chosen.layout.pipeline_parallel_size
         and c.layout.tensor_parallel_size == chosen.layout.tensor_parallel_size
         and c.layout.offload_device == chosen.layout.offload_device
+        and c.layout.data_parallel_shard_size == chosen.layout.data_parallel_shard_size
     ]
     if not lighter:
         return ""

@@ -46,11 +46,16 @@ _LEFT = {"strategy", "order", "offload", "recompute", "stresses"}
 
 
 def _columns(plan: Plan) -> tuple[str, ...]:
-    """The table's columns; ``order`` (the mesh order) after ``tp`` on several nodes only."""
+    """The table's columns; ``cp`` after ``tp`` when a candidate splits sequences; ``order`` (the mesh order) after
+    them on several nodes only."""
+    columns: tuple[str, ...] = _COLUMNS
+    i = columns.index("tp") + 1
+    if any(c.layout.context_parallel_size > 1 for c in plan.candidates):
+        columns = (*columns[:i], "cp", *columns[i:])
+        i += 1
     if plan.hardware.nodes == 1:
-        return _COLUMNS
-    i = _COLUMNS.index("tp") + 1
-    return (*_COLUMNS[:i], "order", *_COLUMNS[i:])
+        return columns
+    return (*columns[:i], "order", *columns[i:])
 
 
 def _unit(candidates: list[Candidate]) -> tuple[str, float]:
@@ -69,7 +74,7 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> lis
     cells = [
         rank,
         c.strategy + ("" if c.available else " (n/a)"),
-        str(lay.data_parallel_size),
+        str(lay.data_parallel_size) + (f" s{lay.data_parallel_shard_size}" if lay.data_parallel_shard_size else ""),
         str(lay.pipeline_parallel_size),
         str(lay.tensor_parallel_size),
         str(lay.zero),
@@ -86,6 +91,8 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> lis
         c.cost.stressed_link(),
         f"{c.cost.tokens_per_s:,.0f}",
     ]
+    if "cp" in columns:
+        cells.insert(columns.index("cp"), str(lay.context_parallel_size))
     if "order" in columns:
         cells.insert(columns.index("order"), lay.mesh_order)
     return cells
@@ -202,6 +209,8 @@ def _recommendation_text(plan: Plan) -> str:
             f"{rec['tensor_parallel_size']}, zero_stage={rec['zero_stage']}, offload={rec['offload']}, "
             + (f"data_parallel_shard_size={rec['data_parallel_shard_size']}, "
                if rec.get("data_parallel_shard_size") else "")
+            + (f"context_parallel_size={rec['context_parallel_size']}, "
+               if rec.get("context_parallel_size", 1) > 1 else "")
             + f"tiled_layers={rec['tiled_layers']}"
             + (f", mesh_order={rec['mesh_order']})" if plan.hardware.nodes > 1 else ")")
         )
@@ -255,6 +264,7 @@ def recommendation_json(plan: Plan) -> dict[str, Any]:
         "tensor_parallel_size": lay.tensor_parallel_size,
         "zero_stage": lay.zero_stage,
         "data_parallel_shard_size": lay.data_parallel_shard_size,
+        "context_parallel_size": lay.context_parallel_size,
         "offload": lay.offload,
         "tiled_layers": chosen.tiled_layers,
         "sequence_parallel": lay.sequence_parallel,

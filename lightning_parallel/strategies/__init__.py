@@ -69,7 +69,7 @@ STRATEGIES: dict[str, tuple[type, str, dict[str, Any]]] = {
                          {"start_method": "fork"}),
     "lp_hybrid": (
         LPHybridStrategy,
-        f"data x pipeline x tensor parallelism (+ ZeRO-1) from one parallel section, {entry('lp_hybrid').region}: TP "
+        f"data x pipeline x tensor parallelism (+ ZeRO 1-3) from one parallel section, {entry('lp_hybrid').region}: TP "
         "inside a node, PP across nodes, DP over the rest",
         {},
     ),

@@ -13,7 +13,10 @@ needs preparing for ``fit``. What it does, in order:
   checkpointing is applied as the layout says, and :meth:`LayoutStrategy.parallelize` -- the subclass's choice --
   turns it into what this rank runs (a DDP wrapper, a ZeRO-sharded module, a pipeline stage, tensor shards).
   Optimizers are set up after that, when fitting.
-* The DataLoader sampler takes rank and size from the ``dp`` axis only: pipeline and tensor peers see the same batch.
+* The DataLoader sampler takes rank and size from the ``dp`` axis only: pipeline, tensor and context peers see the
+  same batch. With context parallelism (cp > 1) each step keeps this rank's head and tail chunks of the batch
+  tensors the module's ``context_parallel_plan()`` names, and tensors logged from a step are averaged over
+  ``dp x cp`` (the one-device value of a mean over tokens).
 
 Checkpoints: by default rank 0 writes the Lightning checkpoint (right when every rank holds the whole model);
 strategies whose ranks hold different parts override ``save_checkpoint``/``lightning_module_state_dict``.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 from collections.abc import Generator
 from datetime import timedelta
@@ -59,6 +63,8 @@ from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
+from .logged import global_batch_logs
+from .resumable import ResumableDataMixin
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
 
@@ -79,7 +85,7 @@ def resolve_collective_timeout(layout: ParallelConfig, given: timedelta | None, 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class LayoutStrategy(LayoutMixin, ParallelStrategy):
+class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     """Base strategy: a parallel layout -> resolved degrees -> named DeviceMesh -> a parallelized module.
 
     Args:
@@ -196,6 +202,98 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
+    # ------------------------------------------------------------------ context parallelism: this rank's tokens
+    def context_batch(self, batch: Any) -> Any:
+        """``batch`` as this rank sees it: with cp > 1, the tensors of the module's ``context_parallel_plan()``
+        cut to this rank's head and tail chunks along their sequence dims; otherwise ``batch`` itself."""
+        plan = self.composition.context_plan if self.composition is not None else None
+        if plan is None:
+            return batch
+        from lightning_parallel.parallel.context_parallel import SequenceShard, split_batch
+
+        return split_batch(batch, plan, SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp")))
+
+    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "batch" in kwargs:
+            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"])}
+        return (self.context_batch(args[0]), *args[1:]) if args else args, kwargs
+
+    @contextlib.contextmanager
+    def context_parallel_logging(self) -> Generator[None, None, None]:
+        """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
+        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch). A
+        collective per logged tensor: every rank logs the same names in the same order."""
+        module = self.lightning_module
+        if self.dims.cp == 1 or module is None:
+            yield None
+            return
+        from lightning_parallel.parallel.pipeline.runtime import plain
+
+        had = "log" in vars(module)
+        original = module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(value, Tensor) and value.is_floating_point():
+                value = self.train_step.reduce_mean(plain(value).detach())
+            original(name, value, *args, **kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield None
+        finally:
+            if had:
+                module.log = original  # type: ignore[method-assign]
+            else:
+                del module.log
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dims.cp == 1:
+            return super().validation_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        with self.context_parallel_logging():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dims.cp == 1:
+            return super().test_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        with self.context_parallel_logging():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With cp > 1 the module predicts on this rank's tokens; tensor outputs that carry them (the split length
+        along the batch's sequence dim) are gathered back over cp into the whole sequence, in order."""
+        if self.dims.cp == 1 or self.composition is None or self.composition.context_plan is None:
+            return super().predict_step(*args, **kwargs)
+        args, kwargs = self._context_args(args, kwargs)
+        local = kwargs["batch"] if "batch" in kwargs else args[0]
+        dim = self._context_dim()
+        return self.context_unshard(super().predict_step(*args, **kwargs), local_len=_first_tensor(local).shape[dim])
+
+    def _context_dim(self) -> int:
+        plan = self.composition.context_plan if self.composition is not None else None
+        if plan is None:
+            return 1
+        return plan.batch if isinstance(plan.batch, int) else next(iter(plan.batch.values()), 1)
+
+    def context_unshard(self, out: Any, *, local_len: int) -> Any:
+        """With cp > 1: the tensors of ``out`` that hold this rank's ``local_len`` tokens along the batch's sequence
+        dim, gathered over cp into the whole sequence in order (a collective: every cp rank calls it)."""
+        if self.dims.cp == 1:
+            return out
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        from lightning_parallel.parallel.context_parallel import SequenceShard, unshard_sequence
+
+        dim = self._context_dim()
+        shard = SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp"))
+        group = self.mesh.get_group("cp")
+        return apply_to_collection(out, Tensor, lambda t: unshard_sequence(t, dim, shard, group)
+                                   if t.dim() > dim and t.shape[dim] == local_len else t)
+
     # ------------------------------------------------------------------ the module: one composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -233,6 +331,9 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             patches.append(self._comm_counter.counting())
         return patches
 
+    skips_nonfinite_steps = True
+    """A ``NonFiniteLossGuard(action="skip")`` can skip this strategy's optimizer step (:meth:`optimizer_step`)."""
+
     pipelined = False
     """Cut the module into pipeline stages (``lp_pipeline``, ``lp_hybrid``), even a one-stage pipeline."""
 
@@ -241,11 +342,20 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         buckets, the fairscale backend)."""
         return data_parallel_plan(self.layout, self.dims)
 
+    def precision_plan(self, plan: DataParallelPlan) -> DataParallelPlan:
+        """The data-parallel plan with the run's precision: under ``bf16-mixed``, FSDP2 (``sync="fsdp"``) takes
+        its ``MixedPrecisionPolicy`` -- parameters all-gathered and computed in bf16, gradients reduce-scattered in
+        fp32, the fp32 shards stepped by the optimizer (Lightning's autocast still runs around the step). Other
+        precisions and plans: unchanged (``bf16-true`` parameters are bf16 already)."""
+        if plan.sync == "fsdp" and getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
+            return dataclasses.replace(plan, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return plan
+
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
-        tensor plan -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank, and the train
-        step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a module composed by
-        an earlier call of this process is reused); returns what the loops call."""
+        tensor plan -> context parallel -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank,
+        and the train step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a
+        module composed by an earlier call of this process is reused); returns what the loops call."""
         composition = self.compose_module(model, fitting=trainer_fn == TrainerFn.FITTING)
         return composition.module
 
@@ -254,7 +364,8 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         :attr:`train_step` for it."""
         composition = compose(model, layout=self.layout, dims=self.dims, rank=self.global_rank, mesh=self.mesh,
                               device=self.root_device, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-                              data_parallel=self.data_parallel_plan(), fitting=fitting, pipeline=self.pipelined)
+                              data_parallel=self.precision_plan(self.data_parallel_plan()), fitting=fitting,
+                              pipeline=self.pipelined)
         self.composition = composition
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
         return composition
@@ -276,6 +387,17 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
             return
         assert self.model is not None
         self.optimizers, self.model = self.train_step.wrap_optimizers(self.optimizers, self.model)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step`` on this rank's part of the batch (with context parallelism: its head and
+        tail chunks of the sequence); the values it logs are combined over the model's replicas (``dp``, ``dp x cp``)
+        first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        if self.dims.cp > 1:
+            args, kwargs = self._context_args(args, kwargs)
+        reduce = self.train_step.reduce_logged if self.dims.replicas > 1 else None
+        with global_batch_logs(self.lightning_module, reduce):
+            return super().training_step(*args, **kwargs)
 
     @contextlib.contextmanager
     @override
@@ -324,12 +446,26 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
     def on_train_start(self) -> None:
         """The RNG states of a resumed checkpoint are set here, after the training iterator exists
         (:func:`~lightning_parallel.checkpoint.rng.restore_rng_states`)."""
+        from lightning_parallel.callbacks.nonfinite import install as install_nonfinite_guard
         from lightning_parallel.checkpoint.rng import apply_restored_rng_states
 
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            interrupts.install(self.lightning_module.trainer)
+            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            interrupts.install(self.lightning_module.trainer,
+                               request_stop=guard.request_stop if guard.agrees_on_preemption else None)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; a step the :class:`~lightning_parallel.callbacks.NonFiniteLossGuard` skips
+        (``action="skip"``: the loss was not finite on some rank, agreed on every rank) ends before the update."""
+        from lightning_parallel.callbacks.nonfinite import SkippedStep
+
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        except SkippedStep:
+            return None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -356,7 +492,11 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh."""
+        """Unwrap the model (the LightningModule stays what the user holds), revert SyncBatchNorm, drop the mesh and
+        the process's context-parallel state (the routed attention runs its own forward again)."""
+        from lightning_parallel.parallel.context_parallel import deactivate
+
+        deactivate()
         watchdog.stop()
         interrupts.uninstall()
         if self._fit_patches is not None:
@@ -405,6 +545,16 @@ class LayoutStrategy(LayoutMixin, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def _first_tensor(batch: Any) -> Tensor:
+    if isinstance(batch, Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+    raise TypeError(f"no tensor in the {type(batch).__name__} batch.")
 
 
 def _destroy_process_group_at_exit() -> None:

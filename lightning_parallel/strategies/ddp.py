@@ -1,6 +1,8 @@
 """``lp_ddp``: distributed data parallel over the ``dp`` axis of a layout.
 
-Layout ``(N, 1, 1, 0)``: every rank holds the whole model and a ``1/N`` slice of the global batch. At start the
+Layout ``(N, 1, 1, 0)``: every rank holds the whole model and a ``1/N`` slice of the global batch (with
+``context_parallel_size = c``: ``N/c`` replicas, each batch's sequences split over ``c`` ranks, gradients averaged
+over all ``N``: DDP's group is the mesh's ``dp_cp``). At start the
 parameters are broadcast from dp rank 0 (DDP's constructor); in backward the gradients are averaged over the ``dp``
 process group by bucketed all-reduces overlapped with the backward pass (``2 * (N-1)/N * Psi`` elements sent per
 rank and step with a ring). Forward runs no collective. For validate/test/predict the module is not wrapped (no
@@ -97,12 +99,12 @@ class LPDDPStrategy(LayoutStrategy):
             # counted: torch's exact default all-reduce, in Python, so the communication counter sees each bucket
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            ddp.register_comm_hook(self.mesh.get_group("dp"), default_hooks.allreduce_hook)
+            ddp.register_comm_hook(self.mesh.get_group(self.dims.replica_axis), default_hooks.allreduce_hook)
         if self._comm_hook_name == "none":
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        group = self.mesh.get_group("dp")
+        group = self.mesh.get_group(self.dims.replica_axis)  # dp, or dp x cp with context parallelism
         if self._comm_hook_name == "count":
             ddp.register_comm_hook(CountingHookState(group, self.exchange_counter), counting_allreduce_hook)
         elif self._comm_hook_name == "fp16":

@@ -40,6 +40,8 @@ from typing_extensions import override
 from lightning_parallel.parallel.counters import GATHER_OUTPUTS, CommCounter, tensor_bytes
 from lightning_parallel.parallel.data_parallel import BackwardMode, DataParallelEngine, Reduction
 
+from .resumable import ResumableDataMixin
+
 __all__ = ["LPDPStrategy"]
 
 _STEP_CONTEXTS = {
@@ -80,7 +82,7 @@ def _combine_logged(values: list[Tensor], weights: list[float], reduce_fx: Any) 
     return (stacked * w).sum(0)
 
 
-class LPDPStrategy(ParallelStrategy):
+class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
     """Thread-based data parallel in one process: Lightning 1.x's ``strategy="dp"`` for Lightning 2.
 
     Args:
@@ -99,6 +101,7 @@ class LPDPStrategy(ParallelStrategy):
     """
 
     strategy_name = "lp_dp"
+    skips_nonfinite_steps = True
 
     def __init__(
         self,
@@ -226,7 +229,14 @@ class LPDPStrategy(ParallelStrategy):
             with context():
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
-        outputs = engine.apply(call, len(slices))
+        # the precision's step context runs in each replica's thread (autocast is per thread); bf16-true's also sets
+        # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
+        # dtype the step started with is put back once, here
+        default_dtype = torch.get_default_dtype()
+        try:
+            outputs = engine.apply(call, len(slices))
+        finally:
+            torch.set_default_dtype(default_dtype)
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
@@ -340,10 +350,22 @@ class LPDPStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         """The RNG states of a resumed checkpoint are set here, after the training iterator exists."""
+        from lightning_parallel.callbacks.nonfinite import install as install_nonfinite_guard
         from lightning_parallel.checkpoint.rng import apply_restored_rng_states
 
         super().on_train_start()
         apply_restored_rng_states()
+        if self.lightning_module is not None:
+            install_nonfinite_guard(self.lightning_module.trainer)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; a step the ``NonFiniteLossGuard`` skips ends before the update."""
+        from lightning_parallel.callbacks.nonfinite import SkippedStep
+
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        except SkippedStep:
+            return None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's one-file save, with the RNG states added."""

@@ -1,7 +1,7 @@
-"""``lp_hybrid``: data x pipeline x tensor parallelism (+ ZeRO-1) from one ``parallel`` section -- the layout for
+"""``lp_hybrid``: data x pipeline x tensor parallelism (+ ZeRO 1-3) from one ``parallel`` section -- the layout for
 several nodes when the model does not fit one device: TP inside a node, PP across nodes, DP over the rest.
 
-Layout ``(d, p, t, 0|1)`` on ``d x p x t`` ranks, mesh ``("dp", "pp", "tp")`` (``tp`` innermost, so tensor-parallel
+Layout ``(d, p, t, 0|1|2|3)`` on ``d x p x t`` ranks, mesh ``("dp", "pp", "tp")`` (``tp`` innermost, so tensor-parallel
 peers are neighbouring ranks of one node). The module is composed by
 :func:`lightning_parallel.parallel.compose.compose` in the fixed order pipeline split -> tensor parallel plan on each
 stage -> activation checkpointing -> data-parallel sync:
@@ -15,13 +15,17 @@ stage -> activation checkpointing -> data-parallel sync:
   split by vocabulary and the loss is ``loss_parallel``'s;
 * along ``dp`` -- after the step's last micro-batch, zero_stage 0 all-reduces each local gradient shard (mean),
   zero_stage 1 reduce-scatters the flat local shards and all-gathers the updated parameters (ZeRO-1 on the stage's
-  TP-local shards; ZeRO-2/3 are refused with a pipeline).
+  TP-local shards); zero_stage 2 and 3 put FSDP2 on each stage chunk over ``dp`` on top of TP (2-D DTensors
+  ``(dp, tp)``): the stage's gradient is reduce-scattered once, after the step's last micro-batch, and the
+  parameters are all-gathered once per step (ZeRO-2) or per micro-batch where ``reshard_after_forward`` frees them
+  (ZeRO-3, every stage but the last under the 1F1B-family schedules). With pp = 1, zero_stage 2 is refused when
+  the module is composed (zero_stage 1 moves the same bytes).
 
 Clipping by norm uses the whole model's gradient norm: squares summed over ``tp`` (tp-replicated tensors counted
-once), ``pp`` and, under ZeRO-1, ``dp``. Everything else -- the Lightning integration (``train_loss`` /
-``val_loss`` / ``test_loss`` logged with one-device values, predict on every rank, accumulation, schedulers),
-checkpoints (DCP folder, one shard per rank, resumable with another pipeline cut but the same ``tp``) -- is
-``lp_pipeline``'s.
+once), ``pp`` and, where the gradients are sharded there (ZeRO 1-3), ``dp`` (under HSDP its shard group).
+Everything else -- the Lightning integration (``train_loss`` / ``val_loss`` / ``test_loss`` logged with one-device
+values, predict on every rank, accumulation, schedulers), checkpoints (DCP folder, one shard per rank, resumable
+with another pipeline cut but the same ``tp``) -- is ``lp_pipeline``'s.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ __all__ = ["LPHybridStrategy"]
 
 
 class LPHybridStrategy(LPPipelineStrategy):
-    """Data x pipeline x tensor parallelism, ``zero_stage`` 0 or 1 over ``dp``.
+    """Data x pipeline x tensor parallelism, ``zero_stage`` 0, 1, 2 or 3 over ``dp``.
 
     Args:
         parallel: the whole layout: ``data_parallel_size``, ``pipeline_parallel_size``, ``tensor_parallel_size``,
             ``sequence_parallel``, ``num_micro_batches``, ``pipeline_schedule``, ``virtual_pipeline_stages``,
-            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset) or 1.
+            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset), 1, 2 or 3,
+            ``reshard_after_forward``, ``data_parallel_shard_size``.
         kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
     """
 

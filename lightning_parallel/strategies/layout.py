@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -31,8 +32,24 @@ from lightning_parallel.layouts import refusal
 from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "LayoutMixin", "check_data_modules",
-           "clip_by_norm_replaced", "oversubscription_warning"]
+__all__ = [
+    "LAUNCH_NOTES_ONLY",
+    "CheckedMultiProcessingLauncher",
+    "CheckedSubprocessLauncher",
+    "LayoutMixin",
+    "TrainingDataProbe",
+    "check_ckpt_path",
+    "check_data_modules",
+    "check_nonfinite_guard",
+    "check_output_dirs",
+    "clip_by_norm_replaced",
+    "configured_optimizers",
+    "data_parallel_size",
+    "launch_environment_refusal",
+    "oversubscription_warning",
+    "preflight",
+    "report_interrupted_saves",
+]
 
 
 class LayoutMixin:
@@ -78,6 +95,7 @@ class LayoutMixin:
         self._explicit_layout = given
         self._layout = layout
         self._dims: ParallelDims | None = None
+        self.launch_note: str | None = None
 
     @property
     def layout(self) -> ParallelConfig:
@@ -97,6 +115,7 @@ class LayoutMixin:
         """Lightning's hook, in ``Trainer.__init__`` before any process exists: resolve the layout against the world
         size (refused with the arithmetic when it does not fit), then the checked launcher of the start method."""
         self.resolve_dims()
+        self.check_launch()
         environment = getattr(self, "cluster_environment", None)
         assert environment is not None
         start_method: Any = getattr(self, "_start_method", "popen")
@@ -106,6 +125,10 @@ class LayoutMixin:
         else:
             launcher = CheckedMultiProcessingLauncher(self, start_method=start_method)
         self._launcher = launcher
+
+    def check_launch(self) -> None:
+        """More refusals in ``Trainer.__init__``, once the Trainer's plugins are set (subclasses: e.g. a precision
+        the engine cannot honour). Nothing by default."""
 
     def check_layout(self, layout: ParallelConfig) -> None:
         """Refuse, before anything starts, a layout outside this strategy's row of the layout table
@@ -117,14 +140,34 @@ class LayoutMixin:
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that
-        lacks the hook its activation checkpointing needs (the error names the hook)."""
+        lacks the hook its activation checkpointing or ``compile`` needs (the error names the hook); the module's
+        own ``check_parallel_layout``; with context parallelism, one without ``context_parallel_plan()`` (the error
+        shows a minimal one) or whose attention cannot be split (parameters, attention dropout, a non-causal mask).
+        Submodules the user compiled are unwrapped first (compiled in place), so every name checked here and used
+        later is the module's own."""
+        from lightning_parallel.parallel.compile import check_backend, compile_targets, unwrap_compiled
+
+        unwrap_compiled(module)  # the user's torch.compile(submodule): names without "_orig_mod." from here on
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
+        if self.layout.context_parallel_size > 1:
+            from lightning_parallel.config import check_context_compat
+            from lightning_parallel.parallel.context_parallel import check_context_plan
+
+            check_context_plan(module)
+            if "n_head" in shape:
+                check_context_compat(self.layout, n_head=shape["n_head"])
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
             activation_checkpointing_targets(module, self.layout.activation_checkpointing)
+        if self.layout.compile:
+            check_backend(self.layout.compile)
+            compile_targets(module)
+        own = getattr(module, "check_parallel_layout", None)
+        if callable(own):
+            own(self.layout)  # the module's own refusals (e.g. a Hugging Face family without a tensor plan)
 
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called
@@ -147,13 +190,20 @@ class LayoutMixin:
         return int(self.num_nodes) * int(self.num_processes)
 
     def resolve_dims(self) -> ParallelDims:
-        """Resolve the layout against :attr:`layout_world_size`; :class:`LayoutError` with the arithmetic."""
+        """Resolve the layout against :attr:`layout_world_size`; :class:`LayoutError` with the arithmetic. Also
+        refused here, before any process exists: ``num_nodes > 1`` with nothing to start the other nodes
+        (:func:`launch_environment_refusal`)."""
         if self.num_processes < 1:
             raise LayoutError(f"{type(self).__name__} needs at least one device, got parallel_devices=[].")
-        self._dims = ParallelDims.from_config(
+        dims = ParallelDims.from_config(
             self.layout, world_size=self.layout_world_size, devices_per_node=self.num_processes,
             num_nodes=self.num_nodes,
-        )
+        )  # the layout's own refusals first
+        why = launch_environment_refusal(self.num_nodes, getattr(self, "cluster_environment", None))
+        self.launch_note = why
+        if why and not LAUNCH_NOTES_ONLY["on"]:
+            raise LayoutError(why)
+        self._dims = dims
         return self._dims
 
     @property
@@ -175,6 +225,10 @@ class LayoutMixin:
             extra += f", offload={self.layout.offload_device}"
         if self.layout.activation_checkpointing != "none":
             extra += f", recompute={self.layout.activation_checkpointing}"
+        if self.layout.compile:
+            extra += ", compile" if self.layout.compile is True else f", compile={self.layout.compile}"
+        if self.layout.context_parallel_size > 1 and self.layout.context_parallel_style != "ring":
+            extra += f", cp_style={self.layout.context_parallel_style}"
         return f"{self.strategy_name} ({self._dims.describe()}{extra})"
 
 
@@ -305,9 +359,12 @@ def oversubscription_warning(*, processes: int, device_type: str, cores: int | N
     )
 
 
-def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
+def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> None:
     """Before spawning: a ``ckpt_path`` given as a path must exist, and the strategy must be able to resume its kind
-    (``check_resume_source(path)`` where the strategy defines it). Lightning's keywords (``last``, ``best``, ...)
+    (``check_resume_source(path)`` where the strategy defines it). With ``module``, the checkpoint -- any format --
+    must also fit it: its format version readable, a DCP folder's checksum list present, the tensors' shapes, the
+    optimizers and the LR schedulers of ``configure_optimizers``
+    (:func:`~lightning_parallel.checkpoint.summary.resume_refusal`). Lightning's keywords (``last``, ``best``, ...)
     are resolved later, in the ranks."""
     from lightning_parallel.checkpoint.formats import CheckpointFormatError
 
@@ -322,36 +379,335 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any) -> None:
     check = getattr(strategy, "check_resume_source", None)
     if callable(check) and "://" not in text:
         check(text)
+    if module is None or "://" in text:
+        return
+    from lightning_parallel.checkpoint.errors import ResumeError
+    from lightning_parallel.checkpoint.resume import TRUST_ENV
+    from lightning_parallel.checkpoint.summary import resume_refusal, summarize
+    from lightning_parallel.checkpoint.verify import require_manifest
+
+    require_manifest(text)
+    summary = summarize(text, trusted=os.environ.get(TRUST_ENV, "") == "1")
+    configured = configured_optimizers(module)
+    why = resume_refusal(summary, module=module, optimizers=configured[0] if configured else None,
+                         schedulers=configured[1] if configured else None)
+    if why:
+        raise ResumeError(why)
 
 
-def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
+def configured_optimizers(module: Any) -> tuple[list[Any], list[Any]] | None:
+    """The optimizers and LR schedulers the module's ``configure_optimizers`` returns, built in this process before
+    any rank starts (no optimizer state is allocated; works on a meta-device module), or None when it cannot be
+    called here (it needs the running Trainer, or raises)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    configure = getattr(module, "configure_optimizers", None)
+    if not callable(configure):
+        return None
+    attached = getattr(module, "_trainer", None)
+    try:
+        module._trainer = None  # no Trainer-driven work here (estimated_stepping_batches would load the data)
+        conf = configure()
+        if conf is None:
+            return [], []
+        optimizers, schedulers, _ = _configure_optimizers(conf)
+    except Exception:
+        return None
+    finally:
+        module._trainer = attached
+    return list(optimizers), [s["scheduler"] if isinstance(s, dict) else s for s in schedulers]
+
+
+LAUNCH_NOTES_ONLY = {"on": False}
+"""Set by ``lightning-parallel check``: a recipe for several nodes is checked on a machine that does not start them
+(a login node); :func:`launch_environment_refusal` is then kept on the strategy (``launch_note``) and printed, not
+raised -- ``fit`` started the same way here is refused."""
+
+
+def launch_environment_refusal(num_nodes: int, cluster_environment: Any) -> str | None:
+    """Why ``num_nodes > 1`` cannot start from here, or None: without a launcher that starts the other nodes
+    (torchrun, SLURM, ... -- a cluster environment that creates the processes) and without ``MASTER_ADDR`` /
+    ``NODE_RANK`` set for a manual start on each node, the ranks of this node would wait at the rendezvous for nodes
+    that nobody starts."""
+    if int(num_nodes or 1) <= 1 or cluster_environment is None:
+        return None
+    if getattr(cluster_environment, "creates_processes_externally", False):
+        return None
+    if type(cluster_environment).__name__ != "LightningEnvironment":
+        return None  # SLURM, LSF, Kubeflow, MPI, ...: the scheduler starts the nodes
+    if any(os.environ.get(key) for key in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK")):
+        return None  # started by hand on every node with the rendezvous address and the node's rank
+    n = int(num_nodes)
+    others = "node 1" if n == 2 else f"nodes 1..{n - 1}"
+    return (
+        f"trainer.num_nodes={num_nodes}, but nothing starts {others}: no launcher (torchrun, SLURM) runs this "
+        "command and MASTER_ADDR / NODE_RANK are not set, so the ranks of this node would wait at the rendezvous for "
+        f"{others} for ever. Fix: start it on every node with "
+        f"scripts/launch/torchrun.sh --nnodes {num_nodes} --node-rank R --master-addr NODE0 RECIPE (under SLURM: "
+        f"sbatch --nodes {num_nodes} scripts/launch/slurm.sbatch RECIPE), or set MASTER_ADDR, MASTER_PORT and "
+        "NODE_RANK on each node; on one machine use trainer.num_nodes=1."
+    )
+
+
+def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...],
+                       probe: TrainingDataProbe | None = None) -> None:
     """Before spawning: every data module among ``trainer.fit``'s arguments that defines ``check_before_launch``
     (:class:`~lightning_parallel.data.TextDataModule` does) checks its data against the data-parallel size (a missing
-    or empty path, a corpus smaller than one batch per rank), once, in the launching process."""
-    dims = getattr(strategy, "_dims", None)
-    dp = int(getattr(dims, "dp", 0) or 0) or int(getattr(strategy, "num_processes", 1) or 1) * int(
-        getattr(strategy, "num_nodes", 1) or 1)
+    or empty path, a corpus smaller than one batch per rank), once, in the launching process; then the training
+    DataLoader itself (:class:`TrainingDataProbe`): it must give at least one batch per data-parallel rank, and an
+    integer ``val_check_interval`` must fit in the epoch. With context parallelism, a data module's ``block_size``
+    (its sequence length) must divide by 2 x cp."""
+    layout = getattr(strategy, "layout", None)
+    if layout is not None and layout.context_parallel_size > 1:
+        from lightning_parallel.config import check_context_compat
+
+        for arg in args:
+            if isinstance(arg, pl.LightningDataModule):
+                hparams = getattr(arg, "hparams", None)
+                block = getattr(arg, "block_size", None) or (hparams.get("block_size") if hparams else None)
+                if isinstance(block, int) and not isinstance(block, bool):
+                    check_context_compat(layout, sequence_length=block,
+                                         where=f"the data module {type(arg).__name__}'s block_size")
+    dp = data_parallel_size(strategy, trainer)
     module = trainer.lightning_module if trainer is not None else None
     for arg in args:
         check = getattr(arg, "check_before_launch", None) if isinstance(arg, pl.LightningDataModule) else None
         if callable(check):
             check(data_parallel_size=dp, model=module)
+    if trainer is None:
+        return
+    probe = probe or TrainingDataProbe(args, module=module)
+    batches = probe.batches_per_rank(dp)
+    if batches is None:
+        return
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        batches = min(batches, limit)
+    elif isinstance(limit, float) and limit < 1.0:
+        batches = int(batches * limit)
+    if batches == 0 and limit != 0 and trainer.max_steps != 0:
+        raise LayoutError(
+            f"{probe.source} gives 0 training batches per data-parallel rank ({probe.describe(dp)}): the fit would "
+            "end after 0 steps without a word. Fix: more data, a smaller batch_size, drop_last=False, or fewer "
+            "data-parallel ranks."
+        )
+    interval = trainer.val_check_interval
+    if (isinstance(interval, int) and not isinstance(interval, bool) and batches and interval > batches
+            and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches != 0
+            and getattr(trainer, "_val_check_time_interval", None) is None):
+        raise LayoutError(
+            f"trainer.val_check_interval={interval} batches, but an epoch has only {batches} training batches per "
+            f"data-parallel rank ({probe.describe(dp)}): Lightning would stop after the ranks start. Fix: "
+            f"val_check_interval <= {batches}, a fraction of the epoch (e.g. 0.5), or check_val_every_n_epoch=null "
+            "to count batches across epochs."
+        )
+
+
+def data_parallel_size(strategy: Any, trainer: pl.Trainer | None = None) -> int:
+    """How many data-parallel ranks split each global batch: the resolved layout's dp, a Lightning strategy's
+    sampler replicas, 1 for one process (``lp_dp`` splits each batch itself)."""
+    dims = getattr(strategy, "_dims", None)
+    if dims is not None:
+        return int(dims.dp)
+    try:
+        kwargs = strategy.distributed_sampler_kwargs if strategy is not None else None
+    except Exception:
+        kwargs = None
+    if kwargs and kwargs.get("num_replicas"):
+        return int(kwargs["num_replicas"])
+    if strategy is not None and getattr(strategy, "strategy_name", "") == "lp_dp":
+        return 1
+    return int(getattr(strategy, "num_processes", 1) or 1) * int(getattr(strategy, "num_nodes", 1) or 1)
+
+
+class TrainingDataProbe:
+    """The training DataLoader of ``trainer.fit``'s arguments (a DataLoader, or a data module's
+    ``train_dataloader()`` after its ``setup("fit")``), built once in the launching process; its length and one real
+    batch, for the checks before any rank starts. Anything that cannot be built here (a data module that needs the
+    running Trainer) is left to the ranks: :attr:`loader` is None."""
+
+    def __init__(self, args: tuple[Any, ...], *, module: Any = None) -> None:
+        self._args = args
+        self._module = module
+        self._loader: Any = None
+        self._built = False
+        self._batch: Any = None
+        self._batch_error: BaseException | None = None
+        self._fetched = False
+        self.source = "the training DataLoader"
+
+    @property
+    def loader(self) -> Any:
+        if not self._built:
+            self._built = True
+            self._loader = self._build()
+        return self._loader
+
+    def _build(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        train = self._args[1] if len(self._args) > 1 else None
+        datamodule = self._args[3] if len(self._args) > 3 else None
+        if isinstance(train, (list, tuple)) and train and isinstance(train[0], DataLoader):
+            train = train[0]
+        if isinstance(train, DataLoader):
+            return train
+        if isinstance(train, pl.LightningDataModule):
+            datamodule = train
+        if isinstance(datamodule, pl.LightningDataModule):
+            self.source = f"the data module {type(datamodule).__name__}'s training DataLoader"
+            try:
+                datamodule.setup("fit")
+                loader = datamodule.train_dataloader()
+            except Exception:
+                return None
+            return loader if isinstance(loader, DataLoader) else None
+        return None
+
+    def batches_per_rank(self, dp: int) -> int | None:
+        """Training batches per epoch on each of ``dp`` ranks (the loader built here reads every sample; the ranks'
+        samplers split them), or None when unknown (an iterable dataset, no length)."""
+        loader = self.loader
+        if loader is None:
+            return None
+        try:
+            return len(loader) // max(1, dp)
+        except TypeError:
+            return None
+
+    def describe(self, dp: int) -> str:
+        loader = self.loader
+        try:
+            samples = f"{len(loader.dataset):,} samples, "
+        except TypeError:
+            samples = ""
+        drop = ", drop_last" if getattr(loader, "drop_last", False) else ""
+        return f"{samples}batch_size {loader.batch_size}{drop}, {len(loader):,} batches for {dp} data-parallel rank(s)"
+
+    def first_batch(self) -> Any:
+        """One real training batch (the first of the loader), or None when the loader cannot give one here."""
+        if not self._fetched:
+            self._fetched = True
+            loader = self.loader
+            if loader is not None:
+                try:
+                    self._batch = next(iter(loader))
+                except Exception as err:
+                    self._batch_error = err
+        return self._batch
+
+
+def check_output_dirs(trainer: pl.Trainer | None) -> None:
+    """Before spawning: every folder the run writes -- ``trainer.default_root_dir``, each logger's folder, each
+    ``ModelCheckpoint``'s ``dirpath`` -- must be creatable and writable (otherwise rank 0 fails after the ranks
+    started)."""
+    from lightning_parallel.checkpoint.atomic import check_writable_dir
+
+    if trainer is None:
+        return
+    for what, folder in _output_dirs(trainer):
+        check_writable_dir(folder, what=what)
+
+
+def _output_dirs(trainer: pl.Trainer) -> list[tuple[str, str]]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found: list[tuple[str, str]] = []
+    if trainer.default_root_dir:
+        found.append(("trainer.default_root_dir", str(trainer.default_root_dir)))
+    for logger in trainer.loggers:
+        folder = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
+        if folder:
+            found.append((f"the logger {type(logger).__name__}'s save_dir", str(folder)))
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            found.append((f"{type(callback).__name__}(dirpath)", str(callback.dirpath)))
+    return [(w, f) for w, f in found if "://" not in f]
+
+
+def report_interrupted_saves(trainer: pl.Trainer | None) -> list[Path]:
+    """Before spawning, on the launching rank: name the saves an earlier run left cut short under this run's folders
+    (``<name>.partial``: an incomplete new checkpoint, never resumed from; ``<name>.old``: a previous checkpoint moved
+    aside by a rename that did not finish). They are not deleted here (another run may be writing into the same
+    folder); the next save of the same name replaces a ``.partial``."""
+    from lightning_parallel.checkpoint.atomic import interrupted_saves
+    from lightning_parallel.checkpoint.names import OLD_SUFFIX, PARTIAL_SUFFIX
+
+    if trainer is None:
+        return []
+    folders = [Path(f) for _, f in _output_dirs(trainer)]
+    leftovers = interrupted_saves(list(dict.fromkeys(folders)))
+    if leftovers and getattr(trainer, "global_rank", 0) == 0:
+        for path in leftovers[:8]:
+            target = path.with_name(path.name[: -len(PARTIAL_SUFFIX if path.name.endswith(PARTIAL_SUFFIX)
+                                                        else OLD_SUFFIX)])
+            if path.name.endswith(PARTIAL_SUFFIX):
+                what = (f"an interrupted save of {target.name} (incomplete: never resumed from; {target.name} "
+                        f"{'is the previous, complete checkpoint' if target.exists() else 'does not exist'}); the next "
+                        f"save of {target.name} replaces it, or remove it")
+            else:
+                what = (f"the previous {target.name}, moved aside by a save that stopped between its two renames "
+                        f"({target.name}{PARTIAL_SUFFIX} may hold the complete new one); remove it once "
+                        f"{target.name} is in place")
+            print(f"lightning-parallel: found {path}: {what}.", flush=True)
+        if len(leftovers) > 8:
+            print(f"lightning-parallel: ... and {len(leftovers) - 8} more interrupted saves", flush=True)
+    return leftovers
+
+
+def check_nonfinite_guard(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning: a ``NonFiniteLossGuard(action="skip")`` needs a strategy whose optimizer step it can skip
+    (``skips_nonfinite_steps``: every strategy of the library but ``lp_zero_offload``, whose DeepSpeed engine owns
+    the step and its gradient partitions)."""
+    from lightning_parallel.callbacks.nonfinite import NonFiniteLossGuard
+
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if (isinstance(callback, NonFiniteLossGuard) and callback.action == "skip"
+                and not getattr(strategy, "skips_nonfinite_steps", False)):
+            name = getattr(strategy, "strategy_name", type(strategy).__name__)
+            raise LayoutError(
+                f"NonFiniteLossGuard(action='skip') cannot skip a step under {name}: "
+                + ("the DeepSpeed engine owns the optimizer step and its gradient partitions. " if name ==
+                   "lp_zero_offload" else "the strategy's optimizer step is not the library's. ")
+                + "Fix: action='stop' (the default: the run stops on that step with the newest good checkpoint), "
+                "or one of lp_ddp, lp_sharded, lp_tensor, lp_pipeline, lp_hybrid, lp_dp."
+            )
+
+
+def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
+    """Everything checked before any rank starts, for ``trainer.fit(*args)`` (the checked launchers,
+    ``lightning-parallel check``, and the CLI for strategies without a checked launcher): the module against the
+    layout, the strategy's own data rules (with one real batch), ``parallel.global_batch_size`` (the accumulation it
+    sets, or the refusal of a world that cannot keep it), the training DataLoader's length, the output
+    folders, leftovers of interrupted saves, and ``ckpt_path`` against the module and its optimizers."""
+    module = trainer.lightning_module if trainer is not None else (args[0] if args else None)
+    check_module = getattr(strategy, "check_module", None)
+    if module is not None and callable(check_module):
+        check_module(module)
+    fitting = trainer is None or trainer.state.fn == "fit"
+    if not fitting:
+        return
+    check_nonfinite_guard(strategy, trainer)
+    # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
+    # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    probe = TrainingDataProbe(args if first else (), module=module)
+    check_data = getattr(strategy, "check_data", None)
+    if callable(check_data):
+        check_data(args, probe=probe)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
+    from lightning_parallel.callbacks.global_batch import apply_global_batch
+
+    apply_global_batch(strategy, trainer, args)  # parallel.global_batch_size -> accumulate_grad_batches (every rank)
+    check_data_modules(strategy, trainer, args, probe=probe)
+    check_output_dirs(trainer)
+    if first:
+        report_interrupted_saves(trainer)
+    if len(args) > 4:
+        check_ckpt_path(strategy, args[4], module=module if first else None)
 
 
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
-    if trainer is not None and trainer.lightning_module is not None:
-        strategy.check_module(trainer.lightning_module)
-    check_data = getattr(strategy, "check_data", None)
-    fitting = trainer is not None and trainer.state.fn == "fit"
-    if callable(check_data) and fitting:
-        check_data(args)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
-    if fitting:
-        from lightning_parallel.callbacks.global_batch import apply_global_batch
-
-        apply_global_batch(strategy, trainer, args)  # parallel.global_batch_size -> accumulate_grad_batches
-        check_data_modules(strategy, trainer, args)
-    if fitting and len(args) > 4:
-        check_ckpt_path(strategy, args[4])
+    preflight(strategy, trainer, args)
     devices = getattr(strategy, "parallel_devices", None) or []
     warning = oversubscription_warning(processes=len(devices), device_type=devices[0].type if devices else "cpu",
                                        cores=os.cpu_count())

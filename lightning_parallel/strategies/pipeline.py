@@ -1,9 +1,10 @@
-"""``lp_pipeline``: pipeline parallelism over the ``pp`` axis, data parallelism (plain or ZeRO-1) over ``dp``.
+"""``lp_pipeline``: pipeline parallelism over the ``pp`` axis, data parallelism (plain, ZeRO-1 or FSDP2) over ``dp``.
 
-Layout ``(N/p, p, 1, 0|1)``: the module's :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers`
-are cut into ``n = p x v`` contiguous stages (balanced by parameter count, or ``parallel.pipeline_stage_layers``);
-pipeline rank ``r`` keeps stages ``r, r + p, ...`` and deletes the other layers from its copy of the module, so each
-rank holds ``~1/p`` of the weights, gradients and optimizer state, under the whole model's parameter names. ``d = N/p``
+Layout ``(N/p, p, 1, z)``, z in 0..3: the module's
+:meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.pipeline_layers` are cut into ``n = p x v`` contiguous
+stages (balanced by parameter count, or ``parallel.pipeline_stage_layers``); pipeline rank ``r`` keeps stages
+``r, r + p, ...`` and deletes the other layers from its copy of the module, so each rank holds ``~1/p`` of the
+weights, gradients and optimizer state, under the whole model's parameter names. ``d = N/p``
 replicas of the pipeline split the global batch (the sampler takes rank and size from ``dp``).
 
 Each training batch (``b`` samples per dp rank) is split into ``m = num_micro_batches`` micro-batches that flow
@@ -13,7 +14,14 @@ through the stages under ``pipeline_schedule`` (:mod:`lightning_parallel.paralle
 
 * 0 -- one all-reduce (mean) of this stage's gradients after the step's last backward;
 * 1 -- ZeRO-1 on this stage's parameters: reduce-scatter of the flat gradient, the optimizer steps ``1/d`` of it,
-  all-gather of the parameters (ZeRO-2/3 are refused: every micro-batch adds into the whole gradient).
+  all-gather of the parameters;
+* 2, 3 -- FSDP2 ``fully_shard`` on each of this rank's stage chunks over ``dp`` (over ``(dp_replicate, dp_shard)``
+  with ``parallel.data_parallel_shard_size``): parameters, gradients and optimizer state sharded ``1/d`` between
+  steps; the micro-batches' gradients add into the stage's whole gradient and torch's schedule reduce-scatters it
+  once, after the step's last micro-batch. Parameters are all-gathered in forward; ``reshard_after_forward``
+  (:func:`~lightning_parallel.parallel.compose.reshard_policy`) decides whether they are freed after each forward:
+  ZeRO-2 never (one all-gather per step), ZeRO-3 on every stage but the last under the 1F1B-family schedules (an
+  all-gather per micro-batch and one more).
 
 Lightning integration: the module's ``training_step`` / ``validation_step`` / ``test_step`` are not called (they
 define the one-device computation); the strategy runs the schedule on ``pipeline_batch(batch) -> (input, target)``
@@ -58,12 +66,13 @@ _MINIMAL_HOOKS = (
 
 
 class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
-    """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0 or 1).
+    """Pipeline parallelism over ``pp`` x data parallelism over ``dp`` (``zero_stage`` 0, 1, 2 or 3).
 
     Args:
         parallel: the layout: ``pipeline_parallel_size``, ``data_parallel_size`` (auto or d), ``num_micro_batches``,
             ``pipeline_schedule`` (gpipe, 1f1b, interleaved_1f1b, zero_bubble), ``virtual_pipeline_stages``,
-            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset) or 1; tp = 1.
+            ``pipeline_stage_layers``, ``activation_checkpointing``, ``zero_stage`` 0 (unset), 1, 2 or 3,
+            ``reshard_after_forward``, ``data_parallel_shard_size``; tp = 1.
         kwargs: see :class:`~lightning_parallel.strategies.base.LayoutStrategy`.
     """
 
@@ -95,9 +104,14 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 require_hook(module, hook, strategy=self.strategy_name)
             except LayoutError as err:
                 raise LayoutError(f"{err} A minimal implementation:\n{_MINIMAL_HOOKS}") from None
+        from lightning_parallel.module_hooks import as_pipeline_layer, check_layer_signature
         from lightning_parallel.parallel.pipeline import has_meta_tensors, layer_names, stage_ranges
 
-        layers = module.pipeline_layers()  # type: ignore[operator]
+        try:
+            specs = [as_pipeline_layer(layer) for layer in module.pipeline_layers()]  # type: ignore[operator]
+        except TypeError as err:
+            raise LayoutError(f"{type(module).__name__}: {err}") from None
+        layers = [spec.module for spec in specs]
         p, v = self.layout.pipeline_parallel_size, self.layout.virtual_pipeline_stages
         n = p * v
         if len(layers) < n:
@@ -111,6 +125,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             ranges = stage_ranges(len(layers), n, layers_per_stage=self.layout.pipeline_stage_layers)
         except ValueError as err:
             raise LayoutError(f"{type(module).__name__}: {err}") from None
+        for spec, name in zip(specs, names, strict=True):
+            check_layer_signature(spec, name)
         owner: dict[int, tuple[int, str]] = {}
         for s, (a, b) in enumerate(ranges):
             for i in range(a, b):
@@ -131,9 +147,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 "parameter in place, as the library's GPT does), or build the module on a real device."
             )
 
-    def check_data(self, launch_args: tuple[Any, ...]) -> None:
+    def check_data(self, launch_args: tuple[Any, ...], probe: Any = None) -> None:
         """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches
-        (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments)."""
+        (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments), and one real
+        training batch (``probe``: :class:`~lightning_parallel.strategies.layout.TrainingDataProbe`) must go through
+        the module's ``pipeline_batch`` into an input tensor and a target."""
         m = self.layout.micro_batches
         for source, batch_size in _batch_sizes(launch_args):
             if batch_size % m:
@@ -143,6 +161,34 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                     f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
                     f"num_micro_batches a divisor of {batch_size}."
                 )
+        module = launch_args[0] if launch_args and isinstance(launch_args[0], pl.LightningModule) else None
+        batch = probe.first_batch() if probe is not None else None
+        if module is None or batch is None:
+            return
+        own = "pipeline_batch" in {k for c in type(module).__mro__ if c is not ParallelModuleMixin for k in vars(c)}
+        try:
+            inputs, target = self._split_batch(module, batch)
+        except Exception as err:
+            raise LayoutError(
+                f"lp_pipeline cannot split a real training batch of {probe.source} (a {_batch_kind(batch)}) into "
+                f"(input, target) with {type(module).__name__}.pipeline_batch: {type(err).__name__}: {err}"
+                + ("" if own or "Fix:" in str(err) else " Fix: override pipeline_batch(self, batch) on the module "
+                   "and return the input tensor and the target, e.g. `return batch['input_ids'], batch['labels']`.")
+            ) from None
+        if not isinstance(inputs, Tensor) or target is None:
+            raise LayoutError(
+                f"{type(module).__name__}.pipeline_batch(batch) must return (input tensor, target) for a training "
+                f"batch of {probe.source} (a {_batch_kind(batch)}); it returned ({type(inputs).__name__}, "
+                f"{type(target).__name__}). Fix: return the tensor the first stage takes and the target "
+                "pipeline_loss compares the last stage's output with."
+            )
+
+    @staticmethod
+    def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
+        hook = getattr(module, "pipeline_batch", None)
+        if callable(hook):
+            return hook(batch)  # type: ignore[no-any-return]
+        return ParallelModuleMixin.pipeline_batch(module, batch)
 
     @override
     def describe(self) -> str:
@@ -190,7 +236,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             num_stages=self.stage_plan.num_stages,
             schedule=self.layout.pipeline_schedule, num_micro_batches=self.layout.micro_batches,
             group=self.mesh.get_group("pp"), group_ranks=self.dims.group_ranks("pp", self.global_rank),
-            device=self.root_device, loss_fn=loss_fn)
+            device=self.root_device, loss_fn=loss_fn, plan=self.stage_plan)
         return model
 
     @override
@@ -233,7 +279,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         return {k: v for part in parts for k, v in part.items()}
 
     # ------------------------------------------------------------------ steps: the schedule instead of *_step
-    def _inputs(self, batch: Any) -> tuple[Tensor, Tensor | None]:
+    def _inputs(self, batch: Any) -> tuple[Any, Tensor | None]:
         module = self.lightning_module
         hook = getattr(module, "pipeline_batch", None)
         if callable(hook):
@@ -247,7 +293,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         assert self.runner is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        inputs, target = self._inputs(batch)
+        inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
         if batch_idx % self.accumulate_grad_batches == 0:
@@ -264,7 +310,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     def _eval(self, batch: Any, name: str, prog_bar: bool) -> Tensor:
         assert self.runner is not None and self.lightning_module is not None
-        inputs, target = self._inputs(batch)
+        inputs, target = self._inputs(self.context_batch(batch))
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
         with self.precision_plugin.val_step_context(), self._tp_loss():
@@ -285,11 +331,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """The last stage's output for the batch, on every rank (a broadcast over ``pp``)."""
         assert self.runner is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch = self.context_batch(args[0] if args else kwargs["batch"])
         inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
         with self.precision_plugin.predict_step_context(), self._tp_loss():
             out = self.runner.forward_only(inputs)
-            return self.runner.outputs_everywhere(out)
+            return self.context_unshard(self.runner.outputs_everywhere(out), local_len=inputs.shape[1])
 
     def _tp_loss(self) -> contextlib.AbstractContextManager[Any]:
         """With tp > 1 the head's logits are split by vocabulary: the loss is torch's ``loss_parallel``."""
@@ -348,6 +394,14 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             order = {n: j for j, n in enumerate(names)}
             merged.append({**group, "params": sorted(names, key=lambda n: (key(n), order[n]))})
         return merged
+
+
+def _batch_kind(batch: Any) -> str:
+    if isinstance(batch, dict):
+        return f"dict with keys {sorted(map(str, batch))[:6]}"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__} of {len(batch)}"
+    return type(batch).__name__
 
 
 def _as_list(value: Any) -> list[int] | None:

@@ -125,6 +125,17 @@ class LPShardedStrategy(LayoutStrategy):
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
                 "(FullyShardedDataParallel) is CUDA-only. Fix: backend='native' for zero_stage=3 (torch FSDP2)."
             )
+        if self._backend == "fairscale" and layout.data_parallel_shard_size is not None:
+            raise LayoutError(
+                f"backend='fairscale' shards over the whole dp axis, but parallel.data_parallel_shard_size="
+                f"{layout.data_parallel_shard_size} asks for HSDP (FSDP2 over replicate x shard groups). Fix: "
+                "backend='native', or remove data_parallel_shard_size.")
+        if (layout.zero == 2 and layout.data_parallel_shard_size is None and layout.reshard_after_forward != "auto"):
+            raise LayoutError(
+                f"parallel.reshard_after_forward={layout.reshard_after_forward} is an FSDP2 setting, but lp_sharded "
+                "runs zero_stage=2 over the whole dp axis with its flat-shard optimizer (parameters are never "
+                "sharded). Fix: remove reshard_after_forward, or zero_stage=3, or set data_parallel_shard_size "
+                "(HSDP runs ZeRO-2 over FSDP2).")
 
     @override
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
@@ -205,7 +216,7 @@ class LPShardedStrategy(LayoutStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         sharded_format.save(self, checkpoint, filepath, zero_stage=self.zero_stage,
-                            shard_ranks=self.dims.dp_subgroup_ranks("dp_shard", 0),
+                            shard_ranks=self.dims.shard_group_ranks(0),
                             fsdp=self.lightning_module is not None and _is_fsdp(self.lightning_module))
 
     @override
@@ -221,7 +232,10 @@ class LPShardedStrategy(LayoutStrategy):
         """A sharded folder written on this layout: ``meta.pt`` + this rank's file, as saved. Anything else -- a
         file, a sharded folder of another world size or stage, another strategy's folder -- is joined into the
         one-device form and re-sharded (:meth:`LayoutStrategy.load_checkpoint`)."""
+        from lightning_parallel.checkpoint.verify import verify_folder_on_rank_zero
+
         path = Path(self.broadcast(str(checkpoint_path)))
+        verify_folder_on_rank_zero(self, path)  # checksums (rank 0; every rank stops on a mismatch)
         checkpoint = sharded_format.load(self, path, zero_stage=self.zero_stage)
         return checkpoint if checkpoint is not None else super().load_checkpoint(path)
 

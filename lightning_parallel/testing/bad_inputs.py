@@ -9,6 +9,7 @@ spawned or not; ``pytest -s`` shows it).
 from __future__ import annotations
 
 import io
+import json
 import os
 import time
 from contextlib import redirect_stderr, redirect_stdout
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CASES", "BadInput", "Outcome", "make_fixtures", "run_in_process"]
+__all__ = ["CASES", "BadInput", "Outcome", "make_fixtures", "run_in_process", "write_dcp_folder"]
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
@@ -37,6 +38,18 @@ class BadInput:
 
 def _fit(*extra: str) -> tuple[str, ...]:
     return (*FIT, *extra)
+
+
+def _pp(*extra: str) -> tuple[str, ...]:
+    """``fit`` of the quick start under lp_pipeline, 2 stages."""
+    return _fit("--trainer.strategy", "lp_pipeline", "--parallel.pipeline_parallel_size", "2", *extra)
+
+
+def _check(*extra: str) -> tuple[str, ...]:
+    return ("check", *FIT[1:], *extra)
+
+
+_FAULTY = "lightning_parallel.testing.faulty."
 
 
 CASES: tuple[BadInput, ...] = (
@@ -72,6 +85,10 @@ CASES: tuple[BadInput, ...] = (
     BadInput("negative devices", _fit("--trainer.devices", "-3"), "devices"),
     BadInput("world of one with tp 2", _fit("--trainer.strategy", "lp_tensor", "--trainer.devices", "1",
                                              "--parallel.tensor_parallel_size", "2"), "world size is 1"),
+    BadInput("block size not divisible by 2 x cp", _fit("--trainer.devices", "3", "--parallel.context_parallel_size",
+                                                        "3"), "block_size is 128: 128 % 6 = 2"),
+    BadInput("attention dropout under cp", _fit("--parallel.context_parallel_size", "2", "--model.init_args.dropout",
+                                                "0.1"), "dropout on the attention probabilities is not run"),
     # --- data
     BadInput("data path that does not exist", _fit("--data.init_args.path", "{dir}/no_such.txt"), "does not exist"),
     BadInput("empty text file", _fit("--data.init_args.path", "{dir}/empty.txt"), "is empty"),
@@ -137,6 +154,66 @@ CASES: tuple[BadInput, ...] = (
              "no_such.ckpt", code=1),
     BadInput("consolidate random bytes", ("consolidate", "{dir}/random.ckpt", "{dir}/out.ckpt"), "not a checkpoint",
              code=1),
+    # --- round 3 (issue 26): launch, checkpoints of every format, data, folders, tools, messages
+    BadInput("num_nodes 2 without a launcher", _fit("--trainer.max_steps", "3", "--trainer.num_nodes", "2"),
+             "nothing starts node 1"),
+    BadInput("DCP folder without checksums.json, a byte flipped", _fit("--ckpt_path", "{dir}/dcp_no_manifest"),
+             "without checksums.json"),
+    BadInput("one-file checkpoint of format version 99", _fit("--ckpt_path", "{dir}/future_version.ckpt"),
+             "format version 99; this lightning-parallel"),
+    BadInput("DCP folder of format version 99", _fit("--ckpt_path", "{dir}/dcp_future"), "format version 99"),
+    BadInput("DCP folder of another shape (n_embd 64 vs 128)", _pp("--ckpt_path", "{dir}/dcp",
+                                                                  "--model.init_args.n_embd", "64"),
+             "n_embd: configured 64, saved 128"),
+    BadInput("check: DCP folder of another shape", _check("--trainer.strategy", "lp_pipeline",
+                                                          "--parallel.pipeline_parallel_size", "2",
+                                                          "--ckpt_path", "{dir}/dcp", "--model.init_args.n_embd",
+                                                          "64"), "n_embd: configured 64, saved 128"),
+    BadInput("file resumed with SGD instead of AdamW", _fit("--model", _FAULTY + "OptimizerChoiceGPT",
+                                                            "--model.init_args.optimizer", "sgd",
+                                                            "--ckpt_path", "{dir}/good.ckpt"),
+             "returns SGD (dampening, momentum, nesterov)"),
+    BadInput("DCP folder resumed with an added StepLR", _pp("--model", _FAULTY + "OptimizerChoiceGPT",
+                                                            "--model.init_args.step_lr", "true",
+                                                            "--ckpt_path", "{dir}/dcp"),
+             "this run configures 2 (LambdaLR, StepLR)"),
+    BadInput("dict batch under lp_pipeline without pipeline_batch", _pp("--data", _FAULTY + "DictBatchTextData"),
+             "cannot split a real training batch"),
+    BadInput("check: dict batch under lp_pipeline", _check("--trainer.strategy", "lp_pipeline",
+                                                           "--parallel.pipeline_parallel_size", "2",
+                                                           "--data", _FAULTY + "DictBatchTextData"),
+             "cannot split a real training batch"),
+    BadInput("default_root_dir that cannot be created", _fit("--trainer.default_root_dir", "{dir}/empty.txt/runs"),
+             "trainer.default_root_dir"),
+    BadInput("logger folder that cannot be created", _fit("--trainer.logger.init_args.save_dir",
+                                                         "{dir}/empty.txt/logs"), "save_dir"),
+    BadInput("check: logger folder that cannot be created", _check("--trainer.logger.init_args.save_dir",
+                                                                  "{dir}/empty.txt/logs"), "save_dir"),
+    BadInput("val_check_interval longer than the epoch", _fit("--trainer.val_check_interval", "100000"),
+             "val_check_interval=100000 batches, but an epoch has only"),
+    BadInput("check: val_check_interval longer than the epoch", _check("--trainer.val_check_interval", "100000"),
+             "val_check_interval=100000 batches"),
+    BadInput("limit_train_batches leaving 0 batches", _fit("--trainer.limit_train_batches", "0.0001"),
+             "0 training batches per data-parallel rank"),
+    BadInput("lp_zero_offload with SGD", _fit("--trainer.strategy", "lp_zero_offload", "--model",
+                                              _FAULTY + "OptimizerChoiceGPT", "--model.init_args.optimizer", "sgd"),
+             "SGD, which cannot be offloaded"),
+    BadInput("DCP folder without .metadata", _fit("--ckpt_path", "{dir}/dcp_no_metadata"),
+             ".metadata is missing (listed in checksums.json)"),
+    BadInput("consolidate a DCP folder without .metadata",
+             ("consolidate", "{dir}/dcp_no_metadata", "{dir}/out_no_metadata.ckpt"), ".metadata is missing", code=1),
+    BadInput("pipeline_stage_layers [0, 6]", _pp("--parallel.pipeline_stage_layers", "[0, 6]"),
+             "0 is not a positive layer count"),
+    BadInput("pipeline_stage_layers [2, 2]", _pp("--parallel.pipeline_stage_layers", "[2, 2]"),
+             "2 counts that add up to 6 (e.g. [3, 3])"),
+    BadInput("--model class path with a typo", _fit("--model", "lightning_parallel.models.GTP"),
+             "Did you mean 'lightning_parallel.models.GPT'"),
+    BadInput("plan --micro-batch-size 0", (*PLAN, "--micro-batch-size", "0"), "--micro-batch-size=0 must be"),
+    BadInput("plan --seq-len 0", (*PLAN, "--seq-len", "0"), "--seq-len=0 must be"),
+    BadInput("consolidate onto an existing file", ("consolidate", "{dir}/good.ckpt", "{dir}/random.ckpt"),
+             "pass --force", code=1),
+    BadInput("consolidate to an unwritable path", ("consolidate", "{dir}/good.ckpt", "{dir}/empty.txt/out.ckpt"),
+             "cannot write", code=1),
 )
 
 
@@ -186,6 +263,60 @@ def make_fixtures(folder: Path) -> None:
     (folder / "flipped.ckpt").write_bytes(bytes(flipped))
     if not (folder / "other_shape.ckpt").is_file():
         _gpt_checkpoint(folder / "other_shape.ckpt", n_layer=2)
+    import shutil
+
+    import torch
+
+    from lightning_parallel.checkpoint.names import FORMAT_VERSION_KEY, LAYOUT_FILE, MANIFEST_FILE
+    from lightning_parallel.checkpoint.verify import write_manifest
+
+    content = torch.load(good, weights_only=True)
+    torch.save({**content, FORMAT_VERSION_KEY: 99}, folder / "future_version.ckpt")
+    if not (folder / "dcp").is_dir():
+        write_dcp_folder(good, folder / "dcp")
+    for name in ("dcp_no_manifest", "dcp_future", "dcp_no_metadata"):
+        shutil.rmtree(folder / name, ignore_errors=True)
+        shutil.copytree(folder / "dcp", folder / name)
+    (folder / "dcp_no_manifest" / MANIFEST_FILE).unlink()
+    shard = folder / "dcp_no_manifest" / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    record = json.loads((folder / "dcp_future" / LAYOUT_FILE).read_text())
+    (folder / "dcp_future" / LAYOUT_FILE).write_text(json.dumps({**record, "format_version": 99}))
+    write_manifest(folder / "dcp_future")  # a folder written by a newer version, whole
+    (folder / "dcp_no_metadata" / ".metadata").unlink()
+
+
+def write_dcp_folder(file: Path, folder: Path, *, strategy: str = "lp_pipeline") -> None:
+    """The DCP folder (``lp_pipeline``'s format, one rank) of a one-file checkpoint of the library's GPT, written
+    without a process group: the module's tensors and the optimizer state by parameter name, ``meta.pt``,
+    ``layout.json`` and ``checksums.json`` -- what a one-stage ``lp_pipeline`` run saves."""
+    import torch
+
+    from lightning_parallel.checkpoint.atomic import replace_with
+    from lightning_parallel.checkpoint.formats.dcp import _write_shards
+    from lightning_parallel.checkpoint.names import DCP_LAYOUT_KEYS, FORMAT_VERSION, FORMAT_VERSION_KEY, LAYOUT_FILE
+    from lightning_parallel.checkpoint.resume import optimizer_by_name
+    from lightning_parallel.checkpoint.verify import write_manifest
+    from lightning_parallel.models import GPT
+
+    checkpoint = torch.load(file, weights_only=True)
+    with torch.device("meta"):
+        model = GPT(**checkpoint["hyper_parameters"])
+    named = list(model.named_parameters())
+    names = [[n for n, p in named if p.dim() >= 2], [n for n, p in named if p.dim() < 2]]  # GPT's two groups
+    state = checkpoint.pop("state_dict")
+    optimizers = [optimizer_by_name(s, names) for s in checkpoint.pop("optimizer_states")]
+    layout = {"strategy": strategy, "dp": 1, "pp": 1, "tp": 1, "virtual_pipeline_stages": 1, "zero_stage": 0}
+    checkpoint[DCP_LAYOUT_KEYS[strategy]] = layout
+    checkpoint[FORMAT_VERSION_KEY] = FORMAT_VERSION
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True)
+    _write_shards(partial, model_state=state, optimizer_states=optimizers, meta=checkpoint, rank=0)
+    (partial / LAYOUT_FILE).write_text(json.dumps({**layout, "format_version": FORMAT_VERSION}))
+    write_manifest(partial)
+    replace_with(partial, folder)
 
 
 @dataclass

@@ -31,6 +31,24 @@ def test_unknown_parallel_key_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     assert "'tensor_paralel_size'. Did you mean 'tensor_parallel_size'?" in capsys.readouterr().err
 
 
+def test_the_temporary_recipe_files_go_when_the_command_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The composed recipe (``defaults:``) and the ``parallel: auto`` rewrite the parser reads are deleted when the
+    command ends, refused or not."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(f"defaults:\n  - {QUICKSTART}\nparallel: auto\n")
+    assert main(["check", "--config", str(ROOT / "recipes" / "gpt_zero3.yaml"), "--trainer.accelerator", "cpu"]) == 0
+    assert main(["check", "--config", str(auto)]) == 2  # composed, rewritten for lp_auto, then refused (lp_ddp)
+    assert main(["fit", "--config", QUICKSTART, "--parallel.data_parallel_size", "3"]) == 2
+    capsys.readouterr()
+    assert not list(scratch.iterdir())
+
+
 def test_quickstart_recipe_shortened_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capfd: pytest.CaptureFixture[str]) -> None:
     """The quickstart recipe as written, 6 steps, ranks forked from this process (no re-import)."""

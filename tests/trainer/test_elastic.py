@@ -8,8 +8,8 @@ size, the refusal of a world that cannot keep it, and checkpoints written in the
 * A background save (:mod:`lightning_parallel.checkpoint.async_save`) equals a synchronous one taken at the same step
   -- one file, an ``lp_sharded`` folder, a DCP folder -- although training changed the weights while it was written
   (the writer is slowed down), is complete, verified against its checksums, and never leaves ``.partial``; at most one
-  is in flight; a failure in the writer is raised when training ends and leaves ``<name>.partial`` beside the
-  previous checkpoint, whole.
+  is in flight; a failure in one rank's writer is raised on every rank when training ends, removes ``<name>.partial``
+  and leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations
@@ -122,11 +122,21 @@ class _Probe(Callback):
 def _slow_writer(monkeypatch: pytest.MonkeyPatch, delay: float, *, fail: str | None = None,
                  fail_rank: int = 0) -> dict[str, int]:
     """Every background part starts ``delay`` s late (training meanwhile changes the weights in place) and counts
-    how many run at once in its process (the ranks are forked after the patch: each counts its own). ``fail``: the
-    part for a target ending so raises on ``fail_rank``."""
+    how many run at once in its process (the ranks are forked after the patch: each counts its own). ``fail``: in
+    the part for a target ending so, every ``torch.save`` on ``fail_rank`` raises ENOSPC."""
     seen = {"now": 0, "max": 0}
     lock = threading.Lock()
     original = async_save.AsyncWriter.submit
+    failing: set[int] = set()  # the writer threads whose writes fail: every torch.save in them raises a full disk
+    if fail is not None:
+        real_save = torch.save
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() in failing:
+                raise OSError(28, "No space left on device (injected)")
+            return real_save(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
 
     def submit(self: async_save.AsyncWriter, target: str, job: Any) -> None:
         import torch.distributed as dist
@@ -140,7 +150,7 @@ def _slow_writer(monkeypatch: pytest.MonkeyPatch, delay: float, *, fail: str | N
             try:
                 time.sleep(delay)
                 if fail is not None and target.endswith(fail) and rank == fail_rank:
-                    raise OSError(28, "No space left on device (injected)")
+                    failing.add(threading.get_ident())  # the job's own writes fail, inside the format's handling
                 job()
             finally:
                 with lock:
@@ -223,7 +233,7 @@ def test_a_failed_background_save_is_raised_and_leaves_the_previous_checkpoint(
     raised = [line for line in text.splitlines() if line.startswith(async_save.BackgroundSaveError.__module__)]
     print(f"\n{name}: writer failed on step 4 -> {raised[-1:] or type(err.value).__name__}; folder: {files}")
     assert "the background save of" in text and "step=4.ckpt failed" in text
-    assert "step=2.ckpt" in files and "step=4.ckpt" not in files
+    assert "step=2.ckpt" in files and "step=4.ckpt" not in files and not any(f.endswith(".partial") for f in files)
     previous = tmp_path / "ckpt" / "step=2.ckpt"
     verify_folder(previous) if previous.is_dir() else verify_torch_file(previous)
     assert read_resumable(previous)["global_step"] == 2

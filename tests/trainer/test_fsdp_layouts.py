@@ -95,6 +95,9 @@ CASES = [
                  id="dp2-pp2-tp2-zero3", marks=pytest.mark.slow),
     pytest.param(LPTensorStrategy, {"tensor_parallel_size": 2, "zero_stage": 3, "data_parallel_shard_size": 2}, 8,
                  id="hsdp2x2-tp2-zero3", marks=pytest.mark.slow),
+    pytest.param(LPPipelineStrategy, {"pipeline_parallel_size": 2, "num_micro_batches": 1,  # 1 sample per dp rank
+                                      "pipeline_schedule": "gpipe", "zero_stage": 3, "data_parallel_shard_size": 2},
+                 8, id="hsdp2x2-pp2-zero3", marks=pytest.mark.slow),
 ]
 
 
@@ -117,6 +120,23 @@ def test_fsdp_layouts_equal_one_device_and_hold_the_formula(reference: GPT, cls:
     assert m["rs_per_unit_min"] == m["rs_per_unit_max"] == 1.0
 
 
+def test_hsdp_groups_and_the_cross_node_warning() -> None:
+    """The dp axis splits into shard groups of consecutive dp coordinates and replicate groups across them; on several
+    nodes a shard group that crosses a node is warned about (FSDP2's collectives would run between nodes)."""
+    from lightning_parallel.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(data_parallel_size=4, pipeline_parallel_size=2,
+                                                   data_parallel_shard_size=2, zero_stage=3), world_size=8)
+    assert dims.hsdp and dims.dp_replicate == 2
+    assert dims.dp_subgroup_ranks("dp_shard", 0) == [0, 2] and dims.dp_subgroup_ranks("dp_replicate", 0) == [0, 4]
+    assert not dims.shard_group_crosses_nodes(4) and dims.shard_group_crosses_nodes(2)
+    with pytest.warns(UserWarning, match=r"data_parallel_shard_size=4: a shard group .* crosses nodes of 4 devices.*"
+                                         r"Fix: data_parallel_shard_size <= 2"):
+        ParallelDims.from_config(ParallelConfig(data_parallel_size=8, pipeline_parallel_size=2, zero_stage=3,
+                                                data_parallel_shard_size=4), world_size=16, devices_per_node=4,
+                                 num_nodes=4)
+
+
 def test_layout_rules_of_fsdp_and_hsdp() -> None:
     assert LPPipelineStrategy({**PIPELINE, "zero_stage": 3}).layout.zero == 3  # no longer refused
     assert LPHybridStrategy({**PIPELINE, "tensor_parallel_size": 2, "zero_stage": 2}).layout.zero == 2
@@ -135,3 +155,9 @@ def test_layout_rules_of_fsdp_and_hsdp() -> None:
         LPTensorStrategy({"tensor_parallel_size": 2, "data_parallel_shard_size": 2})
     with pytest.raises(LayoutError, match=r"reshard_after_forward=True is an FSDP2 setting"):
         ParallelConfig(zero_stage=1, reshard_after_forward=True)
+    with pytest.raises(LayoutError, match=r"lp_sharded runs zero_stage=2 over the whole dp axis"):
+        LPShardedStrategy({"zero_stage": 2, "reshard_after_forward": False})
+    with pytest.raises(LayoutError, match=r"backend='fairscale' shards over the whole dp axis"):
+        LPShardedStrategy({"zero_stage": 2, "data_parallel_shard_size": 2}, backend="fairscale")
+    with pytest.raises(LayoutError, match=r"lp_hybrid runs zero_stage=2 as FSDP2 per pipeline stage.*Fix: zero_stage="):
+        LPHybridStrategy({"tensor_parallel_size": 2, "zero_stage": 2})

@@ -31,6 +31,9 @@ BF16 = TrainingSettings()
 # branches.
 WIDE_VOCAB = ModelShape(n_layer=2, n_embd=1024, n_head=8, vocab_size=262144, block_size=256)
 _LARGEST = {"gpu_memory": "2GB", "cpu_memory_per_node": "64GB", "reserved_memory": "1GiB"}
+# A 32768-token sequence: the model states fit one 40 GB device, the activations of one sequence do not, and splitting
+# the sequence over cp = 2 ranks does -- the guide's "sequence does not fit" branches (context parallelism).
+LONG_SEQUENCE = ModelShape(n_layer=8, n_embd=1024, n_head=8, vocab_size=32000, block_size=32768, dropout=0.0)
 
 # branch -> (model preset, hardware)
 BRANCHES: dict[str, tuple[str | ModelShape, dict[str, Any]]] = {
@@ -41,6 +44,8 @@ BRANCHES: dict[str, tuple[str | ModelShape, dict[str, Any]]] = {
     "one-node/does-not-fit/nvlink": ("gpt3-6.7b", {"profile": "dgx-a100-80gb"}),
     "one-node/does-not-fit/pcie": ("gpt3-6.7b", {"profile": "dgx-a100-80gb", "intra_node": "pcie"}),
     "one-node/largest-layer-does-not-fit": (WIDE_VOCAB, {"gpus_per_node": 8, **_LARGEST}),
+    "one-node/sequence-does-not-fit": (LONG_SEQUENCE, {"gpus_per_node": 8, "gpu_memory": "40GB"}),
+    "several-nodes/sequence-does-not-fit": (LONG_SEQUENCE, {"nodes": 2, "gpus_per_node": 8, "gpu_memory": "40GB"}),
     "several-nodes/fits": ("gpt3-125m", {"nodes": 2, "gpus_per_node": 8, "gpu_memory": "24GB"}),
     "several-nodes/does-not-fit/fast": ("gpt3-13b", {"nodes": 8, "gpus_per_node": 8, "gpu_memory": "32GB"}),
     "several-nodes/does-not-fit/slow": ("gpt3-175b", {"profile": "dgx-a100-80gb", "nodes": 16,
@@ -74,7 +79,10 @@ def test_the_layout_table_names_registered_strategies() -> None:
 def test_recommended_recipe_passes_the_dry_run_of_fit(branch: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     model, spec = BRANCHES[branch]
-    shape, name = (MODEL_PRESETS[model], model) if isinstance(model, str) else (model, "wide-vocab")
+    if isinstance(model, str):
+        shape, name = MODEL_PRESETS[model], model
+    else:
+        shape, name = model, ("wide-vocab" if model is WIDE_VOCAB else "long-sequence")
     plan = make_plan(ModelSpec.from_shape(shape, name=name), BF16, _hardware(spec))
     assert plan.branch == branch, plan.reason
     chosen = plan.recommended
@@ -99,6 +107,8 @@ def test_recommended_recipe_passes_the_dry_run_of_fit(branch: str, tmp_path: Pat
         pp_and_dp = lay.pipeline_parallel_size > 1 and int(lay.data_parallel_size) > 1
         assert lay.mesh_order == ("pp-dp-tp" if pp_and_dp else "dp-pp-tp"), (lay.describe(), chosen.cross_node_bytes)
         assert ("mesh_order pp-dp-tp" in line) == (lay.mesh_order == "pp-dp-tp"), line
+    if branch.endswith("sequence-does-not-fit"):  # the sequence is split, and the recipe says so
+        assert lay.context_parallel_size > 1 and section["context_parallel_size"] == lay.context_parallel_size
     if branch == "several-nodes/does-not-fit/slow":  # gpt3-175b on 16 nodes: only activations cross nodes
         assert lay.mesh_order == "pp-dp-tp" and chosen.cross_node_bytes["pp-dp-tp"]["dp"] == 0
 

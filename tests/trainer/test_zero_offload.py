@@ -314,3 +314,21 @@ def test_nvme_consolidation_keeps_buffers(tmp_path: Path) -> None:
     fresh = BufferedGPT(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     fresh.load_state_dict(state)  # strict: nothing missing
     assert max_abs_diff(fresh, model) < 1e-6
+
+
+def test_accumulation_with_clipping_equals_one_device() -> None:
+    """Lightning's loop divides the loss by accumulate_grad_batches; the engine must not divide it again (the
+    gradients were 1/a^2 of one device's: 4.9e-4 off after 10 steps with a = 2 and clipping 0.5 before the fix)."""
+    from tests.trainer.token_data import T, fit, weight_diff
+
+    def gpt() -> pl.LightningModule:
+        torch.manual_seed(0)
+        from lightning_parallel.models import GPT
+
+        return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+
+    reference = fit("auto", 1, 1, model=gpt())[0]  # accumulation 2, clipping 0.5 by norm
+    model, _ = fit(LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2, 2, model=gpt())
+    diff = weight_diff(model, reference)
+    print(f"lp_zero_offload ZeRO-2 x2, accumulation 2, clipping 0.5: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 1e-5

@@ -273,3 +273,23 @@ def test_a_checkpoint_folder_is_verified_against_its_checksum_list(tmp_path: Pat
     shard.unlink()
     with pytest.raises(CheckpointFormatError, match=f"is missing \\(listed in {MANIFEST_FILE}\\)"):
         verify_folder(folder)
+
+
+def test_trusted_loading_refuses_the_same_files_with_the_same_messages(tmp_path: Path) -> None:
+    """Trust (``weights_only=False``) also reads a legacy (pre-zip) torch file; every other file that is not a torch
+    archive gets the message it gets untrusted."""
+    from lightning_parallel.checkpoint.errors import CheckpointFormatError
+    from lightning_parallel.checkpoint.formats.common import load_torch_file
+
+    (tmp_path / "random.ckpt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    for trusted in (False, True):
+        with pytest.raises(CheckpointFormatError, match=r"not a checkpoint: torch\.save writes a zip archive"):
+            load_torch_file(tmp_path / "random.ckpt", trusted=trusted)
+        with pytest.raises(CheckpointFormatError, match="0 bytes"):
+            load_torch_file(tmp_path / "empty.ckpt", trusted=trusted)
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_torch_file(legacy, trusted=True)["state_dict"]["w"], torch.ones(2))
+    with pytest.raises(CheckpointFormatError, match="not a checkpoint"):
+        load_torch_file(legacy, trusted=False)

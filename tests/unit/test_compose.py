@@ -18,6 +18,7 @@ from lightning_parallel.models import GPT
 from lightning_parallel.parallel.compose import (
     COMPOSITION_ORDER,
     CompositionOrderError,
+    apply_compile,
     apply_recomputation,
     apply_tensor_plan,
     compose,
@@ -114,7 +115,21 @@ def test_composition_path_of_every_layout_strategy() -> None:
         (LPPipelineStrategy, {"pipeline_parallel_size": 2, "zero_stage": 1}, 4,
          ("pipeline split", "placement", "data-parallel wrap"), "zero"),
         (LPHybridStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "activation_checkpointing":
-                            "selective"}, 8, COMPOSITION_ORDER, "allreduce"),
+                            "selective", "compile": "aot_eager"}, 8,
+         tuple(s for s in COMPOSITION_ORDER if s != "context parallel"), "allreduce"),
+        (LPShardedStrategy, {"zero_stage": 3, "compile": True}, 2,
+         ("placement", "compile", "data-parallel wrap"), "fsdp"),
+        (LPHybridStrategy, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "context_parallel_size": 2,
+                            "activation_checkpointing": "selective", "compile": "aot_eager"}, 8, COMPOSITION_ORDER,
+         "allreduce"),
+        (LPDDPStrategy, {"context_parallel_size": 2}, 4, ("placement", "context parallel", "data-parallel wrap"),
+         "ddp"),
+        (LPShardedStrategy, {"zero_stage": 3, "context_parallel_size": 2}, 4,
+         ("placement", "context parallel", "data-parallel wrap"), "fsdp"),
+        (LPTensorStrategy, {"tensor_parallel_size": 2, "context_parallel_size": 2}, 4,
+         ("placement", "tensor plan", "context parallel", "data-parallel wrap"), "allreduce"),
+        (LPPipelineStrategy, {"pipeline_parallel_size": 2, "context_parallel_size": 2}, 4,
+         ("pipeline split", "placement", "context parallel", "data-parallel wrap"), "allreduce"),
     ]
     for cls, layout, world, path, sync in cases:
         strategy = cls(parallel=layout)
@@ -122,6 +137,42 @@ def test_composition_path_of_every_layout_strategy() -> None:
         assert composition_path(strategy.layout, dims, pipeline=strategy.pipelined) == path, cls.__name__
         strategy._dims = dims
         assert strategy.data_parallel_plan().sync == sync, cls.__name__
+
+
+def test_context_parallelism_syncs_over_dp_x_cp() -> None:
+    """With cp > 1 every plan keeps the replicas of dp x cp equal (the mesh's dp_cp; FSDP2 over it, or over
+    dp_replicate x dp_shard_cp under HSDP); the fairscale backend (dp alone) is refused; cp = 1 plans are as before."""
+    for layout, world, sync, fsdp in (
+            ({"context_parallel_size": 2}, 4, "ddp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 1}, 4, "zero", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 3}, 4, "fsdp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "zero_stage": 3, "data_parallel_shard_size": 2}, 8, "fsdp",
+             ("dp_replicate", "dp_shard_cp")),
+            ({"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 8, "fsdp", ("dp_cp",)),
+            ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, 8, "allreduce", ("dp_cp",))):
+        plan = data_parallel_plan(*_dims(world, **layout))
+        assert (plan.sync, plan.axis, plan.fsdp_axes) == (sync, "dp_cp", fsdp), layout
+    assert data_parallel_plan(*_dims(2, zero_stage=3)).axis == "dp"
+    assert data_parallel_plan(*_dims(4, zero_stage=3, data_parallel_shard_size=2)).fsdp_axes == (
+        "dp_replicate", "dp_shard")
+    with pytest.raises(LayoutError, match=r"fairscale backend runs over the dp group alone, but "
+                                          r"context_parallel_size=2"):
+        data_parallel_plan(*_dims(4, context_parallel_size=2, zero_stage=1), backend="fairscale")
+
+
+def test_context_parallel_step_keeps_its_place_in_the_order() -> None:
+    """The cp routing after the tensor plan and before recomputation (a recomputed core recomputes its ring) and the
+    dp wrap; applied after either, it is refused before it touches the module."""
+    from lightning_parallel.parallel.compose import apply_context_parallel_step
+    from lightning_parallel.parallel.context_parallel import SequenceShard, context_parallel_modules
+
+    assert COMPOSITION_ORDER.index("tensor plan") < COMPOSITION_ORDER.index("context parallel") < \
+        COMPOSITION_ORDER.index("activation checkpointing") < COMPOSITION_ORDER.index("data-parallel wrap")
+    model = _gpt()
+    apply_recomputation(model, mode="selective")
+    with pytest.raises(CompositionOrderError, match="'context parallel' after 'activation checkpointing'"):
+        apply_context_parallel_step(model, cp_group=None, shard=SequenceShard(2, 0), style="ring")
+    assert context_parallel_modules(model) == [] and steps_done(model) == ["activation checkpointing"]
 
 
 def test_steps_out_of_order_are_impossible() -> None:
@@ -139,6 +190,75 @@ def test_steps_out_of_order_are_impossible() -> None:
     assert steps_done(model) == ["activation checkpointing"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any change
     assert len(model.blocks) == 2  # no split happened
+
+
+def _compile_world(rank: int, world: int) -> dict[str, Any]:
+    """The compile checks, in a forked rank: torch.compile leaves threads and state in its process, and the pytest
+    process must stay clean for the fork launchers of later tests."""
+    from lightning_parallel.parallel.compile import compiled_modules, strip_compile_prefix, unwrap_compiled
+
+    out: dict[str, Any] = {}
+    model = _gpt()
+    names = list(model.state_dict())
+    apply_recomputation(model, mode="full")
+    out["compiled"] = apply_compile(model, setting="aot_eager")
+    out["listed"] = compiled_modules(model)
+    out["names_kept"] = list(model.state_dict()) == names
+    out["inside_checkpoint"] = all("_lp_compiled_forward" in model.blocks[k].__dict__ for k in ("0", "1"))
+    try:
+        apply_recomputation(model, mode="full")
+        out["ac_after_compile"] = "allowed"
+    except CompositionOrderError as err:
+        out["ac_after_compile"] = str(err)
+    x = torch.randint(0, 32, (2, 8))
+    ref = _gpt()
+    model.pipeline_loss(model(x), x).backward()
+    ref.pipeline_loss(ref(x), x).backward()
+    grads = dict(ref.named_parameters())
+    out["grad_diff"] = max(float((p.grad - grads[n].grad).abs().max()) for n, p in model.named_parameters())
+    plain = _gpt()
+    apply_compile(plain, setting="aot_eager")
+    out["in_place"] = compiled_modules(plain) == ["blocks.0", "blocks.1"] and all(
+        plain.blocks[k]._compiled_call_impl is not None for k in ("0", "1"))
+    try:
+        apply_compile(plain, setting="aot_eager")
+        out["twice"] = "allowed"
+    except CompositionOrderError as err:
+        out["twice"] = str(err)
+    # a module the user compiled: unwrapped in place, compiled with the same backend, no "_orig_mod."
+    user = _gpt()
+    user.blocks["1"] = torch.compile(user.blocks["1"], backend="aot_eager")  # type: ignore[assignment]
+    out["prefixed"] = any("_orig_mod." in n for n in user.state_dict())
+    out["unwrapped"] = unwrap_compiled(user)
+    out["user_names"] = list(user.state_dict()) == names and user.blocks["1"]._compiled_call_impl is not None
+    out["user_runs"] = tuple(user(x).shape)
+    out["strip"] = strip_compile_prefix("model._orig_mod.layers.0._orig_mod.w")
+    return out
+
+
+def test_compile_after_recomputation_in_place_and_user_compiled_unwrapped() -> None:
+    """compile after the dp wrap, or recomputation after compile, is refused; compiling keeps every name and
+    compiles each block in place (a recomputed block: its forward, inside the checkpoint); a submodule the user
+    compiled is unwrapped with its names."""
+    out = run_distributed(_compile_world, world_size=1, timeout_s=300)[0]
+    assert out["compiled"] == out["listed"] == ["blocks.0", "blocks.1"] and out["names_kept"]
+    assert out["inside_checkpoint"] and out["in_place"] and out["grad_diff"] < 1e-6
+    assert "'activation checkpointing' after 'compile'" in out["ac_after_compile"]
+    assert "'compile' after 'compile'" in out["twice"]
+    assert out["prefixed"] and out["unwrapped"] == ["blocks.1"] and out["user_names"]
+    assert out["user_runs"] == (2, 8, 32) and out["strip"] == "model.layers.0.w"
+
+
+def test_compile_needs_the_blocks_named_and_a_known_backend() -> None:
+    from lightning_parallel.parallel.compile import check_backend, compile_targets
+
+    with pytest.raises(LayoutError, match=r"parallel.compile compiles each block.*pipeline_layers"):
+        compile_targets(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(LayoutError, match=r"parallel.compile='nope' is not a torch.compile backend"):
+        check_backend("nope")
+    with pytest.raises(LayoutError, match=r"parallel.compile=3 must be true, false or the name"):
+        ParallelConfig(compile=3)  # type: ignore[arg-type]
+    assert ParallelConfig(compile=True).describe().endswith("compile")
 
 
 def test_pipeline_split_keeps_this_ranks_layers_under_their_names() -> None:

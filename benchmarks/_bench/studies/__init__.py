@@ -18,6 +18,10 @@ STUDIES: dict[str, str] = {
                "time against no offload (CUDA: the largest GPT that trains on one GPU)",
     "checkpoint": "step time with a checkpoint every 10 steps written in the background vs in the step vs none "
                   "(one file, lp_sharded folder, DCP folder), and how long a save held the step",
+    "compile": "parallel.compile on and off under every strategy: the step time compiled over eager, and how far "
+               "the losses move",
+    "context": "context parallelism: activation bytes per rank at cp = 1, 2, 4 next to the formula, and the longest "
+               "sequence that trains within a per-rank activation budget at cp = 1 and 4",
 }
 
 

@@ -12,7 +12,8 @@ A folder holds:
   tp/dp shards of every DTensor, replicated tensors are written once) and ``optim.<i>.state.<fqn>.<key>`` (each
   optimizer state tensor laid out like its parameter). The optimizer state is stored by parameter name in every
   zero stage (ZeRO-1 gathers its flat dp shards per parameter first), so the format does not depend on the stage;
-* ``checksums.json`` (rank 0): the CRC-32 of every file (the ``.distcp`` shards carry none).
+* ``checksums.json`` (rank 0, last): the CRC-32 of every file (the ``.distcp`` shards carry none); a folder without it
+  is refused (:func:`~lightning_parallel.checkpoint.verify.verify_folder`).
 
 Here: the collective write (:func:`save`, into ``<name>.partial``, renamed once complete), the per-rank read on a
 layout that holds the same tensors (:func:`load`, then :func:`load_model` / :func:`load_optimizer`: each rank reads
@@ -32,19 +33,32 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import async_save, rng
-from ..atomic import fresh_partial, partial_path, replace_with
+from ..atomic import disk_errors, fresh_partial, partial_path, replace_with
+from ..errors import CheckpointFormatError
 from ..names import (
     DCP_FOLDER_KEY,
     DCP_LAYOUT_KEYS,
     DCP_METADATA_FILE,
     DCP_MODEL_KEY,
     DCP_OPTIM_KEY,
+    FORMAT_VERSION,
     LAYOUT_FILE,
     META_FILE,
     OPTIMIZER_GROUPS_KEY,
 )
 from ..verify import write_manifest
-from .common import CheckpointFormat, CheckpointInfo, CheckpointStrategy, strip_wrapper_prefixes
+from .common import (
+    CheckpointFormat,
+    CheckpointInfo,
+    CheckpointStrategy,
+    agree_on_failure,
+    check_format_version,
+    refused_save,
+    stamp_format_version,
+    strip_wrapper_prefixes,
+    tensor_bytes,
+    wait_for_background_save,
+)
 
 __all__ = [
     "FORMATS",
@@ -53,9 +67,11 @@ __all__ = [
     "load",
     "load_model",
     "load_optimizer",
+    "looks_like_dcp_folder",
     "read_full",
     "read_full_checkpoint",
     "save",
+    "saved_layout",
     "saved_strategy",
 ]
 
@@ -72,13 +88,20 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     states by parameter name). ``layout``: the record of the layout (``strategy`` and the degrees), stored under
     ``layout_key`` in ``meta.pt`` and as ``layout.json``. Written next to the target and renamed into place, so a
     failed save never leaves a half folder under the checkpoint's name."""
-    writer = async_save.before_save()  # the save in flight first; a writer: this one in the background
+    if refused_save(strategy, filepath):
+        return
+    writer = wait_for_background_save(strategy)  # the save in flight first; a writer: this one in the background
     path = Path(strategy.broadcast(str(filepath)))
     partial = partial_path(path)
+    error: BaseException | None = None
     if strategy.is_global_zero:
-        fresh_partial(path)
-    strategy.barrier("lp_dcp_mkdir")
+        try:
+            fresh_partial(path)
+        except OSError as err:
+            error = err
+    agree_on_failure(strategy, error)
     rng.attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
+    stamp_format_version(checkpoint)
     model_state = checkpoint.pop("state_dict")
     optim_states = checkpoint.pop("optimizer_states", [])
     if dist.is_initialized() and dist.get_world_size() > 1 and optim_states:
@@ -91,14 +114,26 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         _write_in_background(writer, partial, path, model_state=model_state, optimizer_states=optim_states,
                              meta=checkpoint if strategy.is_global_zero else None, layout=layout)
         return
-    _write_shards(partial, model_state=model_state, optimizer_states=optim_states,
-                  meta=checkpoint if strategy.is_global_zero else None, rank=strategy.global_rank)
-    strategy.barrier("lp_dcp_saved")
+    needed = tensor_bytes(model_state) + tensor_bytes(optim_states)
+    try:  # DCP reports a rank's failed write to every rank (CheckpointException)
+        with disk_errors(path, needed=needed):
+            _write_shards(partial, model_state=model_state, optimizer_states=optim_states,
+                          meta=checkpoint if strategy.is_global_zero else None, rank=strategy.global_rank)
+    except BaseException as err:
+        if isinstance(err, KeyboardInterrupt | SystemExit):
+            raise
+        error = err
+    agree_on_failure(strategy, error, cleanup=partial)
     if strategy.is_global_zero:
-        (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
-        write_manifest(partial)  # CRC-32 per file, checked before a load
-        replace_with(partial, path)  # a checkpoint saved again under one name (last.ckpt): no stale shard files
-    strategy.barrier("lp_dcp_renamed")
+        try:
+            with disk_errors(path, needed=0):
+                record = {**layout, "format_version": FORMAT_VERSION}
+                (partial / LAYOUT_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+                write_manifest(partial)  # CRC-32 per file, checked before a load
+                replace_with(partial, path)  # a checkpoint saved again under one name (last.ckpt): no stale shards
+        except Exception as err:
+            error = err
+    agree_on_failure(strategy, error, cleanup=partial)
 
 
 def _write_in_background(writer: async_save.AsyncWriter, partial: Path, path: Path, *, model_state: dict[str, Any],
@@ -118,14 +153,24 @@ def _write_in_background(writer: async_save.AsyncWriter, partial: Path, path: Pa
         meta_copy = async_save.host_copy({**meta, OPTIMIZER_GROUPS_KEY: [s["param_groups"] for s in optimizer_states]})
 
     def finish() -> None:
-        future.result()  # DCP's own metadata is written by then (its coordinator gathers every rank's writes)
-        writer.barrier()
+        failure: BaseException | None = None
+        try:  # DCP's own metadata is written by then (its coordinator gathers every rank's writes)
+            with disk_errors(path, needed=0):
+                future.result()
+        except Exception as err:
+            failure = err
+        writer.agree(failure, cleanup=partial)
         if meta_copy is not None:
-            torch.save(meta_copy, partial / META_FILE)
-            (partial / LAYOUT_FILE).write_text(json.dumps(layout, indent=1, sort_keys=True))
-            write_manifest(partial)
-            replace_with(partial, path)
-        writer.barrier()
+            try:
+                with disk_errors(path, needed=0):
+                    torch.save(meta_copy, partial / META_FILE)
+                    record = {**layout, "format_version": FORMAT_VERSION}
+                    (partial / LAYOUT_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+                    write_manifest(partial)
+                    replace_with(partial, path)
+            except Exception as err:
+                failure = err
+        writer.agree(failure, cleanup=partial)
 
     writer.submit(str(path), finish)
 
@@ -154,6 +199,7 @@ def load(strategy: CheckpointStrategy, path: Path, *, layout_key: str,
     if not is_dcp_folder(path):
         return None
     checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    check_format_version(checkpoint, where=path / META_FILE)
     saved = next((checkpoint[k] for k in DCP_LAYOUT_KEYS.values() if k in checkpoint), None)
     if saved is None or checkpoint.get(layout_key) is None or not can_read_saved_layout(saved):
         return None
@@ -212,13 +258,35 @@ def load_optimizer(folder: str | Path, index: int, model: nn.Module) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------- offline read
+def saved_layout(path: str | Path) -> dict[str, Any]:
+    """A DCP folder's ``layout.json`` (``{}`` for folders written before that file existed); its format version is
+    checked (:func:`~.common.check_format_version`)."""
+    file = Path(path) / LAYOUT_FILE
+    if not file.is_file():
+        return {}
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{file}: unreadable ({err}); expected the layout record of a DCP checkpoint "
+                                    "folder.") from err
+    if not isinstance(record, dict):
+        raise CheckpointFormatError(f"{file}: a {type(record).__name__}, not the layout record of a DCP folder.")
+    check_format_version(record, where=file, key="format_version")
+    return record
+
+
 def saved_strategy(path: str | Path) -> str:
     """The strategy that wrote a checkpoint folder, from its ``layout.json`` (``lp_tensor`` for folders written
     before that file existed)."""
-    layout = Path(path) / LAYOUT_FILE
-    if not layout.is_file():
-        return "lp_tensor"
-    return str(json.loads(layout.read_text()).get("strategy", "lp_tensor"))
+    return str(saved_layout(path).get("strategy", "lp_tensor"))
+
+
+def looks_like_dcp_folder(path: str | Path) -> bool:
+    """A folder with DCP shard files (``*.distcp``), DCP's ``.metadata`` or a ``layout.json``: written by :func:`save`,
+    complete or not."""
+    path = Path(path)
+    return path.is_dir() and ((path / DCP_METADATA_FILE).is_file() or (path / LAYOUT_FILE).is_file()
+                              or any(path.glob("*.distcp")))
 
 
 def is_dcp_folder(path: str | Path) -> bool:
@@ -231,6 +299,15 @@ def detect(folder: Path, *, trusted: bool = False) -> CheckpointInfo | None:
     """The folder's :class:`CheckpointInfo` (which strategy wrote it, from ``layout.json``), or None if it is not a
     DCP folder."""
     if not is_dcp_folder(folder):
+        if looks_like_dcp_folder(folder):
+            have = sorted(x.name for x in folder.iterdir())[:8]
+            missing = [n for n in (META_FILE, DCP_METADATA_FILE) if not (folder / n).is_file()]
+            raise CheckpointFormatError(
+                f"{folder}: a DCP checkpoint folder (lp_tensor/lp_pipeline/lp_hybrid) without {' and '.join(missing)} "
+                f"(it holds {have}): {DCP_METADATA_FILE} is torch DCP's index of the .distcp shards, {META_FILE} the "
+                "rest of the Lightning checkpoint; an incomplete copy or a damaged folder. Fix: copy the whole folder "
+                "again, or use another checkpoint."
+            )
         return None
     wrote = saved_strategy(folder)
     fmt: CheckpointFormat = "lp_pipeline" if wrote == "lp_pipeline" else (
@@ -258,6 +335,7 @@ def read_full_checkpoint(folder: str | Path) -> dict[str, Any]:
     _load_state_dict(tensors, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
     checkpoint: dict[str, Any] = torch.load(folder / META_FILE, map_location="cpu", weights_only=False)
+    check_format_version(checkpoint, where=folder / META_FILE)
     groups_by_opt = checkpoint.pop(OPTIMIZER_GROUPS_KEY, [])
     for key in DCP_LAYOUT_KEYS.values():
         checkpoint.pop(key, None)

@@ -5,6 +5,7 @@
   ``loops``, ... -- DeepSpeed's ``module``, ``param_shapes``, ``buffer_names``, ``ds_config``) and
   ``<tag>/*_optim_states.pt``, one per rank, holding that rank's partition of the fp32 master weights and of the
   optimizer state. DeepSpeed's engine writes and reads them.
+* ``checksums.json`` (rank 0, last; format version 1): the CRC-32 and size of every file.
 * With NVMe offload, ``lp_offload_state/lp_offload_rankNNNNN.pt``: each rank's offloaded partition (fp32 masters,
   optimizer moments, step counts), which DeepSpeed 0.19.8 neither saves nor restores itself; taken from and put back
   into the engine by :mod:`lightning_parallel.parallel.offload.state` (restored values verified).
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import rng
-from ..atomic import fresh_partial, partial_path, replace_with
+from ..atomic import disk_errors, fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError, ResumeError
 from ..names import (
     DEEPSPEED_DEFAULT_TAG,
@@ -42,7 +43,18 @@ from ..names import (
     NVME_STATE_GLOB,
     nvme_state_file,
 )
-from .common import CheckpointFormat, CheckpointInfo, CheckpointStrategy, load_torch_file, strip_wrapper_prefixes
+from ..verify import write_manifest
+from .common import (
+    CheckpointFormat,
+    CheckpointInfo,
+    CheckpointStrategy,
+    agree_on_failure,
+    check_format_version,
+    load_torch_file,
+    refused_save,
+    stamp_format_version,
+    strip_wrapper_prefixes,
+)
 
 __all__ = [
     "FORMATS",
@@ -86,20 +98,39 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     (Lightning's ``DeepSpeedStrategy.save_checkpoint``) writes DeepSpeed's files, and with ``nvme_engine`` each rank
     also writes its NVMe-offloaded state (:func:`save_nvme_state`). All of it into ``<path>.partial``, renamed into
     place once every rank is done: a crash mid-save leaves the previous checkpoint of that name whole."""
+    if refused_save(strategy, filepath):
+        return
     rng.attach_rng_states(checkpoint)  # every rank's, in the client state (a collective)
+    stamp_format_version(checkpoint)
     target = Path(strategy.broadcast(str(filepath)))
     partial = partial_path(target)
+    error: BaseException | None = None
     if strategy.is_global_zero:
-        fresh_partial(target)  # DeepSpeed copies the NVMe swap folder with copytree: the target must be new
-        partial.rmdir()
-    strategy.barrier("lp_zero_offload_partial")
-    write_engine_folder(checkpoint, str(partial))
-    if nvme_engine is not None:
-        save_nvme_state(nvme_engine, partial, rank=strategy.global_rank)
-    strategy.barrier("lp_zero_offload_saved")
+        try:
+            fresh_partial(target)  # DeepSpeed copies the NVMe swap folder with copytree: the target must be new
+            partial.rmdir()
+        except OSError as err:
+            error = err
+    agree_on_failure(strategy, error)
+    module = strategy.lightning_module
+    # the whole folder, roughly: the weights, and the fp32 masters and two Adam moments of every parameter
+    needed = sum(int(getattr(p, "ds_numel", p.numel())) * 16 for p in module.parameters()) if module else None
+    try:
+        with disk_errors(target, needed=needed):
+            write_engine_folder(checkpoint, str(partial))
+            if nvme_engine is not None:
+                save_nvme_state(nvme_engine, partial, rank=strategy.global_rank)
+    except Exception as err:
+        error = err
+    agree_on_failure(strategy, error, cleanup=partial)
     if strategy.is_global_zero:
-        replace_with(partial, target)
-    strategy.barrier("lp_zero_offload_renamed")
+        try:
+            with disk_errors(target, needed=0):
+                write_manifest(partial)  # CRC-32 per file, checked before a load
+                replace_with(partial, target)
+        except Exception as err:
+            error = err
+    agree_on_failure(strategy, error, cleanup=partial)
 
 
 def save_nvme_state(engine: Any, folder: str | Path, *, rank: int) -> Path:
@@ -120,6 +151,7 @@ def load(strategy: CheckpointStrategy, path: Path, *, read_engine_folder: Callab
     the partitions into the engine and returns the client state), then -- with ``nvme_engine`` -- this rank's
     NVMe-offloaded state, restored and verified; this rank's RNG states are kept for the start of training."""
     client_state = read_engine_folder()
+    check_format_version(client_state, where=path)
     if nvme_engine is not None:
         if not (path / NVME_STATE_DIR).is_dir():
             raise RuntimeError(
@@ -188,6 +220,7 @@ def detect(folder: Path, *, trusted: bool = False) -> CheckpointInfo | None:
         )
     first = next((f for f in model_files if f.name in DEEPSPEED_RANK0_MODEL_STATES), model_files[0])
     states = _load_model_states(first)
+    check_format_version(states, where=first)
     zero = (states.get("ds_config") or {}).get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     world = int(states.get("dp_world_size") or len(optim_files))

@@ -18,9 +18,22 @@ import torch
 from torch import Tensor
 
 from .. import async_save, rng
+from ..atomic import disk_errors
 from ..errors import CheckpointFormatError
 from ..names import META_FILE, SHARDED_KEY
-from .common import CheckpointInfo, CheckpointStrategy, expected_any, load_torch_file, strip_wrapper_prefixes
+from .common import (
+    CheckpointInfo,
+    CheckpointStrategy,
+    agree_on_failure,
+    check_format_version,
+    expected_any,
+    load_torch_file,
+    refused_save,
+    stamp_format_version,
+    strip_wrapper_prefixes,
+    tensor_bytes,
+    wait_for_background_save,
+)
 
 __all__ = ["FORMATS", "detect", "read_full", "save"]
 
@@ -34,18 +47,34 @@ class _FileWritingStrategy(CheckpointStrategy, Protocol):
 
 def save(strategy: _FileWritingStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
          ) -> None:
-    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes). In the background
-    (:mod:`~lightning_parallel.checkpoint.async_save`): rank 0 copies it to host memory, a thread writes it."""
-    writer = async_save.before_save()
+    """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes). A write the disk refuses
+    (full, file too large) is a :class:`~lightning_parallel.checkpoint.errors.CheckpointWriteError` on every rank,
+    naming the path and the bytes; nothing is written while the training state is refused
+    (:func:`~.common.refused_save`). In the background (:mod:`~lightning_parallel.checkpoint.async_save`): rank 0
+    copies it to host memory, a thread writes it (a failure there is raised by the next save, on every rank)."""
+    if refused_save(strategy, filepath):
+        return
+    writer = wait_for_background_save(strategy)
     rng.attach_rng_states(checkpoint)
-    if not strategy.is_global_zero:
+    stamp_format_version(checkpoint)
+    if writer is not None:
+        if strategy.is_global_zero:
+            copy = async_save.host_copy(checkpoint)
+
+            def write() -> None:
+                with disk_errors(str(filepath), needed=tensor_bytes(copy)):
+                    strategy.checkpoint_io.save_checkpoint(copy, filepath, storage_options=storage_options)
+
+            writer.submit(str(filepath), write)
         return
-    if writer is None:
-        strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        return
-    copy = async_save.host_copy(checkpoint)
-    writer.submit(str(filepath), lambda: strategy.checkpoint_io.save_checkpoint(copy, filepath,
-                                                                                storage_options=storage_options))
+    error: BaseException | None = None
+    if strategy.is_global_zero:
+        try:
+            with disk_errors(str(filepath), needed=tensor_bytes(checkpoint)):
+                strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:
+            error = err
+    agree_on_failure(strategy, error)
 
 
 def detect(file: Path, *, trusted: bool) -> CheckpointInfo:
@@ -59,6 +88,7 @@ def detect(file: Path, *, trusted: bool) -> CheckpointInfo:
         elif isinstance(content, dict) and SHARDED_KEY in content:
             hint = f" It is the {META_FILE} of an lp_sharded folder: pass the folder {file.parent}."
         raise CheckpointFormatError(f"{file}: a {kind} without a 'state_dict' dict; expected {expected_any()}.{hint}")
+    check_format_version(content, where=file)
     bad = [k for k, v in content["state_dict"].items() if not isinstance(k, str)]
     if bad:
         raise CheckpointFormatError(f"{file}: its 'state_dict' has non-string keys {bad[:3]}; expected "

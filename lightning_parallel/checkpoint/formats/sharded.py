@@ -4,7 +4,8 @@
   ``lp_sharded_checkpoint = {"zero_stage", "world_size", "sharded_shapes"}``; at stages 1-2 also the full
   ``state_dict`` (parameters are replicated at those stages, only the optimizer state is sharded);
 * ``rank_XXXXX.pt`` (one per rank): ``{"optimizer_states": [this rank's shard]}``, at stage 3 also ``"state_dict"``:
-  this rank's FSDP2 ``Shard(0)`` pieces as plain local tensors.
+  this rank's FSDP2 ``Shard(0)`` pieces as plain local tensors;
+* ``checksums.json`` (rank 0, last): the CRC-32 and size of every file (format version 1).
 
 Here: the collective write (:func:`save`, into ``<name>.partial``, renamed once every rank is done), the per-rank read
 on the layout that wrote it (:func:`load`), and the offline reading in one CPU process (:func:`detect`,
@@ -23,10 +24,22 @@ import torch
 from torch import Tensor
 
 from .. import async_save, rng
-from ..atomic import fresh_partial, partial_path, replace_with
+from ..atomic import disk_errors, fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError
 from ..names import DCP_METADATA_FILE, META_FILE, RANK_FILE_GLOB, SHARDED_KEY, rank_file
-from .common import CheckpointInfo, CheckpointStrategy, load_torch_file, strip_wrapper_prefixes
+from ..verify import write_manifest
+from .common import (
+    CheckpointInfo,
+    CheckpointStrategy,
+    agree_on_failure,
+    check_format_version,
+    load_torch_file,
+    refused_save,
+    stamp_format_version,
+    strip_wrapper_prefixes,
+    tensor_bytes,
+    wait_for_background_save,
+)
 
 __all__ = [
     "FORMATS",
@@ -53,13 +66,20 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     hold one whole copy (HSDP: one shard group; the other groups hold replicas); None = every rank. ``fsdp``: the
     parameters are FSDP2 ``Shard(0)`` DTensors (each rank writes its local shards); default: at stage 3."""
     fsdp = zero_stage == 3 if fsdp is None else fsdp
-    writer = async_save.before_save()  # the save in flight first; a writer: this one in the background
+    if refused_save(strategy, filepath):
+        return
+    writer = wait_for_background_save(strategy)  # the save in flight first; a writer: this one in the background
     rng.attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
+    stamp_format_version(checkpoint)
     target = Path(strategy.broadcast(str(filepath)))
     path = partial_path(target)
+    error: BaseException | None = None
     if strategy.is_global_zero:
-        fresh_partial(target)
-    strategy.barrier("lp_sharded_mkdir")
+        try:
+            fresh_partial(target)
+        except OSError as err:
+            error = err
+    agree_on_failure(strategy, error)
     own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
     if fsdp:
         own["state_dict"] = checkpoint.pop("state_dict")
@@ -74,23 +94,44 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         writer.group()
         own_copy = async_save.host_copy(own)
         meta = async_save.host_copy(checkpoint) if strategy.is_global_zero else None
+        rank = strategy.global_rank
 
         def write() -> None:
-            torch.save(own_copy, path / rank_file(strategy.global_rank))
-            writer.barrier()
-            if meta is not None:  # metadata last, then the rename
-                torch.save(meta, path / META_FILE)
-                replace_with(path, target)
-            writer.barrier()
+            failure: BaseException | None = None
+            try:
+                with disk_errors(target, needed=tensor_bytes(own_copy) + tensor_bytes(meta)):
+                    torch.save(own_copy, path / rank_file(rank))
+            except Exception as err:
+                failure = err
+            writer.agree(failure, cleanup=path)  # every rank's part stops if one rank's file could not be written
+            if meta is not None:  # metadata, then the checksums, last; then the rename
+                try:
+                    with disk_errors(target, needed=tensor_bytes(meta)):
+                        torch.save(meta, path / META_FILE)
+                        write_manifest(path)
+                        replace_with(path, target)
+                except Exception as err:
+                    failure = err
+            writer.agree(failure, cleanup=path)
 
         writer.submit(str(target), write)
         return
-    torch.save(own, path / rank_file(strategy.global_rank))
-    strategy.barrier("lp_sharded_rank_files")
-    if strategy.is_global_zero:  # metadata last, then the rename
-        torch.save(checkpoint, path / META_FILE)
-        replace_with(path, target)
-    strategy.barrier("lp_sharded_saved")
+    try:
+        with disk_errors(target, needed=tensor_bytes(own) + (tensor_bytes(checkpoint) if strategy.is_global_zero
+                                                              else 0)):
+            torch.save(own, path / rank_file(strategy.global_rank))
+    except Exception as err:
+        error = err
+    agree_on_failure(strategy, error, cleanup=path)  # every rank stops if one rank's file could not be written
+    if strategy.is_global_zero:  # metadata, then the checksums, last; then the rename
+        try:
+            with disk_errors(target, needed=tensor_bytes(checkpoint)):
+                torch.save(checkpoint, path / META_FILE)
+                write_manifest(path)
+                replace_with(path, target)
+        except Exception as err:
+            error = err
+    agree_on_failure(strategy, error, cleanup=path)
 
 
 def _sharded_shapes(module: Any, fsdp: bool) -> dict[str, list[int]]:
@@ -112,6 +153,7 @@ def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int) -> dict[s
     if not (path.is_dir() and meta_file.is_file() and not (path / DCP_METADATA_FILE).exists()):
         return None
     checkpoint: dict[str, Any] = torch.load(meta_file, map_location="cpu", weights_only=True)
+    check_format_version(checkpoint, where=meta_file)
     saved = checkpoint.get(SHARDED_KEY) or {}
     if saved.get("world_size") != strategy.world_size or saved.get("zero_stage") != zero_stage:
         return None
@@ -135,6 +177,7 @@ def detect(folder: Path, *, trusted: bool) -> CheckpointInfo | None:
         return None
     meta = load_torch_file(meta_file, trusted=trusted, what=f"the {META_FILE} of an lp_sharded checkpoint folder")
     info = meta.get(SHARDED_KEY) if isinstance(meta, dict) else None
+    check_format_version(meta, where=meta_file)
     if not isinstance(info, dict) or not {"zero_stage", "world_size"} <= set(info):
         raise CheckpointFormatError(
             f"{meta_file}: no '{SHARDED_KEY}' entry with zero_stage and world_size; expected the {META_FILE} "

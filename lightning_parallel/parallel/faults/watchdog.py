@@ -109,9 +109,14 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def _is_preemption(exc: BaseException) -> bool:
-    """Lightning's ``SIGTERMException`` (a preemption: every rank stops at the same step), known by its name: this
-    module imports no Lightning."""
-    return type(exc).__name__ == "SIGTERMException"
+    """A stop every rank makes at the same point by itself: Lightning's ``SIGTERMException`` (a preemption), known by
+    its name (this module imports no Lightning), or an error whose class says so (``every_rank_stops``: a non-finite
+    loss, a checkpoint write that failed, both agreed on by every rank)."""
+    if type(exc).__name__ == "SIGTERMException" or getattr(exc, "every_rank_stops", False):
+        return True
+    # a forked/spawned rank's error as its parent sees it (torch's ProcessRaisedException carries the traceback text)
+    return type(exc).__name__ == "ProcessRaisedException" and any(
+        name in str(exc) for name in ("SIGTERMException", "NonFiniteLossError", "CheckpointWriteError"))
 
 
 def _looks_like_peer_failure(exc: BaseException) -> bool:

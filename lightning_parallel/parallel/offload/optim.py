@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["OptimizerNotOffloadableError", "is_host_optimizer", "rebind_scheduler", "to_host_optimizer"]
+__all__ = ["OptimizerNotOffloadableError", "is_host_optimizer", "offload_refusal", "rebind_scheduler",
+           "to_host_optimizer"]
 
 _HOST_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion")
 _CPU_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -34,13 +35,12 @@ def is_host_optimizer(optimizer: Optimizer) -> bool:
     return type(optimizer).__name__ in _HOST_OPTIMIZERS
 
 
-def to_host_optimizer(optimizer: Optimizer) -> Optimizer:
-    """``optimizer`` as DeepSpeed's CPU Adam (same groups, hyper-parameters and weight-decay mode), or itself when
-    it already is a DeepSpeed CPU optimizer. Raises :class:`OptimizerNotOffloadableError` for other optimizers."""
+def offload_refusal(optimizer: Optimizer) -> str | None:
+    """Why ``optimizer`` cannot run offloaded (no DeepSpeed import: checked before any rank starts), or None."""
     if is_host_optimizer(optimizer):
-        return optimizer
+        return None
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise OptimizerNotOffloadableError(
+        return (
             f"configure_optimizers returned {type(optimizer).__name__}, which cannot be offloaded: ZeRO-Offload runs "
             "the optimizer step on the host with DeepSpeed's CPU optimizers, and only torch.optim.Adam and AdamW "
             "are mapped to one (DeepSpeedCPUAdam). Fix: return torch.optim.Adam/AdamW (or a DeepSpeed CPU "
@@ -50,10 +50,19 @@ def to_host_optimizer(optimizer: Optimizer) -> Optimizer:
     for group in optimizer.param_groups:
         bad = [k for k in ("amsgrad", "maximize") if group.get(k)]
         if bad:
-            raise OptimizerNotOffloadableError(
-                f"{type(optimizer).__name__}({bad[0]}=True) has no DeepSpeedCPUAdam counterpart. Fix: "
-                f"{bad[0]}=False, or offload='none'."
-            )
+            return (f"{type(optimizer).__name__}({bad[0]}=True) has no DeepSpeedCPUAdam counterpart. Fix: "
+                    f"{bad[0]}=False, or offload='none'.")
+    return None
+
+
+def to_host_optimizer(optimizer: Optimizer) -> Optimizer:
+    """``optimizer`` as DeepSpeed's CPU Adam (same groups, hyper-parameters and weight-decay mode), or itself when
+    it already is a DeepSpeed CPU optimizer. Raises :class:`OptimizerNotOffloadableError` for other optimizers."""
+    if is_host_optimizer(optimizer):
+        return optimizer
+    why = offload_refusal(optimizer)
+    if why:
+        raise OptimizerNotOffloadableError(why)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(

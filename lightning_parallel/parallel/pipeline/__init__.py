@@ -6,16 +6,19 @@ training and evaluation (:mod:`.runtime`). No Lightning import; the ``lp_pipelin
 from .partition import balanced_partition, bubble_fraction, stage_ranges, stages_of_rank
 from .runtime import PipelineRunner, largest_divisor_at_most
 from .stage import (
+    LayerFlow,
+    PipelineFlowError,
     PrunedLayer,
     StageChunk,
     StagePlan,
     has_meta_tensors,
+    input_names,
     layer_names,
     materialize,
     plan_stages,
     prune_to,
 )
 
-__all__ = ["PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan", "balanced_partition", "bubble_fraction",
-           "has_meta_tensors", "largest_divisor_at_most", "layer_names", "materialize", "plan_stages", "prune_to",
-           "stage_ranges", "stages_of_rank"]
+__all__ = ["LayerFlow", "PipelineFlowError", "PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan",
+           "balanced_partition", "bubble_fraction", "has_meta_tensors", "input_names", "largest_divisor_at_most",
+           "layer_names", "materialize", "plan_stages", "prune_to", "stage_ranges", "stages_of_rank"]

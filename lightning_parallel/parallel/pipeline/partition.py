@@ -67,11 +67,21 @@ def stage_ranges(num_layers: int, stages: int, *, weights: Sequence[int] | None 
     balanced by ``weights`` (default: one per layer, i.e. by layer count)."""
     if layers_per_stage is not None:
         counts = [int(c) for c in layers_per_stage]
-        if len(counts) != stages or any(c < 1 for c in counts) or sum(counts) != num_layers:
+        bad = [c for c in counts if c < 1]
+        if bad:
             raise ValueError(
-                f"pipeline_stage_layers={list(layers_per_stage)} must list {stages} positive layer counts (one per "
-                f"stage) summing to the module's {num_layers} pipeline layers; got {len(counts)} counts summing to "
-                f"{sum(counts)}."
+                f"pipeline_stage_layers={counts}: {bad[0]} is not a positive layer count (every stage holds at least "
+                "one layer). Fix: give each stage at least 1 layer, or remove pipeline_stage_layers to balance the "
+                "stages by parameter count."
+            )
+        if len(counts) != stages or sum(counts) != num_layers:
+            example = [num_layers // stages + (1 if i < num_layers % stages else 0) for i in range(stages)]
+            hint = f" (e.g. {example})" if num_layers >= stages else ""
+            raise ValueError(
+                f"pipeline_stage_layers={counts} must list {stages} positive layer counts (one per stage) summing to "
+                f"the module's {num_layers} pipeline layers; got {len(counts)} counts summing to {sum(counts)}. Fix: "
+                f"{stages} counts that add up to {num_layers}{hint}, or remove pipeline_stage_layers to balance the "
+                "stages by parameter count."
             )
         out, start = [], 0
         for c in counts:

@@ -3,7 +3,10 @@ evaluation, and hand the last stage's results to every pipeline rank.
 
 Collectives per training step of ``m`` micro-batches (``b`` samples each, activations ``b x s x h`` between
 stages): forward sends each micro-batch's activation from stage ``k`` to ``k + 1`` (point-to-point over the ``pp``
-group), backward sends its gradient back; ``2 (n - 1) m`` messages per step for ``n = p x v`` stages. Then one
+group), backward sends its gradient back; ``2 (n - 1) m`` messages per step for ``n = p x v`` stages (one per
+tensor crossing the boundary when the layers carry several, :meth:`StagePlan.boundaries
+<lightning_parallel.parallel.pipeline.stage.StagePlan.boundaries>`; tensors that need no gradient, such as a mask,
+get no message back). Then one
 broadcast of the step's mean loss from the last stage's rank over ``pp``. Nothing is all-reduced here: the dp-axis
 gradient sync is the strategy's.
 
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.config import SCHEDULES
+
+from .stage import StagePlan, input_names
 
 __all__ = ["PipelineRunner", "largest_divisor_at_most", "plain"]
 
@@ -64,11 +69,13 @@ class PipelineRunner:
         group: the ``pp`` process group; ``group_ranks``: its global ranks in pipeline order.
         device: where the stages live.
         loss_fn: ``loss_fn(output, target)`` -> mean loss of one micro-batch (the module's ``pipeline_loss``).
+        plan: the cut (:class:`~lightning_parallel.parallel.pipeline.stage.StagePlan`): which named tensors cross each
+            stage boundary for a given pipeline input (default: one tensor in, one out).
     """
 
     def __init__(self, chunks: list[tuple[int, nn.Module]], *, num_stages: int, schedule: str,
                  num_micro_batches: int, group: dist.ProcessGroup, group_ranks: list[int], device: torch.device,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], plan: StagePlan | None = None) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(SCHEDULES)}.")
         self.chunks = chunks
@@ -80,6 +87,7 @@ class PipelineRunner:
         self.p = len(group_ranks)
         self.device = device
         self.loss_fn = loss_fn
+        self.plan = plan
         self.first = any(s == 0 for s, _ in chunks)
         self.last = any(s == num_stages - 1 for s, _ in chunks)
         self.last_rank = group_ranks[(num_stages - 1) % self.p]
@@ -122,23 +130,40 @@ class PipelineRunner:
                 self._eval[(m, key)] = schedules.ScheduleLoopedBFS(stages, m)
         return self._eval[(m, key)]
 
+    def _bind(self, inputs: Any) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
+        """The pipeline input's names and tensors; every chunk learns which names it receives and sends."""
+        if self.plan is None:
+            if not isinstance(inputs, Tensor):
+                raise TypeError(f"a pipeline without a StagePlan takes one tensor, got {type(inputs).__name__}.")
+            return ("hidden",), (inputs,)
+        names, values = input_names(inputs, self.plan.flow(0))
+        bounds = self.plan.boundaries(names)
+        for s, chunk in self.chunks:
+            bind = getattr(chunk, "bind", None)
+            if callable(bind):
+                bind(bounds[s], bounds[s + 1])
+        return names, values
+
     @staticmethod
-    def _key(inputs: Tensor, m: int) -> tuple[Any, ...]:
-        return (tuple(inputs.shape), inputs.dtype, m)
+    def _key(names: tuple[str, ...], values: tuple[Tensor, ...], m: int) -> tuple[Any, ...]:
+        return (names, tuple((tuple(v.shape), v.dtype) for v in values), m)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, inputs: Tensor, target: Tensor, *, accumulate: int = 1) -> Tensor:
+    def train_step(self, inputs: Any, target: Tensor, *, accumulate: int = 1) -> Tensor:
         """Forward and backward of one batch (``.grad`` accumulates the gradient of its mean loss / ``accumulate``);
-        returns the batch's mean loss (unscaled, detached) on every pipeline rank."""
-        if inputs.shape[0] % self.m:
+        returns the batch's mean loss (unscaled, detached) on every pipeline rank. ``inputs``: a tensor, or the
+        named tensors the first layers read (a dict, or a tuple in the first layer's input order)."""
+        names, values = self._bind(inputs)
+        n = int(values[0].shape[0])
+        if n % self.m:
             raise ValueError(
-                f"a batch of {inputs.shape[0]} samples does not split into num_micro_batches={self.m} equal "
-                f"micro-batches ({inputs.shape[0]} % {self.m} = {inputs.shape[0] % self.m}). Fix: a per-rank batch "
+                f"a batch of {n} samples does not split into num_micro_batches={self.m} equal "
+                f"micro-batches ({n} % {self.m} = {n % self.m}). Fix: a per-rank batch "
                 f"size that is a multiple of {self.m} (and drop_last=True on the training DataLoader)."
             )
-        schedule = self._train_schedule(self._key(inputs, self.m))
+        schedule = self._train_schedule(self._key(names, values, self.m))
         self._losses, self._scale = [], 1.0 / (self.m * accumulate)
-        args = (inputs.to(self.device),) if self.first else ()
+        args = tuple(v.to(self.device) for v in values) if self.first else ()
         tgt = target.to(self.device) if self.last else None
         schedule.step(*args, target=tgt, return_outputs=False)
         # the last m: on a schedule's first step torch's shape inference calls the loss once on scratch tensors
@@ -147,15 +172,16 @@ class PipelineRunner:
         return self._from_last(loss.float())
 
     @torch.no_grad()
-    def forward_only(self, inputs: Tensor) -> Tensor | None:
+    def forward_only(self, inputs: Any) -> Tensor | None:
         """The last stage's output for the whole batch on the last stage's rank (None elsewhere), forward only."""
-        m = largest_divisor_at_most(int(inputs.shape[0]), self.m)
-        schedule = self._eval_schedule(m, self._key(inputs, m))
-        args = (inputs.to(self.device),) if self.first else ()
+        names, values = self._bind(inputs)
+        m = largest_divisor_at_most(int(values[0].shape[0]), self.m)
+        schedule = self._eval_schedule(m, self._key(names, values, m))
+        args = tuple(v.to(self.device) for v in values) if self.first else ()
         out = schedule.step(*args)
         return out if self.last else None
 
-    def eval_loss(self, inputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor | None]:
+    def eval_loss(self, inputs: Any, target: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(loss, output)``: the batch's loss on every pipeline rank; the output only on the last stage's rank."""
         out = self.forward_only(inputs)
         if self.last:

@@ -48,20 +48,25 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh (or
     HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
 
-    In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it.
+    In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it. ``param_dtype`` /
+    ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``, e.g. bf16 / fp32 for ``bf16-mixed``): the sharded parameters
+    stay in their dtype (the fp32 masters the optimizer steps), each unit's all-gather sends and computes in
+    ``param_dtype`` (half the bytes of fp32), and the gradients are reduce-scattered in ``reduce_dtype``.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
 
@@ -93,7 +98,10 @@ def zero3_load_full_model_state(model: nn.Module, state: dict[str, Tensor], *, s
 
 def _param_names(model: nn.Module, optimizer: Optimizer) -> list[str]:
     """The FQN of each optimizer parameter, in the order torch numbers them in ``optimizer.state_dict()``."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
+    from lightning_parallel.parallel.compile import strip_compile_prefix
+
+    # torch's state-dict helpers name parameters without torch.compile's "_orig_mod." (a compiled submodule)
+    name_of = {id(p): strip_compile_prefix(n) for n, p in model.named_parameters()}
     return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 

@@ -1,0 +1,83 @@
+"""``--study compile``: ``parallel.compile`` on and off under every strategy -- the library's step time with each
+block compiled (inductor) over the same run without, and how far the losses move.
+
+    python benchmarks/bench.py --study compile            # ddp, zero1, zero3, offload, tp, pp, hybrid
+    python benchmarks/bench.py --study compile --quick    # a smaller GPT, fewer steps
+
+Each run is a fresh world of ranks (as in the table) running the library's strategy under the Trainer on the
+reference GPT; ``compiled`` sets ``parallel.compile: true`` (inductor; ranks compile in process,
+``TORCHINDUCTOR_COMPILE_THREADS=1``). The warm-up steps hold the compilation (the first step compiles the block's
+forward and backward; inductor's on-disk cache makes later runs of the same graph start faster); the timed steps
+come after. Repetitions are interleaved (eager, compiled, then compiled, eager, ...); ``x eager`` is the median over
+repetitions of the paired ratio compiled / eager of one repetition (< 1: compiling is faster), in brackets its range;
+``dloss`` the largest difference of the loss at any step between the two runs of the first repetition (inductor's
+fused kernels round differently from eager, ~1e-6 relative). Writes ``compile.md`` and ``compile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..cases import CASES
+from ..world import run_world
+
+KEYS = ("ddp", "zero1", "zero3", "offload", "tp", "pp", "hybrid")
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": dict(layers=4, hidden=128, heads=4, seq=64, batch=8, warmup=3, steps=8, reps=3),
+    "quick": dict(layers=2, hidden=64, heads=4, seq=32, batch=8, warmup=3, steps=6, reps=3),
+}
+
+
+def _median_ms(res: dict[str, Any]) -> float:
+    return float(statistics.median(res["ranks"][0]["step_s"])) * 1e3
+
+
+def run(a: argparse.Namespace, folder: Path, header: str) -> int:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    a.micro_batches = min(a.micro_batches, a.batch // 2)
+    keys = [k for k in KEYS if k != "offload" or importlib.util.find_spec("deepspeed") is not None]
+    lines = ["| case | eager ms/step | compiled ms/step | x eager (range) | dloss |", "|---|---|---|---|---|"]
+    records: list[dict[str, Any]] = []
+    failed = 0
+    for key in keys:
+        case = CASES[key]
+        variants = {name: argparse.Namespace(**{**vars(a), "compile": name == "compiled"})
+                    for name in ("eager", "compiled")}
+        reps: list[dict[str, dict[str, Any]]] = []
+        for rep in range(a.reps):
+            order = ["eager", "compiled"] if rep % 2 == 0 else ["compiled", "eager"]
+            results = {name: run_world(variants[name], case, "ours", count=False) for name in order}
+            for name, res in results.items():
+                status = "failed" if "error" in res else f"median {_median_ms(res):.1f} ms"
+                print(f"[bench] compile {key} rep {rep + 1}/{a.reps} {name}: {status}", flush=True)
+            reps.append(results)
+        errors = [r[n]["error"] for r in reps for n in r if "error" in r[n]]
+        if errors:
+            failed += 1
+            print(f"[bench] compile {key} failed:\n{errors[0]}", flush=True)
+            lines.append(f"| {case.title} | failed | failed | | |")
+            records.append({"case": key, "error": errors[0]})
+            continue
+        eager = [_median_ms(r["eager"]) for r in reps]
+        compiled = [_median_ms(r["compiled"]) for r in reps]
+        ratios = [c / e for c, e in zip(compiled, eager, strict=True)]
+        first = reps[0]
+        dloss = max(abs(x - y) for x, y in zip(first["eager"]["ranks"][0]["losses"],
+                                               first["compiled"]["ranks"][0]["losses"], strict=True)
+                    if x is not None and y is not None)
+        lines.append(f"| {case.title} | {statistics.median(eager):.1f} | {statistics.median(compiled):.1f} | "
+                     f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {dloss:.1e} |")
+        records.append({"case": key, "eager_ms": eager, "compiled_ms": compiled, "ratios": ratios, "dloss": dloss})
+        print(lines[-1], flush=True)
+    text = f"{header}\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    (folder / "compile.md").write_text(text)
+    (folder / "compile.json").write_text(json.dumps({"header": header, "rows": records}, indent=1))
+    print(f"[bench] wrote {folder / 'compile.md'}, {folder / 'compile.json'}")
+    return 1 if failed else 0

@@ -1,0 +1,278 @@
+"""``NonFiniteLossGuard``: a training loss that becomes NaN or infinite stops the run on the step it happens, on every
+rank, and never reaches a checkpoint.
+
+Every strategy of the library installs one (``action="stop"``) when training starts, unless the Trainer already has
+one (a recipe may name ``lightning_parallel.callbacks.NonFiniteLossGuard`` with ``action: skip`` or ``off``).
+
+How (``stop``): at the end of each training batch -- before ``ModelCheckpoint`` saves, which Lightning runs last --
+the loss the step returned is checked on every rank. In a multi-rank run the ranks agree in one all-reduce of three
+numbers (this rank's preemption flag, whether its loss is finite, its loss), which *replaces* Lightning's per-batch
+broadcast of the preemption flag (``_broadcast_sigterm_tensor``, one collective and one host sync per batch): the
+check adds no collective and no host synchronisation (nor is it booked by the communication counter: it is control
+traffic, as the broadcast it replaces). A preemption (SIGTERM) agreed there stops every rank at the start of the next
+batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
+
+On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
+step, and the newest checkpoint saved before it; from then on every library format's ``save`` writes nothing (a
+``ModelCheckpoint(save_on_exception=True)`` included), so ``last.ckpt`` keeps the last finite state.
+
+``skip``: a step whose loss is not finite on any rank skips its optimizer update on every rank (weights and optimizer
+state unchanged; the step still counts, so LR schedules advance) and training goes on; the skipped steps are counted
+and printed. It costs one more all-reduce per optimizer step (the check must come before the update). Not for
+``lp_zero_offload``, whose DeepSpeed engine owns the step (refused before any rank starts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_parallel.checkpoint.formats.common import REFUSE_SAVES_ATTR
+
+__all__ = ["NoTrainingStepError", "NonFiniteLossError", "NonFiniteLossGuard", "SkippedStep", "install"]
+
+Action = Literal["stop", "skip", "off"]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the message says where, the last finite loss and the checkpoint to
+    resume from. Raised on every rank at the same step."""
+
+    every_rank_stops = True
+    """Read by the watchdog: no rank is to blame or to end."""
+
+
+class NoTrainingStepError(RuntimeError):
+    """``fit`` ended after 0 training steps although it was asked to train (an empty or iterable training set that
+    gave no batch): an error on every rank, not a silent success."""
+
+    every_rank_stops = True
+
+
+class SkippedStep(Exception):
+    """Raised inside the optimizer step (``action="skip"``) so that the update does not happen; the library's
+    strategies catch it around the optimizer step."""
+
+
+def _loss_of(outputs: Any) -> Tensor | None:
+    if isinstance(outputs, Tensor):
+        return outputs.detach()
+    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), Tensor):
+        return outputs["loss"].detach()
+    return None
+
+
+class NonFiniteLossGuard(Callback):
+    """Stop (or skip the step) when the training loss is NaN or infinite.
+
+    Args:
+        action: ``stop`` (default): every rank stops on the step it happens with :class:`NonFiniteLossError`, and
+            nothing is saved after it. ``skip``: the step's optimizer update is skipped on every rank and training
+            goes on (one more all-reduce per step). ``off``: no check.
+    """
+
+    def __init__(self, action: Action = "stop") -> None:
+        if action not in ("stop", "skip", "off"):
+            raise ValueError(f"NonFiniteLossGuard(action={action!r}) is not one of ['stop', 'skip', 'off'].")
+        self.action: Action = action
+        self.skipped: list[int] = []
+        """The steps whose update was skipped (``action="skip"``)."""
+        self._trainer: pl.Trainer | None = None
+        self._step = 0
+        self._batch = 0
+        self._last_finite: tuple[int, float] | None = None
+        self._sigterm_agreed = False
+        self._sigterm_asked = False
+        self._pending_bad: Tensor | bool = False
+        self._patched: Any = None
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Take over Lightning's per-batch preemption broadcast in a multi-rank run (see the module docstring);
+        idempotent."""
+        if self._trainer is trainer or self.action == "off":
+            return
+        self._trainer = trainer
+        loop = trainer.fit_loop.epoch_loop
+        if _multi_rank(trainer) and hasattr(loop, "_broadcast_sigterm_tensor"):
+            self._patched = loop
+            loop._broadcast_sigterm_tensor = self._agreed_sigterm  # type: ignore[method-assign]
+
+    def detach(self) -> None:
+        if self._patched is not None and "_broadcast_sigterm_tensor" in vars(self._patched):
+            del self._patched._broadcast_sigterm_tensor
+        self._patched = None
+        self._trainer = None
+
+    @property
+    def agrees_on_preemption(self) -> bool:
+        """Whether this guard agrees on preemptions for the ranks (a multi-rank run with the check on): the signal
+        handlers then call :meth:`request_stop` instead of setting Lightning's flag, which Lightning reads rank by
+        rank at the end of a batch -- a rank whose signal came a moment earlier would stop alone."""
+        return self._patched is not None
+
+    def request_stop(self) -> None:
+        """A preemption asked for on this rank (SIGTERM, the first Ctrl-C): agreed on at the end of this batch."""
+        self._sigterm_asked = True
+
+    def _agreed_sigterm(self) -> None:
+        """In place of Lightning's broadcast at the start of a batch: the preemption the ranks agreed on at the end of
+        the previous one."""
+        if self._sigterm_agreed:
+            trainer = self._trainer
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True  # what Lightning's loops and callbacks read from now on
+            raise SIGTERMException()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.attach(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.detach()
+        asked = trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
+        if self.action != "off" and asked and trainer.global_step == 0 and not trainer.should_stop:
+            raise NoTrainingStepError(
+                "fit ended after 0 training steps: the training DataLoader gave no batch (an empty or too small "
+                "dataset, or an iterable one that ended at once). Fix: check the data; `lightning-parallel check "
+                "--config RECIPE` counts the batches per rank of a sized dataset."
+            )
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.detach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.detach()
+        if self.skipped and trainer.is_global_zero:
+            print(f"lightning-parallel: skipped {len(self.skipped)} step(s) whose loss was not finite: "
+                  f"{self.skipped[:10]}{' ...' if len(self.skipped) > 10 else ''}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ the check
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step = int(trainer.global_step) + 1  # the optimizer step this batch belongs to (1-based)
+        self._batch = batch_idx
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self.action == "skip":
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._pending_bad = bad if isinstance(self._pending_bad, bool) and not self._pending_bad else (
+                self._pending_bad | bad)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.action != "skip":
+            return
+        flag = self._pending_bad
+        self._pending_bad = False
+        local = flag.float().reshape(1) if isinstance(flag, Tensor) else torch.tensor([float(flag)])
+        local = local.to(trainer.strategy.root_device)
+        if _multi_rank(trainer):
+            _all_reduce(local)
+        if float(local.item()) > 0:
+            self.skipped.append(self._step)
+            raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.action == "off":
+            return
+        self.attach(trainer)
+        loss = _loss_of(outputs)
+        device = trainer.strategy.root_device
+        if loss is None:
+            bad = torch.zeros((), device=device)
+            value = torch.zeros((), device=device)
+        else:
+            loss = loss.float().reshape(-1)
+            finite = torch.isfinite(loss).all()
+            bad = (~finite).float().to(device)
+            value = torch.where(finite, loss.mean(), torch.zeros((), device=loss.device)).to(device)
+        sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
+        numbers = torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
+        if _multi_rank(trainer):
+            _all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
+        sigterms, bad_ranks, total, ranks = numbers.tolist()  # the one host sync of the batch
+        self._sigterm_agreed = sigterms > 0
+        if bad_ranks == 0:
+            if loss is not None:
+                self._last_finite = (self._step, total / ranks)
+            return
+        if self.action == "skip":
+            return
+        trainer.should_stop = True
+        message = self.message(trainer, bad_ranks=int(bad_ranks), ranks=int(ranks), value=loss)
+        setattr(trainer.strategy, REFUSE_SAVES_ATTR,
+                f"the training state is not finite since step {self._step} (its loss was not finite)")
+        raise NonFiniteLossError(message)
+
+    def message(self, trainer: pl.Trainer, *, bad_ranks: int, ranks: int, value: Tensor | None) -> str:
+        """What :class:`NonFiniteLossError` says: the step, the last finite loss, the newest checkpoint, the fix."""
+        shown = "nan"
+        if value is not None:
+            bad = value[~torch.isfinite(value)]
+            shown = str(float(bad[0].item())) if bad.numel() else "nan"
+        where = f" on {bad_ranks} of {ranks} ranks" if ranks > 1 else ""
+        last = (f"the last finite loss was {self._last_finite[1]:.6g} at step {self._last_finite[0]}"
+                if self._last_finite is not None else "no step before it had a finite loss")
+        newest = _newest_checkpoint(trainer)
+        resume = (f"The newest checkpoint saved before it: {newest[0]} (after step {newest[1]}); resume from it "
+                  f"with --ckpt_path {newest[0]}" if newest is not None else
+                  "No checkpoint was saved before it; start again")
+        return (f"the training loss became {shown} in step {self._step} (batch {self._batch} of epoch "
+                f"{trainer.current_epoch}){where}; "
+                f"{last}. Training stopped there on every rank; nothing after the last finite step is saved. "
+                f"{resume} after lowering the learning rate, clipping gradients (trainer.gradient_clip_val) or "
+                "checking the data of that step -- or skip such steps with the callback "
+                "lightning_parallel.callbacks.NonFiniteLossGuard(action=skip).")
+
+
+def _all_reduce(tensor: Tensor) -> None:
+    """A sum over the world that the library's communication counter does not book (``CommCounter`` wraps
+    ``torch.distributed``'s functions): control traffic, as Lightning's broadcast of the preemption flag it replaces,
+    not the strategy's communication."""
+    inspect.unwrap(dist.all_reduce)(tensor)
+
+
+def _multi_rank(trainer: pl.Trainer) -> bool:
+    return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+
+
+def _newest_checkpoint(trainer: pl.Trainer) -> tuple[str, int] | None:
+    best: tuple[str, int] | None = None
+    for callback in trainer.checkpoint_callbacks:
+        path = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+        step = getattr(callback, "_last_global_step_saved", None)
+        if path and isinstance(step, int) and (best is None or step > best[1]):
+            best = (path, step)
+    return best
+
+
+def install(trainer: pl.Trainer) -> NonFiniteLossGuard:
+    """The Trainer's :class:`NonFiniteLossGuard` (``stop`` unless it has one of its own), attached: called by every
+    library strategy when training starts."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, NonFiniteLossGuard):
+            callback.attach(trainer)
+            return callback
+    guard = NonFiniteLossGuard()
+    trainer.callbacks.insert(0, guard)  # type: ignore[attr-defined]  # before ModelCheckpoint, which runs last
+    guard.attach(trainer)
+    return guard
+

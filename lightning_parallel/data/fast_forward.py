@@ -1,0 +1,274 @@
+"""Exact mid-epoch resume for ordinary DataLoaders: the sampler's indices are fast-forwarded, no sample is loaded.
+
+Lightning restores the loops' counters from a checkpoint but builds the training DataLoader afresh, so a run resumed
+mid-epoch starts the epoch again from its first batch (and warns that the DataLoader is not resumable) -- unless the
+loader is stateful. :func:`make_resumable` makes a user's map-style DataLoader resume exactly without changing the
+user's code, in place, and without anything new in the checkpoint: the position is the one Lightning restores (the
+epoch, and the batches the training loop ran in it, ``fit_loop.epoch_loop.batch_progress``), so it works for every
+checkpoint of every format, older ones included.
+
+Its index sampler (``batch_sampler``, or ``sampler`` when ``batch_size=None``) is wrapped by
+:class:`FastForwardSampler`, which draws the epoch's order only when the first batch is asked for (after
+Lightning's ``set_epoch``) and, on the first iteration of a resumed epoch, skips the batches already run -- as indices
+only. A sampler that draws from a seeded ``torch.Generator`` of its own (``RandomSampler(generator=...)``, also inside
+the ``DistributedSamplerWrapper`` Lightning inserts) starts again where the user's code seeds it, so the orders of the
+epochs before the resumed one are drawn again first (indices only): the resumed epoch has the order the uninterrupted
+run had. Exact, then, for ``SequentialSampler``, ``RandomSampler`` with a seeded generator, ``DistributedSampler``
+(order from ``seed + epoch``) and the samplers Lightning inserts. A ``RandomSampler`` without a generator draws its
+order from the global RNG at the epoch's start, a state no checkpoint holds: the batches run are skipped but the rest
+of the epoch comes in another order (:func:`process_training_loader` warns). The position is counted in batches of the
+loader: it is the same global position under another data-parallel size when the global batch stays the same
+(``dp x`` the per-rank ``batch_size``) and the sampler splits one order over the ranks, as ``DistributedSampler`` does.
+
+Left alone: a loader that is already stateful (torchdata's ``StatefulDataLoader``: Lightning saves and restores it),
+one whose sampler is the library's :class:`~lightning_parallel.data.ResumableSampler` (its data module skips the
+batches itself), and an ``IterableDataset`` (no sampler to fast-forward: :func:`resume_warning` says what resumes).
+
+The library's strategies apply :func:`process_training_loader` to every DataLoader in ``process_dataloader``;
+:class:`~lightning_parallel.callbacks.ResumableDataLoaders` does it under any other strategy (the command line adds
+it to every run).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "make_resumable",
+           "process_training_loader", "resume_warning", "trainer_position"]
+
+_ATTACHED = "_lp_fast_forward"
+_CHAIN = ("batch_sampler", "sampler", "_sampler", "dataset")  # where a sampler keeps the sampler it draws from
+
+
+def _generator_holders(root: Any) -> list[Any]:
+    """The samplers of a chain that draw from a ``torch.Generator`` of their own (``generator``), depth first."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > 5 or isinstance(obj, (torch.Tensor, str, int, float)):
+            return
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "generator", None), torch.Generator):
+            found.append(obj)
+        for name in _CHAIN:
+            child = getattr(obj, name, None)
+            # a dataset is walked only when it wraps a sampler (Lightning's _DatasetSamplerWrapper)
+            if name == "dataset" and not hasattr(child, "_sampler"):
+                continue
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return found
+
+
+def _unseeded_random(root: Any) -> bool:
+    """A ``RandomSampler`` without a generator in the chain (its order comes from the global RNG)."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, RandomSampler) and obj.generator is None:
+            return True
+        stack.extend(getattr(obj, name, None) for name in _CHAIN if name != "dataset" or hasattr(
+            getattr(obj, name, None), "_sampler"))
+    return False
+
+
+class FastForwardSampler:
+    """Wraps a DataLoader's index sampler (see the module docstring): the same items, its length, its attributes
+    (``set_epoch`` reaches a ``DistributedSampler`` used without a batch size); after :meth:`FastForward.resume_at`,
+    the next iteration of that epoch starts after the batches already run."""
+
+    def __init__(self, inner: Any, owner: FastForward) -> None:
+        self.inner = inner
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._owner.iterate(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "_owner"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class FastForward:
+    """What :func:`make_resumable` attaches to a DataLoader (``loader._lp_fast_forward``).
+
+    Args:
+        current_epoch: ``() -> epoch``, read when an iteration starts (a resume position applies to its epoch only).
+        epoch_batches: ``() -> batches the loop takes per epoch`` (Lightning's ``num_training_batches``; None or
+            unset: the whole epoch). The loop stops asking for batches there, so a sampler's last draws (made when
+            it is exhausted) happen only if the loop exhausts it; a replayed epoch takes as many.
+    """
+
+    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int] | None = None) -> None:
+        self.current_epoch = current_epoch
+        self._epoch_batches = epoch_batches
+        self.pending: tuple[int, int] | None = None
+        self.skipped = 0
+        """Batches skipped by the last resumed iteration (0 when none)."""
+        self.replayed = 0
+        """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
+
+    def epoch_batches(self) -> int | None:
+        """How many batches the loop takes from an epoch (None: all of them)."""
+        n = self._epoch_batches() if self._epoch_batches is not None else None
+        return int(n) if n is not None and n != float("inf") else None
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """The next iteration, if it is of ``epoch``, starts after its first ``batches`` batches."""
+        self.pending = (int(epoch), int(batches))
+
+    def iterate(self, inner: Any) -> Iterator[Any]:
+        """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
+        pending, self.pending = self.pending, None
+        epoch = int(self.current_epoch())
+        skip = pending[1] if pending is not None and pending[0] == epoch else 0
+        self.skipped = self.replayed = 0
+        if skip and epoch and _generator_holders(inner):
+            # a seeded generator is where the user's code made it, at epoch 0: the epochs before this one are run
+            # again as the loop ran them -- as many batches of indices each, no sample -- so the generator has made
+            # the same draws and this epoch's order is the one the saved run drew
+            per_epoch = self.epoch_batches()
+            for _ in range(epoch):
+                for _ in itertools.islice(iter(inner), per_epoch):
+                    pass
+            self.replayed = epoch
+        it = iter(inner)
+        for _ in range(skip):
+            try:
+                next(it)
+            except StopIteration:
+                return
+            self.skipped += 1
+        yield from it
+
+
+def is_resumable(loader: Any) -> bool:
+    """True when Lightning will save and restore ``loader``'s position (it has ``state_dict``/``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _uses_resumable_sampler(loader: DataLoader) -> bool:
+    from lightning_parallel.data.resumable import ResumableSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return any(isinstance(s, ResumableSampler)
+               for s in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)))
+
+
+def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
+                   epoch_batches: Callable[[], int] | None = None) -> Any:
+    """Make a map-style ``DataLoader`` able to resume exactly mid-epoch (module docstring), in place; returns it.
+    :meth:`FastForward.resume_at` (``fast_forward_of(loader)``) then sets where the next iteration starts.
+
+    Left as it is: anything but a ``DataLoader``, a loader already stateful (torchdata's ``StatefulDataLoader``), an
+    ``IterableDataset``'s loader, and one drawing from the library's ``ResumableSampler``."""
+    if not isinstance(loader, DataLoader) or is_resumable(loader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if _uses_resumable_sampler(loader) or fast_forward_of(loader) is not None:
+        return loader
+    owner = FastForward(current_epoch, epoch_batches)
+    attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    # DataLoader refuses to re-set its samplers after __init__ (a guard against changing a running loader); the
+    # wrapper yields the same indices, so it is put in place directly
+    object.__setattr__(loader, attribute, FastForwardSampler(getattr(loader, attribute), owner))
+    object.__setattr__(loader, _ATTACHED, owner)
+    return loader
+
+
+def fast_forward_of(loader: Any) -> FastForward | None:
+    """The :class:`FastForward` attached by :func:`make_resumable`, or None."""
+    owner = getattr(loader, _ATTACHED, None)
+    return owner if isinstance(owner, FastForward) else None
+
+
+def resume_warning(loader: Any, *, epoch: int, batches: int) -> str | None:
+    """What a run resumed at batch ``batches`` of epoch ``epoch`` with ``loader`` cannot restore, or None.
+
+    An ``IterableDataset`` has no sampler to fast-forward: without a stateful loader its data restarts from the
+    beginning of the stream."""
+    if batches <= 0 or not isinstance(loader, DataLoader) or is_resumable(loader):
+        return None
+    dataset = loader.dataset
+    if not isinstance(dataset, IterableDataset):
+        return None
+    name = type(dataset).__name__
+    restored = (f"the weights, optimizer, LR schedulers, RNG states and loop counters come back (epoch {epoch}, "
+                f"{batches} batch(es) into it)")
+    if is_resumable(dataset):
+        return (f"lightning-parallel: resuming mid-epoch, {restored}, but the training DataLoader reads the "
+                f"IterableDataset {name}, whose state_dict() a plain DataLoader neither saves nor restores: its data "
+                f"restarts from the beginning of the stream, so the {batches} batch(es) already run in this epoch are "
+                "seen again. Fix: wrap it in torchdata's StatefulDataLoader (it saves and restores the dataset's "
+                "state_dict, and Lightning keeps it in the checkpoint).")
+    return (f"lightning-parallel: resuming mid-epoch, {restored}, but the training DataLoader reads the "
+            f"IterableDataset {name}, which has no state_dict()/load_state_dict(): nothing records how far into the "
+            f"stream the run was, so its data restarts from the beginning and the {batches} batch(es) already run "
+            "in this epoch are seen again. Fix: give the dataset state_dict()/load_state_dict() and load it with "
+            "torchdata's StatefulDataLoader, or use a map-style dataset (a sampler's position is fast-forwarded "
+            "exactly), or resume from an end-of-epoch checkpoint.")
+
+
+def trainer_position(trainer: Any) -> tuple[int, int]:
+    """``(epoch, training batches run in it)`` of a Lightning Trainer (what a checkpoint saved now resumes from)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return int(trainer.current_epoch), int(progress.processed)
+
+
+def process_training_loader(trainer: Any, loader: Any) -> Any:
+    """What a strategy's ``process_dataloader`` does with ``loader`` (any stage): the training DataLoader of a fit
+    is made resumable (:func:`make_resumable`) and, on a mid-epoch resume, set to start after the batches the
+    restored loop already ran; a loader that cannot be fast-forwarded exactly gets a warning saying what resumes.
+    Other loaders pass unchanged."""
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
+        return loader
+    loader = make_resumable(loader, current_epoch=lambda: int(trainer.current_epoch),
+                            epoch_batches=lambda: trainer.num_training_batches)
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarting:
+        return loader
+    epoch, batches = trainer_position(trainer)
+    if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
+        return loader  # saved at an epoch's boundary: nothing to skip
+    messages = [resume_warning(loader, epoch=epoch, batches=batches)]
+    owner = fast_forward_of(loader)
+    if owner is not None:
+        owner.resume_at(epoch, batches)
+        _silence_lightnings_warning()
+        if _unseeded_random(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler):
+            messages.append(
+                f"lightning-parallel: resuming mid-epoch: the {batches} batch(es) already run in epoch {epoch} are "
+                "skipped, but the training DataLoader's RandomSampler has no generator: it draws the epoch's order "
+                "from the global RNG at the epoch's start, a state no checkpoint holds, so the rest of this epoch "
+                "comes in another order than in the uninterrupted run. Fix: RandomSampler(dataset, "
+                "generator=torch.Generator().manual_seed(SEED)) (the resumed epoch then has the saved run's order), "
+                "or a DistributedSampler(dataset, shuffle=True, seed=SEED).")
+    for message in messages:
+        if message and trainer.global_rank == 0:
+            import warnings
+
+            warnings.warn(message, UserWarning, stacklevel=2)
+    return loader
+
+
+def _silence_lightnings_warning() -> None:
+    """Lightning warns that a mid-epoch resume of a DataLoader without ``state_dict`` is unreliable; this one is
+    fast-forwarded, so the warning would be wrong."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch")

@@ -1,0 +1,44 @@
+"""Context parallelism: a sequence split over the ``cp`` ranks, attention computed exactly across them.
+
+* :mod:`.sharding` -- the head-tail split (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``), the
+  process's active split and :func:`sequence_positions` for position embeddings;
+* :mod:`.ring` -- :func:`ring_attention`: key/value blocks passed around the cp ranks point to point, exact
+  online-softmax merge, backward over the same ring (``context_parallel_style: ring``);
+* :mod:`.ulysses` -- :func:`all_to_all_attention`: heads <-> sequence by all-to-alls around a local attention
+  (``context_parallel_style: all_to_all``);
+* :mod:`.plan` -- a module's ``context_parallel_plan()``: its attention submodules routed to the above, its batch
+  tensors split along their sequence dims (the composition's ``context parallel`` step,
+  :func:`~lightning_parallel.parallel.compose.apply_context_parallel_step`).
+
+No Lightning import.
+"""
+
+from .plan import (
+    MINIMAL_PLAN,
+    ContextParallelPlan,
+    apply_context_parallel,
+    check_context_plan,
+    context_parallel_modules,
+    read_plan,
+    split_batch,
+)
+from .ring import ring_attention
+from .sharding import (
+    ContextParallelState,
+    SequenceShard,
+    activate,
+    activated,
+    active,
+    deactivate,
+    head_tail_order,
+    sequence_length,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from .ulysses import all_to_all_attention
+
+__all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "SequenceShard", "activate", "activated",
+           "active", "all_to_all_attention", "apply_context_parallel", "check_context_plan",
+           "context_parallel_modules", "deactivate", "head_tail_order", "read_plan", "ring_attention",
+           "sequence_length", "sequence_positions", "shard_sequence", "split_batch", "unshard_sequence"]

@@ -1,0 +1,221 @@
+"""A module's context-parallel plan: which attention calls run over ``cp`` and which batch tensors are split.
+
+A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.context_parallel_plan`, returning::
+
+    {"attention": ["blocks.*.attn.core"],   # submodules whose forward(q, k, v) is causal attention
+     "batch": {0: 1, 1: 1}}                 # batch[0] and batch[1] are split along dim 1 (the sequence)
+
+* ``attention`` -- names or ``*`` patterns (one dotted component) of parameter-free submodules whose
+  ``forward(q, k, v)`` computes exactly ``softmax(q k^T / sqrt(head_dim) + causal mask) v`` on
+  ``(batch, heads, seq, head_dim)`` tensors (a ``scale`` attribute, if the submodule has one, replaces
+  ``1 / sqrt(head_dim)``). Under cp their class is swapped (names unchanged, as activation checkpointing does) for
+  one whose forward runs :func:`~.ring.ring_attention` or :func:`~.ulysses.all_to_all_attention` over the cp group
+  instead of the module's own; outside an active cp composition they run their own forward.
+* ``batch`` -- where the sequence is in the batch: ``{index or key: dim}`` for a tuple/list or dict batch, or one
+  ``int`` for every tensor of the batch. Those tensors are cut to this rank's head and tail chunks
+  (:func:`~.sharding.shard_sequence`) before the module's step sees them; other entries pass whole.
+
+Positions: a module with position embeddings calls :func:`~.sharding.sequence_positions` (the GPT's embedding does),
+which returns this rank's global positions under cp and ``arange`` otherwise.
+
+Refused before any process starts (:func:`check_context_plan`), with the reason: a module without the hook (the
+error shows a minimal implementation), a name that matches nothing, an attention submodule with parameters (its
+forward is replaced, its parameters would get no gradient), with attention dropout (the one-device dropout mask over
+the ``s x s`` probabilities cannot be drawn block by block: set it to 0), or with ``is_causal = False`` (a mask other
+than causal: the head-tail split and the ring's skipped blocks assume causality). At run time a routed call with an
+``attn_mask`` or ``is_causal=False`` raises for the same reason. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_parallel.config import LayoutError
+
+from .ring import ring_attention
+from .sharding import ContextParallelState, SequenceShard, activate, active, shard_sequence
+from .ulysses import all_to_all_attention
+
+__all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "check_context_plan",
+           "context_parallel_modules", "read_plan", "split_batch"]
+
+MINIMAL_PLAN = (
+    "def context_parallel_plan(self):\n"
+    "    # attention cores: forward(q, k, v) -> causal softmax(q k^T / sqrt(d)) v on (batch, heads, seq, head_dim)\n"
+    "    return {\"attention\": [\"layers.*.attn_core\"], \"batch\": {0: 1, 1: 1}}  # (tokens, labels): seq dim 1\n"
+    "# and positions from lightning_parallel.parallel.context_parallel.sequence_positions(t, device)"
+)
+"""What a refusal of a module without the hook shows."""
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """A module's plan, expanded: the attention submodules' names (module order) and the batch's sequence dims."""
+
+    attention: tuple[str, ...]
+    batch: int | Mapping[Any, int] = field(default_factory=dict)
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in key.split("*")) + "$")
+
+
+def _refuse(module: nn.Module, why: str) -> LayoutError:
+    return LayoutError(f"{type(module).__name__}.context_parallel_plan(): {why}")
+
+
+def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParallelPlan:
+    """The module's ``context_parallel_plan()`` checked and expanded (:class:`LayoutError` naming what is wrong);
+    ``skip_missing``: a pattern may match nothing (a pipeline stage without those layers)."""
+    from lightning_parallel.module_hooks import require_hook
+
+    try:
+        require_hook(module, "context_parallel_plan", strategy="parallel.context_parallel_size > 1")
+    except LayoutError as err:
+        raise LayoutError(f"{err} A minimal implementation:\n{MINIMAL_PLAN}") from None
+    raw = module.context_parallel_plan()  # type: ignore[operator]
+    if not isinstance(raw, Mapping) or set(raw) - {"attention", "batch"} or "attention" not in raw:
+        raise _refuse(module, f"returned {raw!r}; it must return a dict with the keys 'attention' (names of the "
+                              f"attention submodules) and 'batch' (the sequence dim of the batch tensors). Example:\n"
+                              f"{MINIMAL_PLAN}")
+    keys = raw["attention"]
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys) or not keys:
+        raise _refuse(module, f"'attention' must be a non-empty list of submodule names or patterns, got {keys!r}.")
+    names = [n for n, _ in module.named_modules() if n]
+    found: list[str] = []
+    for key in keys:
+        matched = [n for n in names if _pattern(key).match(n)] if "*" in key else [key] if key in names else []
+        if not matched and not skip_missing:
+            raise _refuse(module, f"'attention' entry {key!r} matches no submodule. Fix: names from "
+                                  "module.named_modules() ('*' matches one dotted component, e.g. "
+                                  "'blocks.*.attn.core').")
+        found.extend(n for n in matched if n not in found)
+    batch = raw.get("batch", {})
+    dims = [batch] if isinstance(batch, int) else list(batch.values()) if isinstance(batch, Mapping) else [None]
+    if isinstance(batch, bool) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise _refuse(module, f"'batch' must be the sequence dim of every batch tensor (an int) or a mapping "
+                              f"{{batch index or key: sequence dim}}, got {batch!r}.")
+    order = {n: i for i, n in enumerate(names)}
+    return ContextParallelPlan(attention=tuple(sorted(found, key=order.__getitem__)), batch=batch)
+
+
+def check_context_plan(module: nn.Module) -> ContextParallelPlan:
+    """Before spawning: the plan reads (:func:`read_plan`) and every attention submodule can be routed: no
+    parameters, no attention dropout, causal. Returns the plan."""
+    plan = read_plan(module)
+    for name in plan.attention:
+        sub = module.get_submodule(name)
+        params = [n for n, _ in sub.named_parameters()]
+        if params:
+            raise _refuse(module, f"attention submodule {name!r} has parameters {params[:3]}: under context "
+                                  "parallelism its forward is replaced by ring attention, so they would get no "
+                                  "gradient. Fix: name the parameter-free attention core (softmax(q k^T) v), not the "
+                                  "layer with the projections.")
+        for attr in ("dropout", "dropout_p", "attn_dropout"):
+            p = getattr(sub, attr, 0.0)
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                raise _refuse(module, f"attention submodule {name!r} has {attr}={p}: dropout on the attention "
+                                      "probabilities is not run under context parallelism (the one-device mask over "
+                                      "the s x s probabilities cannot be drawn block by block across ranks). Fix: "
+                                      f"{attr}=0 on the attention (dropout elsewhere is unaffected), or "
+                                      "context_parallel_size=1.")
+        if getattr(sub, "is_causal", True) is False:
+            raise _refuse(module, f"attention submodule {name!r} is not causal (is_causal=False): context "
+                                  "parallelism here runs causal attention only -- the head-tail split balances the "
+                                  "causal mask and the ring skips the blocks it masks; a full or arbitrary mask "
+                                  "would need every block and a mask split the same way. Fix: causal attention, or "
+                                  "context_parallel_size=1.")
+    return plan
+
+
+class _Routed(nn.Module):
+    """Base of the swapped-in classes: ``forward(q, k, v)`` runs over the cp group while a cp state is active."""
+
+    _lp_original_class: type[nn.Module]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        state = active()
+        if state is None or state.shard.cp == 1:
+            return super().forward(q, k, v, *args, **kwargs)  # type: ignore[no-any-return]
+        mask = kwargs.get("attn_mask", args[0] if args else None)
+        if mask is not None or kwargs.get("is_causal", True) is False:
+            raise ValueError(
+                f"{type(self).__name__} was called with attn_mask={type(mask).__name__}, "
+                f"is_causal={kwargs.get('is_causal', True)} under context parallelism, which runs causal attention "
+                "only: each rank holds a head and a tail chunk of the sequence and the ring skips the blocks the "
+                "causal mask hides. Fix: causal attention without a mask, or context_parallel_size=1.")
+        scale = getattr(self, "scale", None)
+        if state.style == "all_to_all":
+            return all_to_all_attention(q, k, v, group=state.group, scale=scale)
+        return ring_attention(q, k, v, group=state.group, scale=scale)
+
+
+_CLASSES: dict[type[nn.Module], type[_Routed]] = {}
+
+
+def _routed_class(original: type[nn.Module]) -> type[_Routed]:
+    cls = _CLASSES.get(original)
+    if cls is None:
+        cls = type(f"ContextParallel{original.__name__}", (_Routed, original), {"_lp_original_class": original})
+        cls.__module__ = original.__module__
+        _CLASSES[original] = cls
+    return cls
+
+
+def context_parallel_modules(module: nn.Module) -> list[str]:
+    """Names of the submodules routed to context-parallel attention."""
+    return [name for name, sub in module.named_modules() if isinstance(sub, _Routed)]
+
+
+def apply_context_parallel(module: nn.Module, *, group: Any, shard: SequenceShard, style: str = "ring",
+                           skip_missing: bool = False) -> ContextParallelPlan:
+    """Route the plan's attention submodules of ``module`` (in place, names unchanged) and make ``(group, shard,
+    style)`` the process's cp state (:func:`~.sharding.activate`). Returns the plan."""
+    plan = read_plan(module, skip_missing=skip_missing)
+    for name in plan.attention:
+        sub = module.get_submodule(name)
+        if not isinstance(sub, _Routed):
+            sub.__class__ = _routed_class(type(sub))
+    activate(ContextParallelState(group=group, shard=shard, style=style))
+    return plan
+
+
+def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> Any:
+    """This rank's part of ``batch``: the tensors the plan names cut to its head and tail chunks along their sequence
+    dim (a tuple/list/dict of the same type; a lone tensor with an int plan); the rest unchanged."""
+    spec = plan.batch
+    if isinstance(batch, Tensor):  # a lone tensor: an int plan, or the plan's entry 0 (the input of a tuple batch)
+        dim = spec if isinstance(spec, int) else spec.get(0) if isinstance(spec, Mapping) else None
+        if not isinstance(dim, int):
+            raise ValueError(f"the batch is one tensor, so context_parallel_plan()['batch'] must be its sequence dim "
+                             f"(an int) or name entry 0, got {spec!r}.")
+        return shard_sequence(batch, dim, shard)
+    if isinstance(batch, Mapping):
+        out = dict(batch)
+        keys = list(batch) if isinstance(spec, int) else list(spec)
+        for key in keys:
+            if key not in batch:
+                raise KeyError(f"context_parallel_plan()['batch'] names {key!r}, which the batch (keys "
+                               f"{list(batch)}) does not have.")
+            if isinstance(batch[key], Tensor):
+                out[key] = shard_sequence(batch[key], spec if isinstance(spec, int) else spec[key], shard)
+        return type(batch)(out) if type(batch) is not dict else out  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        items = list(batch)
+        indices = range(len(items)) if isinstance(spec, int) else list(spec)
+        for i in indices:
+            if not isinstance(i, int) or not -len(items) <= i < len(items):
+                raise KeyError(f"context_parallel_plan()['batch'] names {i!r}, but the batch is a "
+                               f"{type(batch).__name__} of {len(items)}.")
+            if isinstance(items[i], Tensor):
+                items[i] = shard_sequence(items[i], spec if isinstance(spec, int) else spec[i], shard)
+        if isinstance(batch, list):
+            return type(batch)(items)
+        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)  # a namedtuple keeps its type
+    raise TypeError(f"context parallelism cannot split a {type(batch).__name__} batch. Fix: batches of tensors in a "
+                    "tuple, list or dict, with context_parallel_plan()['batch'] naming their sequence dims.")

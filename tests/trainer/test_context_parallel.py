@@ -1,0 +1,156 @@
+"""Context parallelism under the Trainer against one device: the reference GPT with its sequences split over cp ranks.
+
+Same global batch and seed as one device, 10 AdamW steps with clipping 0.5 by the global norm and accumulation over 2
+batches (``tests/trainer/token_data.fit``, 16-token sequences). Each run records the logged ``train_loss`` of every
+batch (averaged over dp x cp: the one-device value of the global batch) and ends with the whole weights; both are
+compared with one device's. Layouts: cp2 and cp4 (lp_ddp), dp2 x cp2 ZeRO-3 (lp_sharded, FSDP2 over dp x cp),
+cp2 x tp2 (lp_tensor), cp2 x pp2 (lp_pipeline), dp2 x cp2 x tp2 (8 ranks, slow), and the all-to-all style.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_parallel  # noqa: F401
+from lightning_parallel.config import LayoutError
+from lightning_parallel.models import GPT
+from lightning_parallel.strategies import (
+    LPDDPStrategy,
+    LPHybridStrategy,
+    LPPipelineStrategy,
+    LPShardedStrategy,
+    LPTensorStrategy,
+)
+from tests.trainer.token_data import STEPS, T, fit, weight_diff
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+
+
+class _Losses(pl.Callback):
+    """Rank 0 writes the logged ``train_loss`` of every training batch to ``path`` when fitting ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.losses = path, []  # type: ignore[var-annotated]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps(self.losses))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, list[float]]:
+    path = tmp_path_factory.mktemp("one_device") / "losses.json"
+    model = fit("auto", 1, 1, model=_gpt(), callbacks=[_Losses(path)])[0]
+    return model, json.loads(path.read_text())
+
+
+CP2 = {"context_parallel_size": 2}
+CASES = [
+    pytest.param(LPDDPStrategy, CP2, 2, id="cp2"),
+    pytest.param(LPDDPStrategy, {"context_parallel_size": 4}, 4, id="cp4"),
+    pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 3}, 4, id="dp2-cp2-zero3"),
+    pytest.param(LPTensorStrategy, {**CP2, "tensor_parallel_size": 2}, 4, id="cp2-tp2"),
+    pytest.param(LPPipelineStrategy, {**CP2, "pipeline_parallel_size": 2, "num_micro_batches": 2}, 4, id="cp2-pp2"),
+    pytest.param(LPDDPStrategy, {**CP2, "context_parallel_style": "all_to_all"}, 4, id="dp2-cp2-all_to_all"),
+    pytest.param(LPTensorStrategy, {**CP2, "tensor_parallel_size": 2, "sequence_parallel": True}, 4,
+                 id="cp2-tp2-sequence_parallel"),
+    pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 1, "activation_checkpointing": "selective"}, 4,
+                 id="dp2-cp2-zero1-selective"),
+    pytest.param(LPHybridStrategy, {**CP2, "tensor_parallel_size": 2, "pipeline_parallel_size": 1}, 8,
+                 id="dp2-cp2-tp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("cls", "layout", "devices"), CASES)
+def test_context_parallel_equals_one_device(reference: tuple[GPT, list[float]], tmp_path: Path, cls: Any,
+                                            layout: dict[str, Any], devices: int) -> None:
+    one_device, one_losses = reference
+    strategy = cls(layout, start_method="fork")
+    model_ranks = layout["context_parallel_size"] * layout.get("pipeline_parallel_size", 1) * \
+        layout.get("tensor_parallel_size", 1)
+    path = tmp_path / "losses.json"
+    model, _ = fit(strategy, devices, devices // model_ranks, model=_gpt(), callbacks=[_Losses(path)])
+    losses = json.loads(path.read_text())
+    diff = weight_diff(model, one_device)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, one_losses, strict=True))
+    print(f"\n{strategy.describe()}: {len(losses) // 2} AdamW steps, max |w - w_1dev| = {diff:.2e}, "
+          f"max |loss - loss_1dev| over {len(losses)} batches = {loss_diff:.2e}")
+    for i, (a, b) in enumerate(zip(losses, one_losses, strict=True)):
+        print(f"  batch {i:2d} (step {i // 2 + 1:2d}): loss {a:.7f}  one device {b:.7f}  diff {a - b:+.1e}")
+    assert len(losses) == 2 * STEPS  # 10 optimizer steps of 2 accumulated batches
+    assert diff < 2e-5
+    assert loss_diff < 2e-6
+
+
+def test_gradient_scale_over_dp_x_cp_with_sgd(tmp_path: Path) -> None:
+    """AdamW and clipping hide a wrong gradient scale (a sum over cp instead of a mean): plain SGD without clipping
+    shows it in the weights. dp2 x cp2 against one device."""
+    from tests.helpers import SGDGPT
+
+    def sgd() -> GPT:
+        torch.manual_seed(0)
+        return SGDGPT(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, bias=False)
+
+    one = fit("auto", 1, 1, model=sgd(), gradient_clip_val=None)[0]
+    model, _ = fit(LPDDPStrategy(CP2, start_method="fork"), 4, 2, model=sgd(), gradient_clip_val=None)
+    diff = weight_diff(model, one)
+    print(f"\nlp_ddp dp2 x cp2, SGD without clipping: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 2e-5
+
+
+def test_predict_gathers_the_sequence_back(tmp_path: Path) -> None:
+    """predict under cp2: each rank predicts on its head and tail tokens; the logits are gathered over cp into the
+    whole sequence, in order, and equal one device's."""
+    from tests.trainer.token_data import GLOBAL_BATCH, SavePredictions, TokenData
+
+    model = _gpt()
+    data = TokenData(GLOBAL_BATCH)
+    expected = model(data.tokens[:GLOBAL_BATCH]).detach()
+    trainer = pl.Trainer(strategy=LPDDPStrategy(CP2, start_method="fork"), accelerator="cpu", devices=2, logger=False,
+                         enable_progress_bar=False, callbacks=[SavePredictions(tmp_path)])
+    trainer.predict(_gpt(), datamodule=data, return_predictions=False)
+    for rank in (0, 1):
+        out = torch.load(tmp_path / f"pred_{rank}.pt")
+        assert out.shape == expected.shape  # the whole sequence on every cp rank
+        assert (out - expected).abs().max() < 1e-5
+
+
+def test_a_module_without_the_hook_is_refused_before_spawn() -> None:
+    class NoHook(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+    trainer = pl.Trainer(strategy=LPDDPStrategy(CP2, start_method="fork"), accelerator="cpu", devices=2,
+                         logger=False, enable_progress_bar=False)
+    with pytest.raises(LayoutError) as err:
+        trainer.fit(NoHook())
+    text = str(err.value)
+    assert "does not implement `context_parallel_plan()`" in text and "def context_parallel_plan(self):" in text
+    assert '"attention": ["layers.*.attn_core"]' in text and "sequence_positions" in text
+
+
+def test_attention_dropout_and_a_short_sequence_are_refused_before_spawn() -> None:
+    trainer = pl.Trainer(strategy=LPDDPStrategy({"context_parallel_size": 4}, start_method="fork"),
+                         accelerator="cpu", devices=4, logger=False, enable_progress_bar=False)
+    dropout = GPT(n_layer=1, n_head=2, n_embd=16, block_size=T, vocab_size=64, dropout=0.1)
+    with pytest.raises(LayoutError, match=r"'blocks\.0\.attn\.core' has dropout=0\.1: dropout on the attention "
+                                          r"probabilities is not run under context parallelism"):
+        trainer.fit(dropout)
+    from lightning_parallel.data import TextDataModule
+
+    with pytest.raises(LayoutError, match=r"the data module TextDataModule's block_size is 12: 12 % 8 = 4"):
+        trainer.fit(_gpt(), datamodule=TextDataModule(block_size=12, batch_size=2))

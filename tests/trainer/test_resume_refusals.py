@@ -1,0 +1,104 @@
+"""A checkpoint that does not fit the configured model, optimizer or LR schedulers is refused before any rank starts,
+for every checkpoint format (a file, an lp_sharded folder, a DCP folder, a DeepSpeed folder), with what was saved,
+what is configured and the fix; ``--resume_weights_only`` takes the weights alone.
+
+One short save per format (forked CPU ranks, the resume matrix's GPT); then, per format, ``trainer.fit(...,
+ckpt_path=...)`` with a changed model is run with every way of starting a rank trapped: the refusal must come first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed
+
+from lightning_parallel.checkpoint import full_state_dict
+from lightning_parallel.checkpoint.errors import ResumeError
+from lightning_parallel.checkpoint.resume import TRUST_ENV
+from lightning_parallel.cli import load_weights_only
+from lightning_parallel.strategies import LPDDPStrategy, LPPipelineStrategy
+from lightning_parallel.testing import resume_matrix as rm
+from lightning_parallel.testing.faulty import OptimizerChoiceGPT
+
+FORMATS = {"file": "lp_ddp x2", "lp_sharded folder": "lp_sharded z1 x2", "DCP folder": "lp_pipeline pp2",
+           "DeepSpeed folder": "lp_zero_offload x2"}
+
+
+class _Launched(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    rm.quiet()
+    os.environ[TRUST_ENV] = "1"  # the DeepSpeed folder's optimizer files hold DeepSpeed objects (written here)
+    folder = tmp_path_factory.mktemp("refusals")
+    return {fmt: rm.save(layout, folder) for fmt, layout in FORMATS.items() if layout in rm.LAYOUTS}
+
+
+def _model(**changes: Any) -> pl.LightningModule:
+    torch.manual_seed(0)
+    args: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": rm.T, "vocab_size": rm.VOCAB,
+                            "warmup_steps": 2, "bias": False, **changes}
+    return OptimizerChoiceGPT(**args)
+
+
+CHANGES: dict[str, tuple[dict[str, Any], str]] = {
+    "another shape (n_embd 16)": ({"n_embd": 16}, r"n_embd: configured 16, saved 32.*Fix: configure the model"),
+    "another optimizer (SGD)": ({"optimizer": "sgd"}, r"optimizer 0 was saved as .*SGD \(dampening, momentum, "
+                                                      r"nesterov\).*--resume_weights_only"),
+    "an added LR scheduler (StepLR)": ({"step_lr": True},
+                                       r"holds 1 LR scheduler state\(s\); this run configures 2 \(LambdaLR, StepLR\)"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_mismatch_is_refused_before_any_rank_starts(saved: dict[str, Path], fmt: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if fmt not in saved:
+        pytest.skip("DeepSpeed or its CPU ops are not available here")
+    started: list[str] = []
+
+    def trap(*args: Any, **kwargs: Any) -> Any:
+        started.append("rank")
+        raise _Launched("a rank would have been started")
+
+    from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
+
+    monkeypatch.setattr(mp_launcher.mp, "start_processes", trap)
+    monkeypatch.setattr(multiprocessing.get_context("fork"), "Process", trap, raising=False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", trap)
+    path = saved[fmt]
+    # the strategy that resumes: the pipeline for the DCP folder, lp_ddp (any format, via the one-device form) else
+    strategy = (lambda: LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
+                                           start_method="fork")) if fmt == "DCP folder" else (
+        lambda: LPDDPStrategy(start_method="fork"))
+    lines = []
+    for change, (args, expect) in CHANGES.items():
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(), max_steps=6, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             limit_val_batches=0, use_distributed_sampler=False)
+        with pytest.raises(ResumeError, match=expect) as refused:
+            trainer.fit(_model(**args), datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(path))
+        lines.append(f"{fmt} x {change}: {str(refused.value)[:260]}")
+    print("\n" + "\n".join(lines))
+    assert not started
+    # the unchanged model is not refused: it gets as far as starting the ranks (trapped here)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(), max_steps=6, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=0, use_distributed_sampler=False)
+    with pytest.raises(_Launched):
+        trainer.fit(_model(), datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(path))
+    # --resume_weights_only: the weights (joined from any format) go into the SGD model; another shape is refused
+    sgd = _model(optimizer="sgd")
+    load_weights_only(sgd, str(path))
+    full = full_state_dict(path, trusted=True)
+    assert all(torch.equal(v, full[k]) for k, v in sgd.state_dict().items())
+    with pytest.raises(ResumeError, match=r"n_embd: configured 16, saved 32"):
+        load_weights_only(_model(n_embd=16), str(path))
