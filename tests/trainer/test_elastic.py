@@ -188,7 +188,7 @@ def _tensors(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
 def test_a_background_save_equals_a_synchronous_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     name: str) -> None:
     rm.quiet()
-    seen = _slow_writer(monkeypatch, 1.0)
+    seen = _slow_writer(monkeypatch, 0.3)  # longer than a step: the next step runs while the file is written
     make, devices = FORMATS[name]
     every = PeriodicCheckpoint(tmp_path / "every", every_n_steps=1, keep=2, save_on_train_end=False)
     batch = G if "DCP" in name else G // 2  # per data-parallel rank: pp and tp ranks share one batch

@@ -8,9 +8,10 @@ logged the test SIGKILLs node B's agent and both its ranks at once. Node A's ran
 watchdog names node B), its agent restarts the world on the node that is left: world 2, data parallel 2, accumulation
 2 (the global batch stays 16), resumed from the newest complete checkpoint (``--ckpt_path last``), to step 20.
 
-Compared with the uninterrupted run of the same recipe on 4 ranks (started afterwards, so that it does not share the
-cores with the restart): the loss of every step and the final weights. Printed: the loss per step of both, seconds
-from the kill to the first step after the restart, and the steps run again (lost).
+Compared with the uninterrupted run of the same recipe on 4 ranks (run once, before the first case, so that it does
+not share the cores with a restart; both cases compare with it): the loss of every step and the final weights.
+Printed: the loss per step of both, seconds from the kill to the first step after the restart, and the steps run
+again (lost).
 
 ``lp_auto``: the same with ``--trainer.strategy lp_auto`` and a ``--planner.gpu_memory`` budget under which the
 planner chooses another layout for 2 ranks than for 2 nodes of 2 -- 820KB: ``lp_sharded`` ZeRO-2 on 4 ranks, ZeRO-3
@@ -38,7 +39,7 @@ import pytest
 from lightning_parallel.checkpoint import full_state_dict
 from lightning_parallel.testing.elastic import read_records, read_steps
 
-pytestmark = pytest.mark.slow  # two elastic agents, a kill, a restart and a reference run: ~2-4 min per case here
+pytestmark = pytest.mark.slow  # two elastic agents, a kill and a restart: ~1-1.5 min per case here
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "scripts" / "launch" / "torchrun.sh"
@@ -59,11 +60,11 @@ trainer:
   enable_checkpointing: false
   enable_progress_bar: false
   enable_model_summary: false
-  callbacks:
-    - class_path: lightning_parallel.callbacks.PeriodicCheckpoint
-      init_args: {{dirpath: {folder}/ckpt, every_n_steps: {every}, keep: 2}}
+  callbacks:  # the step's loss recorded before its save: a kill between the two cannot skip a step's record
     - class_path: lightning_parallel.testing.elastic.StepLoss
       init_args: {{path: {folder}/losses.jsonl}}
+    - class_path: lightning_parallel.callbacks.PeriodicCheckpoint
+      init_args: {{dirpath: {folder}/ckpt, every_n_steps: {every}, keep: 2}}
 parallel:
   global_batch_size: 16
 data:
@@ -150,12 +151,24 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run, once for both cases: the same recipe under ``lp_ddp`` on 4 ranks (data parallel 4,
+    accumulation 1) from start to end, alone on the cores. Returns its recipe (its losses and checkpoints beside it)."""
+    recipe = _recipe(tmp_path_factory.mktemp("elastic_reference") / "reference", "lp_ddp")
+    ref = subprocess.run([sys.executable, "-m", "lightning_parallel", "fit", "--config", str(recipe),
+                          "--trainer.devices", "4"], cwd=recipe.parent, env=_env(), capture_output=True, text=True,
+                         timeout=900)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    return recipe
+
+
 @pytest.mark.parametrize("case", ["lp_ddp", "lp_auto 820KB"])
-def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_path: Path, case: str) -> None:
+def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_path: Path, case: str,
+                                                                           reference: Path) -> None:
     strategy, _, budget = case.partition(" ")
     extra = ["--planner.gpu_memory", budget] if budget else []
     recipe = _recipe(tmp_path / "elastic", strategy)
-    reference = _recipe(tmp_path / "reference", "lp_ddp")
     port = free_port()
     logs = {n: tmp_path / f"node_{n}.log" for n in "AB"}
     agents = {n: _agent(recipe, port, n, logs[n], extra) for n in "AB"}
@@ -185,11 +198,6 @@ def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_pa
                 proc.kill()
     out_a = logs["A"].read_text()
     assert code == 0, out_a[-6000:]
-    # the uninterrupted run: the same recipe on 4 ranks (data parallel 4, accumulation 1) from start to end
-    ref = subprocess.run([sys.executable, "-m", "lightning_parallel", "fit", "--config", str(reference),
-                          "--trainer.devices", "4"], cwd=reference.parent, env=_env(), capture_output=True, text=True,
-                         timeout=900)
-    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
 
     records = read_records(losses)
     after = [r for r in records if r["time"] > killed_at]
