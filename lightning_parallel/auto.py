@@ -92,18 +92,24 @@ class AutoDecision:
         return model_states(n_local, self.plan.training.state_bytes, dp=dp, zero_stage=layout.zero,
                             offload=layout.offload_device)
 
-    def make_strategy(self, **strategy_kwargs: Any) -> Any:
+    def make_strategy(self, run_settings: dict[str, Any] | None = None, **strategy_kwargs: Any) -> Any:
         """The strategy instance (or ``"auto"``) for ``Trainer(strategy=...)``; ``strategy_kwargs`` go to its
-        constructor (``start_method="fork"`` and the like)."""
+        constructor (``start_method="fork"`` and the like). ``run_settings``: layout keys that are no layout choice
+        (``global_batch_size``, ``collective_timeout``), kept in the chosen layout (one device then runs
+        ``lp_ddp``, which takes a layout, instead of Lightning's own strategy)."""
         from lightning.pytorch.strategies import StrategyRegistry
 
         import lightning_parallel  # noqa: F401  (registers the strategies)
 
         name = self.strategy_name
+        section = self.parallel_section
+        if run_settings:
+            section = (section or ParallelConfig()).replace(**run_settings)
+            name = "lp_ddp" if name == "auto" else name
         if name == "auto":
             return "auto"
         entry = StrategyRegistry[name]
-        return entry["strategy"](parallel=self.parallel_section, **{**entry["init_params"], **strategy_kwargs})
+        return entry["strategy"](parallel=section, **{**entry["init_params"], **strategy_kwargs})
 
     def describe_candidate(self, candidate: Candidate) -> str:
         mem = candidate.memory

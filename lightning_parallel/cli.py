@@ -317,6 +317,7 @@ class LightningParallelCLI(LightningCLI):
         if layout is not None and not isinstance(layout, ParallelConfig):
             layout = ParallelConfig.from_dict(dict(layout))
         config = dict(config)
+        _elastic_world(config, layout)
         _check_devices(config)
         for key, value in self._written_limits.items():  # `1` means one batch, `1.0` all: keep what was written
             if isinstance(value, int) and config.get(key) == value:
@@ -342,10 +343,13 @@ class LightningParallelCLI(LightningCLI):
         from lightning_parallel.auto import plan_for_module
         from lightning_parallel.callbacks.model_states import ModelStateReport
 
-        if layout is not None and layout != ParallelConfig():
+        keep = {key: getattr(layout, key) for key in _RUN_KEYS
+                if layout is not None and getattr(layout, key) is not None}
+        if layout is not None and layout.replace(**dict.fromkeys(keep)) != ParallelConfig():
             raise LayoutError(
                 f"trainer.strategy=lp_auto chooses the layout itself, but the `parallel` section sets "
-                f"{layout.describe()}. Fix: remove the parallel section, or name a strategy (the plan's recipe does)."
+                f"{layout.describe()}. Fix: remove the parallel section (except {', '.join(_RUN_KEYS)}, which lp_auto "
+                "keeps), or name a strategy (the plan's recipe does)."
             )
         options = PlannerOptions.from_any(self._get(self.config_init, "planner"))
         batch, seq = _data_geometry(self.datamodule, self.model)
@@ -357,19 +361,19 @@ class LightningParallelCLI(LightningCLI):
         text = decision.text()
         if _launching_process():
             print(text, flush=True)
-        recipe = self._auto_recipe(decision, text)
+        recipe = self._auto_recipe(decision, text, keep)
         report = ModelStateReport(decision.predicted_states(),
                                   files={"lp_auto_decision.txt": text + "\n", "lp_auto_recipe.yaml": recipe})
         extra = {"start_method": options.start_method} if options.start_method else {}
-        return decision.make_strategy(**extra), None, [*callbacks, report]
+        return decision.make_strategy(run_settings=keep, **extra), None, [*callbacks, report]
 
-    def _auto_recipe(self, decision: Any, text: str) -> str:
+    def _auto_recipe(self, decision: Any, text: str, keep: dict[str, Any] | None = None) -> str:
         """This run's configuration with the chosen strategy and layout in place of lp_auto and the planner keys."""
         from copy import deepcopy
 
         cfg = deepcopy(self.config[self.subcommand] if self.subcommand else self.config)
-        cfg.trainer.strategy = decision.strategy_name
-        section = decision.parallel_section or ParallelConfig()
+        cfg.trainer.strategy = decision.strategy_name if not keep or decision.strategy_name != "auto" else "lp_ddp"
+        section = (decision.parallel_section or ParallelConfig()).replace(**(keep or {}))
         for key, value in section.to_dict().items():
             cfg.parallel[key] = value
         for key, value in vars(PlannerOptions()).items():
@@ -387,6 +391,27 @@ class LightningParallelCLI(LightningCLI):
             "so that `lightning-parallel fit --config THIS_FILE` reproduces the run without lp_auto.",
             *text.splitlines()))
         return f"{header}\n{body}"
+
+
+_RUN_KEYS = ("global_batch_size", "collective_timeout")
+"""Keys of the ``parallel`` section that are no layout choice: ``lp_auto`` keeps them in the layout it chooses."""
+
+
+def _elastic_world(config: dict[str, Any], layout: ParallelConfig | None) -> None:
+    """An elastic launch (``torchrun.sh --elastic``, :data:`~lightning_parallel.elastic.ELASTIC_ENV`): the nodes and
+    ranks per node are the world torchrun's rendezvous formed for this (re)start, so the layout (``auto`` degrees,
+    ``lp_auto``'s plan, ``parallel.global_batch_size``'s accumulation) is resolved again against it."""
+    from lightning_parallel.elastic import elastic_requested, elastic_world
+
+    if not elastic_requested():
+        return
+    world = elastic_world()
+    config["num_nodes"], config["devices"] = world.nodes, world.devices_per_node
+    if os.environ.get("RANK", "0") == "0":
+        note = "" if layout is not None and layout.global_batch_size is not None else (
+            "; parallel.global_batch_size is not set, so the global batch follows the data-parallel size")
+        print(f"lightning-parallel: elastic {'restart' if world.restart else 'start'}: {world.describe()}{note}",
+              flush=True)
 
 
 def _checkpoint_roots(section: Any) -> list[Path]:
@@ -595,17 +620,22 @@ def check_recipe(args: list[str]) -> str:
     cli.trainer.state.fn = TrainerFn.FITTING
     cli.trainer.strategy._lightning_module = cli.model
     preflight(strategy, cli.trainer, (cli.model, None, None, cli.datamodule, ckpt_path))
+    from lightning_parallel.callbacks.global_batch import GlobalBatch
+
+    global_batch = next((c for c in cli.trainer.callbacks if isinstance(c, GlobalBatch)),  # type: ignore[attr-defined]
+                        None)
     describe = getattr(strategy, "describe", None)
     name = describe() if callable(describe) else type(strategy).__name__
     n_params = sum(p.numel() for p in cli.model.parameters())
     cut = getattr(strategy, "describe_cut", None)
     stages = f" | {cut(cli.model)}" if callable(cut) else ""
+    batch = f" | {global_batch.describe()}" if global_batch is not None else ""
     note = getattr(strategy, "launch_note", None)
     launch = (f" | note: started as here, fit would be refused ({note.split(': ', 1)[0]}): launch it with "
               "scripts/launch/torchrun.sh or scripts/launch/slurm.sbatch" if note else "")
     return (
         f"lightning-parallel: recipe OK | strategy {name} | {cli.trainer.num_nodes} node(s) x "
-        f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}) | model "
+        f"{cli.trainer.num_devices} device(s) ({cli.trainer.strategy.root_device.type}){batch} | model "
         f"{type(cli.model).__name__} with {n_params:,} parameters (built on the meta device){stages} | nothing was "
         f"started{launch}"
     )

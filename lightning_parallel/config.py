@@ -182,6 +182,12 @@ class ParallelConfig:
     """Seconds a collective may wait for a peer before the run fails with the stuck rank named; None = the
     strategy's ``timeout`` argument when given, else 600 s on CPU (gloo) and Lightning's 30 minutes on accelerators.
     Bounds: >= 1."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step, kept whatever the data-parallel size: ``trainer.accumulate_grad_batches`` is set to
+    ``global_batch_size / (batch_size x dp)`` when the run starts (the data module's ``batch_size`` is per rank), and
+    a world where that is not a whole number is refused before any rank starts. None = no rule (the global batch is
+    batch_size x dp x accumulate_grad_batches as set). For elastic runs, whose dp changes with the nodes
+    (docs/elastic.md). Bounds: >= 1."""
     mesh_order: MeshOrder = "dp-pp-tp"
     """Order of the mesh axes, outermost first; tp is always innermost (inside a node). dp-pp-tp: data-parallel
     replicas outermost (across nodes); pp-dp-tp: pipeline stages outermost, so that on several nodes only the
@@ -260,6 +266,8 @@ class ParallelConfig:
         _check_positive_int("virtual_pipeline_stages", self.virtual_pipeline_stages)
         if self.collective_timeout is not None:
             _check_positive_int("collective_timeout", self.collective_timeout)
+        if self.global_batch_size is not None:
+            _check_positive_int("global_batch_size", self.global_batch_size)
         if self.num_micro_batches is not None:
             _check_positive_int("num_micro_batches", self.num_micro_batches)
         if self.zero_stage is not None:

@@ -677,7 +677,8 @@ def check_nonfinite_guard(strategy: Any, trainer: pl.Trainer | None) -> None:
 def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     """Everything checked before any rank starts, for ``trainer.fit(*args)`` (the checked launchers,
     ``lightning-parallel check``, and the CLI for strategies without a checked launcher): the module against the
-    layout, the strategy's own data rules (with one real batch), the training DataLoader's length, the output
+    layout, the strategy's own data rules (with one real batch), ``parallel.global_batch_size`` (the accumulation it
+    sets, or the refusal of a world that cannot keep it), the training DataLoader's length, the output
     folders, leftovers of interrupted saves, and ``ckpt_path`` against the module and its optimizers."""
     module = trainer.lightning_module if trainer is not None else (args[0] if args else None)
     check_module = getattr(strategy, "check_module", None)
@@ -694,6 +695,9 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     check_data = getattr(strategy, "check_data", None)
     if callable(check_data):
         check_data(args, probe=probe)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)
+    from lightning_parallel.callbacks.global_batch import apply_global_batch
+
+    apply_global_batch(strategy, trainer, args)  # parallel.global_batch_size -> accumulate_grad_batches (every rank)
     check_data_modules(strategy, trainer, args, probe=probe)
     check_output_dirs(trainer)
     if first:

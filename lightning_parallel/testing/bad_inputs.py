@@ -61,6 +61,8 @@ CASES: tuple[BadInput, ...] = (
     BadInput("unknown parallel key (recipe)", ("fit", "--config", "{dir}/typo_key.yaml"),
              "Did you mean 'zero_stage'?"),
     BadInput("zero_stage 4", _fit("--parallel.zero_stage", "4"), "zero_stage"),
+    BadInput("global batch the world cannot keep", _fit("--parallel.global_batch_size", "48"),
+             "parallel.global_batch_size=48 cannot be kept on this world"),
     BadInput("NVMe offload without nvme_path", _fit("--trainer.strategy", "lp_zero_offload", "--parallel.zero_stage",
                                                     "3", "--parallel.offload", "nvme"), "needs parallel.nvme_path"),
     BadInput("lp_ddp given zero_stage 2", _fit("--parallel.zero_stage", "2"), "lp_sharded"),

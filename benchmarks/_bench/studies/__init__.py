@@ -16,6 +16,8 @@ STUDIES: dict[str, str] = {
               "the micro-batches in flight and the saved activations",
     "offload": "ZeRO-2/3 with and without CPU offload: device and host bytes per rank next to the formulas, step "
                "time against no offload (CUDA: the largest GPT that trains on one GPU)",
+    "checkpoint": "step time with a checkpoint every 10 steps written in the background vs in the step vs none "
+                  "(one file, lp_sharded folder, DCP folder), and how long a save held the step",
     "compile": "parallel.compile on and off under every strategy: the step time compiled over eager, and how far "
                "the losses move",
     "context": "context parallelism: activation bytes per rank at cp = 1, 2, 4 next to the formula, and the longest "

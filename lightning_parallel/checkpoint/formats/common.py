@@ -201,6 +201,23 @@ def agree_on_failure(strategy: CheckpointStrategy, error: BaseException | None, 
     raise CheckpointFormatError(f"the checkpoint save failed on rank {rank} ({text}); this rank stops with it.")
 
 
+def wait_for_background_save(strategy: CheckpointStrategy) -> Any:
+    """First in every format's save, on every rank (a collective): wait for this process's background save in flight
+    (:func:`~lightning_parallel.checkpoint.async_save.before_save`); if it failed on any rank, every rank raises
+    (:class:`~lightning_parallel.checkpoint.async_save.BackgroundSaveError` on the rank whose part failed). Returns
+    the writer when this save is to run in the background, else None."""
+    from .. import async_save
+
+    error: BaseException | None = None
+    writer = None
+    try:
+        writer = async_save.before_save()
+    except async_save.BackgroundSaveError as err:
+        error = err
+    agree_on_failure(strategy, error)
+    return writer
+
+
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in a nested checkpoint structure (what a save of it writes, give or take the pickle)."""
     if isinstance(value, torch.Tensor):

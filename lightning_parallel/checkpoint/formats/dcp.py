@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import rng
+from .. import async_save, rng
 from ..atomic import disk_errors, fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError
 from ..names import (
@@ -57,6 +57,7 @@ from .common import (
     stamp_format_version,
     strip_wrapper_prefixes,
     tensor_bytes,
+    wait_for_background_save,
 )
 
 __all__ = [
@@ -89,6 +90,7 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     failed save never leaves a half folder under the checkpoint's name."""
     if refused_save(strategy, filepath):
         return
+    writer = wait_for_background_save(strategy)  # the save in flight first; a writer: this one in the background
     path = Path(strategy.broadcast(str(filepath)))
     partial = partial_path(path)
     error: BaseException | None = None
@@ -108,6 +110,10 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         optim_states = [{**s, "param_groups": merge_param_groups([g[i] for g in gathered])}
                         for i, s in enumerate(optim_states)]
     checkpoint[layout_key] = layout
+    if writer is not None:
+        _write_in_background(writer, partial, path, model_state=model_state, optimizer_states=optim_states,
+                             meta=checkpoint if strategy.is_global_zero else None, layout=layout)
+        return
     needed = tensor_bytes(model_state) + tensor_bytes(optim_states)
     try:  # DCP reports a rank's failed write to every rank (CheckpointException)
         with disk_errors(path, needed=needed):
@@ -128,6 +134,45 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
         except Exception as err:
             error = err
     agree_on_failure(strategy, error, cleanup=partial)
+
+
+def _write_in_background(writer: async_save.AsyncWriter, partial: Path, path: Path, *, model_state: dict[str, Any],
+                         optimizer_states: list[dict[str, Any]], meta: dict[str, Any] | None,
+                         layout: dict[str, Any]) -> None:
+    """The save's files by ``torch.distributed.checkpoint.async_save`` (it stages every rank's tensors in host memory
+    now and writes them from its own thread, coordinating on the writer's gloo group), then -- in the writer's
+    thread, once DCP is done on every rank -- rank 0's ``meta.pt``, ``layout.json``, the manifest and the rename."""
+    import torch.distributed.checkpoint as dcp
+
+    group = writer.group()
+    future: Any = dcp.async_save({DCP_MODEL_KEY: model_state,
+                             DCP_OPTIM_KEY: {str(i): {"state": s["state"]} for i, s in enumerate(optimizer_states)}},
+                            checkpoint_id=str(partial), process_group=group)
+    meta_copy = None
+    if meta is not None:
+        meta_copy = async_save.host_copy({**meta, OPTIMIZER_GROUPS_KEY: [s["param_groups"] for s in optimizer_states]})
+
+    def finish() -> None:
+        failure: BaseException | None = None
+        try:  # DCP's own metadata is written by then (its coordinator gathers every rank's writes)
+            with disk_errors(path, needed=0):
+                future.result()
+        except Exception as err:
+            failure = err
+        writer.agree(failure, cleanup=partial)
+        if meta_copy is not None:
+            try:
+                with disk_errors(path, needed=0):
+                    torch.save(meta_copy, partial / META_FILE)
+                    record = {**layout, "format_version": FORMAT_VERSION}
+                    (partial / LAYOUT_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+                    write_manifest(partial)
+                    replace_with(partial, path)
+            except Exception as err:
+                failure = err
+        writer.agree(failure, cleanup=partial)
+
+    writer.submit(str(path), finish)
 
 
 def _write_shards(folder: Path, *, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],

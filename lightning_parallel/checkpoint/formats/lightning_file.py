@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .. import rng
+from .. import async_save, rng
 from ..atomic import disk_errors
 from ..errors import CheckpointFormatError
 from ..names import META_FILE, SHARDED_KEY
@@ -32,6 +32,7 @@ from .common import (
     stamp_format_version,
     strip_wrapper_prefixes,
     tensor_bytes,
+    wait_for_background_save,
 )
 
 __all__ = ["FORMATS", "detect", "read_full", "save"]
@@ -49,11 +50,23 @@ def save(strategy: _FileWritingStrategy, checkpoint: dict[str, Any], filepath: A
     """Write ``checkpoint`` as one file (collective: every rank calls it; rank 0 writes). A write the disk refuses
     (full, file too large) is a :class:`~lightning_parallel.checkpoint.errors.CheckpointWriteError` on every rank,
     naming the path and the bytes; nothing is written while the training state is refused
-    (:func:`~.common.refused_save`)."""
+    (:func:`~.common.refused_save`). In the background (:mod:`~lightning_parallel.checkpoint.async_save`): rank 0
+    copies it to host memory, a thread writes it (a failure there is raised by the next save, on every rank)."""
     if refused_save(strategy, filepath):
         return
+    writer = wait_for_background_save(strategy)
     rng.attach_rng_states(checkpoint)
     stamp_format_version(checkpoint)
+    if writer is not None:
+        if strategy.is_global_zero:
+            copy = async_save.host_copy(checkpoint)
+
+            def write() -> None:
+                with disk_errors(str(filepath), needed=tensor_bytes(copy)):
+                    strategy.checkpoint_io.save_checkpoint(copy, filepath, storage_options=storage_options)
+
+            writer.submit(str(filepath), write)
+        return
     error: BaseException | None = None
     if strategy.is_global_zero:
         try:

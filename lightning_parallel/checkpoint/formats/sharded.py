@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import rng
+from .. import async_save, rng
 from ..atomic import disk_errors, fresh_partial, partial_path, replace_with
 from ..errors import CheckpointFormatError
 from ..names import DCP_METADATA_FILE, META_FILE, RANK_FILE_GLOB, SHARDED_KEY, rank_file
@@ -38,6 +38,7 @@ from .common import (
     stamp_format_version,
     strip_wrapper_prefixes,
     tensor_bytes,
+    wait_for_background_save,
 )
 
 __all__ = [
@@ -67,6 +68,7 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     fsdp = zero_stage == 3 if fsdp is None else fsdp
     if refused_save(strategy, filepath):
         return
+    writer = wait_for_background_save(strategy)  # the save in flight first; a writer: this one in the background
     rng.attach_rng_states(checkpoint)  # every rank's, into meta.pt (a collective)
     stamp_format_version(checkpoint)
     target = Path(strategy.broadcast(str(filepath)))
@@ -81,13 +83,6 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     own = {"optimizer_states": checkpoint.pop("optimizer_states", [])}
     if fsdp:
         own["state_dict"] = checkpoint.pop("state_dict")
-    try:
-        with disk_errors(target, needed=tensor_bytes(own) + (tensor_bytes(checkpoint) if strategy.is_global_zero
-                                                              else 0)):
-            torch.save(own, path / rank_file(strategy.global_rank))
-    except Exception as err:
-        error = err
-    agree_on_failure(strategy, error, cleanup=path)  # every rank stops if one rank's file could not be written
     if strategy.is_global_zero:
         checkpoint[SHARDED_KEY] = {"zero_stage": zero_stage, "world_size": strategy.world_size,
                                    "sharded_shapes": _sharded_shapes(strategy.lightning_module, fsdp)}
@@ -95,6 +90,39 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
             checkpoint[SHARDED_KEY]["fsdp"] = True
         if shard_ranks is not None and list(shard_ranks) != list(range(strategy.world_size)):
             checkpoint[SHARDED_KEY]["shard_ranks"] = [int(r) for r in shard_ranks]
+    if writer is not None:  # the rest in the background, on copies, the ranks joined on the writer's own group
+        writer.group()
+        own_copy = async_save.host_copy(own)
+        meta = async_save.host_copy(checkpoint) if strategy.is_global_zero else None
+        rank = strategy.global_rank
+
+        def write() -> None:
+            failure: BaseException | None = None
+            try:
+                with disk_errors(target, needed=tensor_bytes(own_copy) + tensor_bytes(meta)):
+                    torch.save(own_copy, path / rank_file(rank))
+            except Exception as err:
+                failure = err
+            writer.agree(failure, cleanup=path)  # every rank's part stops if one rank's file could not be written
+            if meta is not None:  # metadata, then the checksums, last; then the rename
+                try:
+                    with disk_errors(target, needed=tensor_bytes(meta)):
+                        torch.save(meta, path / META_FILE)
+                        write_manifest(path)
+                        replace_with(path, target)
+                except Exception as err:
+                    failure = err
+            writer.agree(failure, cleanup=path)
+
+        writer.submit(str(target), write)
+        return
+    try:
+        with disk_errors(target, needed=tensor_bytes(own) + (tensor_bytes(checkpoint) if strategy.is_global_zero
+                                                              else 0)):
+            torch.save(own, path / rank_file(strategy.global_rank))
+    except Exception as err:
+        error = err
+    agree_on_failure(strategy, error, cleanup=path)  # every rank stops if one rank's file could not be written
     if strategy.is_global_zero:  # metadata, then the checksums, last; then the rename
         try:
             with disk_errors(target, needed=tensor_bytes(checkpoint)):

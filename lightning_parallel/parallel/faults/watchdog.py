@@ -29,8 +29,22 @@ group was built on: rank 0's under Lightning's launcher, the agent's on node 0 u
   stack of each of its threads to stderr before it dies, instead of leaving only the launcher's "terminated with
   signal SIGSEGV". Silent and free until such a signal.
 
-It names ranks; it does not shorten anything: how long a rank waits for a peer that vanished without closing its
-sockets is the collective timeout (``--trainer.strategy.init_args.timeout 0:05:00`` with a strategy class path).
+* **Peer monitoring** (``LP_WATCHDOG_PEER_TIMEOUT=<seconds>``, off by default; ``scripts/launch/torchrun.sh
+  --elastic`` turns it on at 15 s): the heartbeat thread also reads the heartbeat of one peer, the next rank
+  (``(rank + 1) % world``: every rank is watched by one other, one store read per rank and interval). When that
+  peer's count has not moved for the timeout and it has not said it stopped -- its host vanished or froze without
+  closing its sockets, where a collective would wait for the whole collective timeout -- this rank prints which
+  rank (and node) is gone and ends its own process at once (exit code :data:`PEER_LOST_EXIT_CODE`). Its closed
+  sockets make every other rank's collective fail at once, so the whole broken world ends within seconds and an
+  elastic agent (torchrun) restarts on the nodes that are left. A rendezvous store that stays unreachable for the
+  timeout ends the rank the same way (its host, node 0 or torchrun's agent, is gone).
+
+Ranks are named with their node when the launcher says it (torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``,
+Lightning's ``NODE_RANK``): ``node 1 (ranks 2, 3: pids 4242, 4243 on node-b) is gone``.
+
+Without peer monitoring it names ranks and shortens nothing: how long a rank waits for a peer that vanished without
+closing its sockets is the collective timeout (``--trainer.strategy.init_args.timeout 0:05:00`` with a strategy
+class path).
 """
 
 from __future__ import annotations
@@ -48,7 +62,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RankWatchdog", "active", "enable_fault_handler", "on_exception", "start", "stop"]
+__all__ = ["PEER_LOST_EXIT_CODE", "RankWatchdog", "active", "enable_fault_handler", "on_exception", "peer_timeout",
+           "start", "stop"]
+
+PEER_LOST_EXIT_CODE = 75
+"""Exit code of a rank that ended itself because the peer it watches went silent (``EX_TEMPFAIL``: try again)."""
 
 _PREFIX = "lightning_parallel/watchdog"
 _STORE_TIMEOUT = timedelta(seconds=10)
@@ -61,6 +79,23 @@ def _interval() -> float:
         return max(0.05, float(os.environ.get("LP_WATCHDOG_INTERVAL", "1")))
     except ValueError:
         return 1.0
+
+
+def peer_timeout() -> float:
+    """``LP_WATCHDOG_PEER_TIMEOUT`` in seconds; 0 (the default) = no peer monitoring."""
+    try:
+        return max(0.0, float(os.environ.get("LP_WATCHDOG_PEER_TIMEOUT", "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+def _node_from_env() -> int | None:
+    """This process's node: torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``, Lightning's ``NODE_RANK``."""
+    for key in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def _enabled() -> bool:
@@ -136,6 +171,7 @@ class _Peer:
     host: str | None = None
     pid: int | None = None
     namespace: str | None = None
+    node: int | None = None
     exit_seq: int | None = None
     exit_reason: str | None = None
     why: str = ""
@@ -147,7 +183,10 @@ class _Peer:
             where.append(f"pid {self.pid}")
         if self.host:
             where.append(f"on {self.host}")
-        return f"rank {self.rank}" + (f" ({' '.join(where)})" if where else "")
+        text = " ".join(where)
+        if self.node is not None:
+            text += f"{', ' if text else ''}node {self.node}"
+        return f"rank {self.rank}" + (f" ({text})" if text else "")
 
 
 @dataclass
@@ -166,15 +205,23 @@ class RankWatchdog:
     root: _Peer | None = None
     store_error: BaseException | None = None
     exited: bool = False
+    node: int | None = field(default_factory=_node_from_env)
+    peer_timeout: float = 0.0
+    """Seconds of silence of the watched peer after which this rank ends itself (0: no peer monitoring)."""
+    on_peer_lost: Any = None
+    """Called with the line naming the silent peer; default: print it and end this process
+    (:data:`PEER_LOST_EXIT_CODE`)."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _watch: tuple[int, float] | None = None
+    _store_failing_since: float | None = None
 
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, *(str(p) for p in parts)])
 
     # ------------------------------------------------------------------ life cycle
     def begin(self) -> None:
-        info = {"host": self.host, "pid": self.pid, "namespace": self.namespace}
+        info = {"host": self.host, "pid": self.pid, "namespace": self.namespace, "node": self.node}
         self.store.set(self.key("info", self.rank), json.dumps(info))
         self.store.add(self.key("hb", self.rank), 1)
         self._thread = threading.Thread(target=self._beat, name="lightning-parallel-watchdog", daemon=True)
@@ -188,9 +235,79 @@ class RankWatchdog:
                 if self._stop.wait(self.interval):
                     return
                 self.store.add(self.key("hb", self.rank), 1)
-            except Exception as err:  # the store's host is gone: stop quietly; on_exception reports it
+                self.store_error, self._store_failing_since = None, None
+                if self.peer_timeout > 0:
+                    self._check_watched_peer()
+            except Exception as err:  # the store's host is gone: on_exception reports it
                 self.store_error = err
-                return
+                if self.peer_timeout <= 0:
+                    return  # stop quietly
+                now = time.monotonic()
+                self._store_failing_since = self._store_failing_since or now
+                if now - self._store_failing_since >= self.peer_timeout and not self._stop.is_set():
+                    self._peer_lost(self._store_gone_line(f"no answer from the store for {self.peer_timeout:.0f}s",
+                                                          err, ending=True))
+                    return
+
+    # ------------------------------------------------------------------ peer monitoring
+    @property
+    def watched_rank(self) -> int:
+        """The peer this rank watches: the next rank (every rank is watched by exactly one other)."""
+        return (self.rank + 1) % self.world_size
+
+    def _check_watched_peer(self) -> None:
+        """One read of the watched peer's heartbeat; when it has not moved for :attr:`peer_timeout` seconds and the
+        peer has not said it stopped, :meth:`_peer_lost`."""
+        peer = self.watched_rank
+        if peer == self.rank:
+            return
+        now = time.monotonic()
+        if self._watch is None:
+            if not self.store.check([self.key("info", peer)]):
+                return  # not started yet: nothing to judge
+            self._watch = (int(self.store.add(self.key("hb", peer), 0)), now)
+            return
+        count = int(self.store.add(self.key("hb", peer), 0))
+        if count != self._watch[0]:
+            self._watch = (count, now)
+            return
+        silent = now - self._watch[1]
+        if silent < self.peer_timeout or self._exit_marker(peer) is not None or self._stop.is_set():
+            return  # a peer that stopped by itself (finished or failed) is not lost: its exit ends its sockets
+        info = self._peer_info(peer) or _Peer(peer)
+        node = self._node_ranks(info.node)
+        silence = f"no heartbeat for {silent:.0f}s; LP_WATCHDOG_PEER_TIMEOUT={self.peer_timeout:g}"
+        if info.node is not None and info.node != self.node and len(node) > 1:
+            host = f" on {info.host}" if info.host else ""
+            pid = f", pid {info.pid}" if info.pid is not None else ""
+            head = (f"node {info.node} (ranks {', '.join(str(r) for r in node)}{host}) is gone (rank {peer}{pid}: "
+                    f"{silence})")
+        else:
+            head = f"{info.name()} is gone ({silence})"
+        self._peer_lost(f"lightning-parallel: {head}: rank {self.rank} stops now so that the launcher restarts the "
+                        "job on the nodes that are left")
+
+    def _node_ranks(self, node: int | None) -> list[int]:
+        """The ranks whose recorded node is ``node`` (from the store)."""
+        if node is None:
+            return []
+        out = []
+        for r in range(self.world_size):
+            peer = self._peer_info(r) if r != self.rank else _Peer(r, node=self.node)
+            if peer is not None and peer.node == node:
+                out.append(r)
+        return out
+
+    def _peer_lost(self, line: str) -> None:
+        if self.on_peer_lost is not None:
+            self.on_peer_lost(line)
+            return
+        print(line, file=sys.stderr, flush=True)
+        try:
+            self._mark_exit(line.split(": ", 1)[-1][:200])
+        except Exception:
+            pass
+        os._exit(PEER_LOST_EXIT_CODE)
 
     def _halt_heartbeat(self) -> None:
         self._stop.set()
@@ -211,7 +328,9 @@ class RankWatchdog:
         if not self.store.check([key]):
             return None
         info = json.loads(self.store.get(key))
-        return _Peer(rank, host=info.get("host"), pid=info.get("pid"), namespace=info.get("namespace"))
+        node = info.get("node")
+        return _Peer(rank, host=info.get("host"), pid=info.get("pid"), namespace=info.get("namespace"),
+                     node=int(node) if isinstance(node, int) else None)
 
     def _mark_exit(self, reason: str) -> int:
         seq = int(self.store.add(self.key("exit_seq"), 1))
@@ -279,15 +398,23 @@ class RankWatchdog:
             return self._store_gone_line(own, err)
         if not gone:
             return None
+        nodes = {p.node for p in gone}
+        lost_node = next(iter(nodes)) if len(nodes) == 1 and len(gone) > 1 else None
         if len(gone) == 1:
             head = f"{gone[0].name()} {gone[0].verb} ({gone[0].why})"
+        elif lost_node is not None and lost_node != self.node and all(p.verb == "is gone" for p in gone):
+            pids = ", ".join(str(p.pid) for p in gone if p.pid is not None)
+            hosts = sorted({p.host for p in gone if p.host})
+            head = (f"node {lost_node} (ranks {', '.join(str(p.rank) for p in gone)}"
+                    f"{': pids ' + pids if pids else ''}{' on ' + ', '.join(hosts) if hosts else ''}) is gone "
+                    f"({'; '.join(f'rank {p.rank}: {p.why}' for p in gone)})")
         else:
             verb = "failed first" if all(p.verb == "failed first" for p in gone) else "are gone"
             head = (f"ranks {', '.join(str(p.rank) for p in gone)} {verb} "
                     f"({'; '.join(f'{p.name()}: {p.why}' for p in gone)})")
         return f"lightning-parallel: {head}: rank {self.rank} got {own}; this rank ({self.rank}) stops"
 
-    def _store_gone_line(self, own: str, err: BaseException) -> str:
+    def _store_gone_line(self, own: str, err: BaseException, *, ending: bool = False) -> str:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             host = "torchrun's agent on node 0 (it hosts the store)"
         elif self.rank == 0:
@@ -296,8 +423,10 @@ class RankWatchdog:
             host = f"{self.root.name()}, which hosts the store,"
         else:
             host = "rank 0, which hosts the store,"
+        verb = f"rank {self.rank} had {own}; this rank stops now" if ending else (
+            f"rank {self.rank} got {own}; this rank ({self.rank}) stops")
         return (f"lightning-parallel: {host} is gone (the rendezvous store at {self.address} is unreachable: "
-                f"{_first_line(err, 120)}): rank {self.rank} got {own}; this rank ({self.rank}) stops")
+                f"{_first_line(err, 120)}): {verb}")
 
 
 _ACTIVE: RankWatchdog | None = None
@@ -326,6 +455,20 @@ def enable_fault_handler(*, replace: bool = True) -> bool:
     return faulthandler.is_enabled()
 
 
+def _world_token() -> str:
+    """A name every rank of this world shares and no earlier world used, for the keys in the store. Under torchrun
+    the store outlives the worlds an elastic job goes through, and the restart count differs between agents (a node
+    that joins later starts at 0), so rank 0 draws one and broadcasts it (a collective: every rank starts its
+    watchdog at the same point of the set-up); other launchers start one world per store."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    import uuid
+
+    box: list[Any] = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{box[0]}"
+
+
 def active() -> RankWatchdog | None:
     """This process's running watchdog, if any."""
     return _ACTIVE
@@ -344,11 +487,11 @@ def start(*, rank: int, world_size: int) -> RankWatchdog | None:
     if not addr or not port:
         return None
     _GENERATION += 1  # every rank starts (fit, then test, ...) as often as the others: the same keys everywhere
-    prefix = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_GENERATION}"
+    prefix = f"{_PREFIX}/{_world_token()}/{_GENERATION}"
     try:
         store = dist.TCPStore(addr, int(port), is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
         watchdog = RankWatchdog(rank=rank, world_size=world_size, store=store, prefix=prefix, interval=_interval(),
-                                address=f"{addr}:{port}")
+                                address=f"{addr}:{port}", peer_timeout=peer_timeout())
         watchdog.begin()
     except Exception:  # no TCP store there (another rendezvous): run without
         return None
