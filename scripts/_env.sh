@@ -91,7 +91,7 @@ fi
 # long it took; cached ones load in a second. The quick start (lp_ddp) neither installs DeepSpeed nor waits for it.
 if [ -z "${LP_SKIP_DEEPSPEED:-}" ] && [ -n "${LP_BUILD_DEEPSPEED_OPS:-}" ] &&
    "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
-  "$PY" -m lightning_parallel.parallel.offload.ops ||
+  "$PY" -c 'import sys; from lightning_parallel.parallel.offload.ops import main; sys.exit(main())' ||
     echo "[setup] WARNING: DeepSpeed's ops did not build; lp_zero_offload will try again (and say why) on first use"
 fi
 "$PY" -c 'import torch, lightning; print(f"[setup] torch {torch.__version__}, lightning {lightning.__version__}, cuda available: {torch.cuda.is_available()}")'

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,3 +77,18 @@ def max_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     into a visible step of that one element, so the element-wise figure is reported and bounded more loosely."""
     sa, sb = a.state_dict(), b.state_dict()
     return max(float((sa[k].float() - sb[k].float()).norm() / sb[k].float().norm().clamp_min(1e-12)) for k in sa)
+
+
+_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC_PER_NODE", "RANK",
+                       "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment for a launch script or CLI run started by a test: this process's, without what a launcher or
+    an earlier run set (SLURM, torchelastic, Lightning and library variables, the rendezvous), one thread per
+    process, this checkout importable, no CUDA."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LP_")) and k not in _LAUNCHER_VARIABLES}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                "LP_PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}, **extra)
+    return env

@@ -38,6 +38,7 @@ import pytest
 
 from lightning_parallel.checkpoint import full_state_dict
 from lightning_parallel.testing.elastic import read_records, read_steps
+from tests.helpers import launch_env
 
 pytestmark = pytest.mark.slow  # two elastic agents, a kill and a restart: ~1-1.5 min per case here
 
@@ -80,13 +81,7 @@ def free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LP_")) and k not in (
-               "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC_PER_NODE", "RANK",
-               "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LP_PYTHON": sys.executable,
-                "CUDA_VISIBLE_DEVICES": ""}, **extra)
-    return env
+    return launch_env(**extra)
 
 
 def _recipe(folder: Path, strategy: str) -> Path:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from lightning_parallel.checkpoint import full_state_dict
+from tests.helpers import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "scripts" / "launch" / "torchrun.sh"
@@ -57,13 +58,7 @@ def free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_")) and k not in (
-               "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC_PER_NODE", "RANK",
-               "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LP_PYTHON": sys.executable,
-                "CUDA_VISIBLE_DEVICES": ""}, **extra)
-    return env
+    return launch_env(**extra)
 
 
 def _recipe(folder: Path, batch: int) -> Path:
