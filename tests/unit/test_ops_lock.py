@@ -41,3 +41,26 @@ def test_stale_build_locks_are_cleared_and_a_live_build_is_waited_for_with_a_lim
     with pytest.raises(ops.OpsUnavailableError, match="delete") as err:
         ops.settle_lock("cpu_adam", report=said.append, timeout=0.3, poll=0.1)
     assert str(folder) in str(err.value) and lock.exists()
+
+
+def test_a_cached_build_of_another_environment_is_not_taken_for_built(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh virtual environment sharing the extensions cache: torch would rebuild the op (its build file names
+    another torch and DeepSpeed), so the set-up must build it, announced, instead of reporting it cached."""
+    import deepspeed
+    import torch
+
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    monkeypatch.setattr(ops, "_build_dir", lambda name: folder)
+    monkeypatch.setattr("deepspeed.git_version_info.installed_ops", {})
+    assert not ops.op_is_built("cpu_adam")  # nothing cached
+    (folder / "cpu_adam.so").write_bytes(b"")
+    assert ops.op_is_built("cpu_adam")  # a cache without its build file is trusted
+    here = (f"cflags = -I{Path(deepspeed.__file__).parent}/ops/csrc/includes\n"
+            f"ldflags = -shared -L{Path(torch.__file__).parent / 'lib'} -lc10\n")
+    (folder / "build.ninja").write_text(here)
+    assert ops.op_is_built("cpu_adam")
+    (folder / "build.ninja").write_text(here.replace(str(Path(torch.__file__).parents[1]), "/elsewhere/site-packages"))
+    assert not ops.op_is_built("cpu_adam")
+    assert ops.missing_ops(["cpu_adam"]) == ["cpu_adam"]

@@ -74,12 +74,34 @@ def _build_dir(name: str) -> Path:
 
 
 def op_is_built(name: str) -> bool:
-    """True when the op is installed with DeepSpeed or its JIT build is cached in ``TORCH_EXTENSIONS_DIR``."""
+    """True when the op is installed with DeepSpeed, or its JIT build is cached in ``TORCH_EXTENSIONS_DIR`` *for this
+    environment*: torch rebuilds a cached op whose build file names another torch or DeepSpeed (another virtual
+    environment sharing the cache folder), so such a cache counts as not built -- otherwise the set-up would report
+    "cached" and the build would happen later, inside a run or a test."""
     from deepspeed.git_version_info import installed_ops
 
     if installed_ops.get(name, False):
         return True
-    return (_build_dir(name) / f"{name}.so").is_file()
+    folder = _build_dir(name)
+    return (folder / f"{name}.so").is_file() and _built_for_this_environment(folder)
+
+
+def _built_for_this_environment(folder: Path) -> bool:
+    """The cached build in ``folder`` was made against this process's torch and DeepSpeed (its ``build.ninja`` links
+    this torch's library folder and includes this DeepSpeed's sources); a cache without ``build.ninja`` is trusted."""
+    ninja = folder / "build.ninja"
+    if not ninja.is_file():
+        return True
+    import deepspeed
+    import torch
+
+    text = ninja.read_text(errors="replace")
+
+    def named(module_file: str, template: str, sub: str = "") -> bool:  # as imported or with links resolved
+        paths = {Path(module_file).parent, Path(module_file).resolve().parent}
+        return any(template.format(path / sub if sub else path) in text for path in paths)
+
+    return named(torch.__file__, "-L{}", "lib") and named(deepspeed.__file__, "{}")
 
 
 def missing_ops(names: Iterable[str]) -> list[str]:
