@@ -64,3 +64,23 @@ def test_a_cached_build_of_another_environment_is_not_taken_for_built(tmp_path: 
     (folder / "build.ninja").write_text(here.replace(str(Path(torch.__file__).parents[1]), "/elsewhere/site-packages"))
     assert not ops.op_is_built("cpu_adam")
     assert ops.missing_ops(["cpu_adam"]) == ["cpu_adam"]
+
+
+def test_a_cached_build_with_newer_sources_is_not_taken_for_built(tmp_path: Path) -> None:
+    """A freshly installed environment at the same path has sources newer than the cache: ninja (which torch's loader
+    runs) would rebuild, so the set-up must not call the op built."""
+    import shutil
+    import sys
+
+    ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
+    if not Path(ninja).is_file():
+        pytest.skip("no ninja")
+    rules = "rule cp\n  command = cp $in $out\nbuild out.txt: cp in.txt\ndefault out.txt\n"
+    (tmp_path / "build.ninja").write_text(rules)
+    (tmp_path / "in.txt").write_text("source")
+    os.utime(tmp_path / "in.txt", (time.time() - 100, time.time() - 100))
+    assert not ops._ninja_up_to_date(tmp_path)  # not built yet
+    subprocess.run([ninja, "-C", str(tmp_path)], check=True, capture_output=True)  # the build, as torch runs it
+    assert ops._ninja_up_to_date(tmp_path)
+    os.utime(tmp_path / "in.txt", (time.time() + 100, time.time() + 100))  # the source is newer than the build
+    assert not ops._ninja_up_to_date(tmp_path)

@@ -83,7 +83,24 @@ def op_is_built(name: str) -> bool:
     if installed_ops.get(name, False):
         return True
     folder = _build_dir(name)
-    return (folder / f"{name}.so").is_file() and _built_for_this_environment(folder)
+    return (folder / f"{name}.so").is_file() and _built_for_this_environment(folder) and _ninja_up_to_date(folder)
+
+
+def _ninja_up_to_date(folder: Path) -> bool:
+    """ninja's own answer for the cached build (``ninja -n``: "no work to do"): torch's loader runs ninja, which
+    rebuilds when a source or header is newer than the build -- as in every freshly installed virtual environment,
+    even at the same path. True when there is no build file or no ninja to ask."""
+    import shutil
+    import subprocess
+
+    ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
+    if not (folder / "build.ninja").is_file() or not Path(ninja).is_file():
+        return True
+    try:
+        out = subprocess.run([ninja, "-C", str(folder), "-n"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return out.returncode == 0 and "no work to do" in out.stdout
 
 
 def _built_for_this_environment(folder: Path) -> bool:
