@@ -80,10 +80,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return launch_env(**extra)
-
-
 def _recipe(folder: Path, strategy: str) -> Path:
     folder.mkdir(parents=True)
     path = folder / "recipe.yaml"
@@ -133,7 +129,7 @@ def _agent(recipe: Path, port: int, node: str, log: Path, extra: list[str]) -> s
         ["bash", str(TORCHRUN_SH), "--elastic", "1:2", "--nproc-per-node", "2", "--max-restarts", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", f"elastic-test-{port}",
          "--rdzv-conf", conf, str(recipe), *extra],
-        cwd=recipe.parent, env=_env(LOGLEVEL="INFO"), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        cwd=recipe.parent, env=launch_env(LOGLEVEL="INFO"), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         start_new_session=True)
 
 
@@ -152,8 +148,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     accumulation 1) from start to end, alone on the cores. Returns its recipe (its losses and checkpoints beside it)."""
     recipe = _recipe(tmp_path_factory.mktemp("elastic_reference") / "reference", "lp_ddp")
     ref = subprocess.run([sys.executable, "-m", "lightning_parallel", "fit", "--config", str(recipe),
-                          "--trainer.devices", "4"], cwd=recipe.parent, env=_env(), capture_output=True, text=True,
-                         timeout=900)
+                          "--trainer.devices", "4"], cwd=recipe.parent, env=launch_env(), capture_output=True,
+                         text=True, timeout=900)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     return recipe
 
@@ -253,7 +249,7 @@ def test_a_world_the_layout_cannot_use_is_refused_with_the_reason(tmp_path: Path
         ["bash", str(TORCHRUN_SH), "--elastic", "1:2", "--nproc-per-node", "2", "--max-restarts", "0",
          "--master-port", str(free_port()), "--rdzv-conf", "last_call_timeout=1", str(recipe),
          "--trainer.strategy", "lp_tensor", "--parallel.tensor_parallel_size", "4"],
-        cwd=recipe.parent, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=recipe.parent, env=launch_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         code = agent.wait(timeout=600)
     finally:

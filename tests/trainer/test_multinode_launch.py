@@ -57,10 +57,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return launch_env(**extra)
-
-
 def _recipe(folder: Path, batch: int) -> Path:
     folder.mkdir(parents=True)
     path = folder / "recipe.yaml"
@@ -80,12 +76,12 @@ def test_two_nodes_by_torchrun_equal_one_device(tmp_path: Path) -> None:
     nodes = [
         subprocess.Popen(["bash", str(TORCHRUN_SH), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r),
                           "--master-addr", "127.0.0.1", "--master-port", str(port), str(two)],
-                         cwd=two.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         cwd=two.parent, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]
     # the reference run meanwhile (one process: no port shared with the launches)
     ref = subprocess.run([sys.executable, "-m", "lightning_parallel", "fit", "--config", str(one),
-                          "--trainer.devices", "1"], cwd=one.parent, env=_env(), capture_output=True, text=True,
+                          "--trainer.devices", "1"], cwd=one.parent, env=launch_env(), capture_output=True, text=True,
                          timeout=180)
     outs = []
     try:
@@ -130,7 +126,7 @@ def test_slurm_sbatch_under_a_stand_in_srun(tmp_path: Path) -> None:
         "rc=0; for p in \"${pids[@]}\"; do wait \"$p\" || rc=$?; done; exit $rc\n"
     )
     srun.chmod(0o755)
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", SLURM_NNODES="1",
+    env = launch_env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", SLURM_NNODES="1",
                SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1", SLURM_NODELIST="127.0.0.1",
                SLURM_JOB_NAME="lp-test", SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(ROOT),
                MASTER_PORT=str(free_port()))
@@ -151,8 +147,8 @@ def test_launch_scripts_parse_and_refuse_devices() -> None:
     assert "--nproc-per-node" in help_text.stdout and "NODE_RANK" in help_text.stdout
     dry = subprocess.run(["bash", str(TORCHRUN_SH), "--dry-run", "--nnodes", "2", "--nproc-per-node", "4",
                           "--node-rank", "1", str(ROOT / "recipes" / "quickstart.yaml")],
-                         capture_output=True, text=True, env=_env(), check=True)
+                         capture_output=True, text=True, env=launch_env(), check=True)
     assert "--trainer.num_nodes 2 --trainer.devices 4" in dry.stdout and "--node-rank 1" in dry.stdout
     bad = subprocess.run(["bash", str(TORCHRUN_SH), str(ROOT / "recipes" / "quickstart.yaml"),
-                          "--trainer.devices", "3"], capture_output=True, text=True, env=_env())
+                          "--trainer.devices", "3"], capture_output=True, text=True, env=launch_env())
     assert bad.returncode == 2 and "use --nproc-per-node / --nnodes" in bad.stderr
