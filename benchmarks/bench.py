@@ -7,6 +7,8 @@ against Lightning's built-in strategies, on the same GPT, global batch and seed.
     python benchmarks/bench.py --device cuda --large   # a 3B GPT: most of an 80 GB GPU's memory under lp_ddp
     python benchmarks/bench.py --cases ddp,zero3 --reps 5
     python benchmarks/bench.py --profile ddp       # torch.profiler of the library and its anchor: where the time goes
+    python benchmarks/bench.py --quick --overhead all   # each variant's step split: compute / collectives / library
+                                                   # Python / Lightning Python / torch Python / the rest
     python benchmarks/bench.py --cases ddp,zero1,zero2,zero3 --dp 1,2,4   # data parallelism over 1, 2 and 4 ranks
     python benchmarks/bench.py --study bubble      # one of the studies below instead of the table
     python benchmarks/bench.py --study compile --quick   # parallel.compile on/off under every strategy
@@ -173,6 +175,33 @@ def profile(a: argparse.Namespace, case: Case) -> None:
 
 
 
+def overhead(a: argparse.Namespace, cases: list[Case], folder: Path, command: str) -> int:
+    """``--overhead``: each variant of each case run once more with three times the timed steps, in three windows
+    (plain, torch.profiler, cProfile), and its step split by who spends it (``_bench.overhead``); the tables are
+    printed and written to ``overhead.md``."""
+    from _bench.overhead import overhead_table
+
+    a = argparse.Namespace(**{**vars(a), "steps": 3 * a.steps})
+    texts: list[str] = []
+    for case in cases:
+        why = available(a, case)
+        if why is not None:
+            print(f"[bench] {case.name}: skipped ({why})", flush=True)
+            continue
+        runs: dict[str, dict[str, Any]] = {}
+        for role in _roles(a, case):
+            res = run_world(a, case, role, count=False, profile="split")
+            if "error" in res:
+                print(f"[bench] {case.name} {role} failed:\n{res['error']}", flush=True)
+            runs[role] = {"error": res["error"]} if "error" in res else res["ranks"][0]["profile"]
+        texts.append(overhead_table(a, case.name, runs))
+        print(texts[-1] + "\n", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "overhead.md").write_text(f"`{command}`\n\n" + "\n\n".join(texts) + "\n")
+    print(f"[bench] wrote {folder / 'overhead.md'}")
+    return 0
+
+
 def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]]) -> None:
     """For a case where the library is more than 3 % slower (wall clock or CPU time) than its hand-written loop,
     profile every variant once over the timed steps and keep the split (``row["split"]``)."""
@@ -202,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.study is not None:
         folder.mkdir(parents=True, exist_ok=True)
         return load_study(a.study).run(a, folder, f"Measured {date} on {_machine(a)}; `{command}`")
-    if ("offload" in a.cases or a.profile == "offload") and _has_deepspeed():
+    if ("offload" in a.cases or a.profile == "offload" or "offload" in (a.overhead or [])) and _has_deepspeed():
         import deepspeed  # noqa: F401  (import once in the parent; the ops were built by the set-up)
+    if a.overhead is not None:
+        return overhead(a, expand(a.overhead, a.dp), folder, command)
     if a.profile is not None:
         case = CASES[a.profile]
         profile(a, case.with_dp(a.dp[0]) if case.scalable else case)

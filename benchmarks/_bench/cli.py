@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
     p.add_argument("--out", help="output folder (default benchmarks/<date>)")
     p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
+    p.add_argument("--overhead", metavar="CASE[,CASE...]",
+                   help="where a step's time goes for each variant of CASE (all: every case): compute / collectives / "
+                        "library Python / Lightning Python / torch Python / the rest; three more runs per variant; "
+                        "no table")
     p.add_argument("--render", metavar="RESULTS_JSON",
                    help="write the markdown table and the plots again from a results.json; run nothing")
     s = p.add_argument_group("studies", "what the table does not show, one question each (--cases, --roles and "
@@ -69,8 +73,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     if a.budget_mib is None:
         a.budget_mib = 4.0 if a.quick else 16.0
     if a.study is not None:
-        if a.profile is not None or a.render is not None:
-            p.error("--study runs on its own: without --profile or --render.")
+        if a.profile is not None or a.render is not None or a.overhead is not None:
+            p.error("--study runs on its own: without --profile, --overhead or --render.")
         if a.large and a.device == "cpu":
             p.error("--large is sized for GPUs; use it with --device cuda.")
         return a
@@ -81,6 +85,11 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     a.roles = ["ours", *[r for r in a.roles.split(",") if r and r != "ours"]]
     if any(r not in ROLES for r in a.roles):
         p.error(f"--roles {','.join(a.roles)}: out of {', '.join(ROLES)}.")
+    if a.overhead is not None:
+        a.overhead = list(CASES) if a.overhead == "all" else [c for c in a.overhead.split(",") if c]
+        bad = [c for c in a.overhead if c not in CASES]
+        if bad:
+            p.error(f"--overhead {','.join(bad)}: unknown; the cases are {', '.join(CASES)} (or all).")
     if a.reps < 3 and a.profile is None:
         p.error(f"--reps {a.reps}: at least 3 (the table reports medians of interleaved repetitions).")
     if a.profile is not None and a.profile not in CASES:

@@ -66,9 +66,11 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
 
 def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[str, float]:
     """Bytes one rank sends per step by axis (ring model): the technique's textbook figure. The library's strategies
-    (``role="ours"``) also average the logged training loss over the replicas (dp, or dp x cp) -- one fp32
-    all-reduce per step, so that the logged curve is one device's; the hand loops and Lightning's strategies log each
-    rank's own value and do not."""
+    (``role="ours"``) also average the logged training loss over the replicas (dp, or dp x cp), so that the logged
+    curve is one device's; the hand loops and Lightning's strategies log each rank's own value and do not. Where the
+    replicas are the whole world (dp, ZeRO, HSDP, cp, offload) that value rides in the non-finite-loss guard's
+    per-batch all-reduce, control traffic in place of Lightning's broadcast, not counted; elsewhere (tp2d, pipelines
+    with dp) it is one fp32 all-reduce of its own per step over the replicas."""
     out: dict[str, float] = {}
     psi = _local_params(a, case) * 4
     d, b, s, h = case.dp, a.batch // case.dp, a.seq, a.hidden
@@ -109,7 +111,7 @@ def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[s
         out[key] = out.get(key, 0.0) + 2 * (replicas - 1) / replicas * psi
         out.pop("dp", None)
     replicas = d * case.cp
-    if role == "ours" and case.key != "dp" and replicas > 1:  # the logged loss averaged over the replicas
+    if role == "ours" and case.key != "dp" and 1 < replicas < case.world:  # the logged loss, over the replicas
         key = "dp" if case.cp == 1 else ("cp" if d == 1 else "dp_cp")
         out[key] = out.get(key, 0.0) + ring_bytes("all_reduce", full_bytes=4, world_size=replicas)
     return out

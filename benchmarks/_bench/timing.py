@@ -29,7 +29,8 @@ class Ctx:
     counter: CommCount | None
     tokens: Tensor
     profile: str | None = None
-    """None, "full" (``--profile``) or "breakdown" (where the time of a case above 3 % goes)."""
+    """None, "full" (``--profile``), "breakdown" (torch.profiler: where the time of a case above 3 % goes) or
+    "split" (``--overhead``: plain, torch.profiler and cProfile windows of the timed steps)."""
     out: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -62,7 +63,9 @@ class Ctx:
 class Timer:
     """Step starts (rank 0's clock), losses, the counted last step, and (``ctx.profile``) a profile of timed steps:
     ``"full"`` -- torch.profiler's op table and cProfile's Python functions over 4 steps (``--profile``);
-    ``"breakdown"`` -- torch.profiler over every timed step, summed as compute / collectives / the rest."""
+    ``"breakdown"`` -- torch.profiler over every timed step, summed as compute / collectives / the rest;
+    ``"split"`` -- the timed steps in three equal windows of the same run (``--overhead``): plain (the step time),
+    torch.profiler (compute / collectives), cProfile alone (Python self time by category, ``_bench.overhead``)."""
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -72,21 +75,30 @@ class Timer:
         self._stack: contextlib.ExitStack | None = None
         self._profiler: Any = None
         self._python: Any = None
+        self._window: tuple[str, range] | None = None
         self._profile_wall = 0.0
         self.profile: dict[str, Any] = {}
-        a = ctx.a
-        steps = 4 if ctx.profile == "full" else a.steps
-        self._profile_steps = (range(a.warmup, a.warmup + min(steps, a.steps))
-                               if ctx.profile is not None and ctx.rank == 0 else range(0))
+        a, w = ctx.a, ctx.a.warmup
+        self._windows: list[tuple[str, range]] = []
+        if ctx.profile is not None and ctx.rank == 0:
+            if ctx.profile == "split":
+                k = a.steps // 3
+                self._windows = [("ops", range(w + k, w + 2 * k)), ("python", range(w + 2 * k, w + 3 * k))]
+            else:
+                self._windows = [(ctx.profile, range(w, w + min(4 if ctx.profile == "full" else a.steps, a.steps)))]
 
     def begin(self, i: int) -> None:
-        if len(self._profile_steps) and i == self._profile_steps[0]:
-            from torch.profiler import ProfilerActivity, profile
+        window = next((wd for wd in self._windows if len(wd[1]) and i == wd[1][0]), None)
+        if window is not None:
+            self._window = window
+            if window[0] != "python":
+                from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
-            self._profiler = profile(activities=activities)
-            self._profiler.__enter__()
-            if self.ctx.profile == "full":
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda"
+                                                       else [])
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+            if window[0] in ("full", "python"):
                 import cProfile
 
                 self._python = cProfile.Profile()
@@ -101,23 +113,35 @@ class Timer:
 
     def end(self, i: int, loss: Any) -> None:
         self.losses.append(None if loss is None else float(loss))
-        if self._profiler is not None and i == self._profile_steps[-1]:
-            self._finish_profile()
+        if self._window is not None and i == self._window[1][-1]:
+            self._finish_window()
         if self._stack is not None:
             assert self.ctx.counter is not None
             self.ctx.counter.active = False
             self._stack.close()
             self._stack = None
 
-    def _finish_profile(self) -> None:
+    def _finish_window(self) -> None:
         wall = time.perf_counter() - self._profile_wall
+        assert self._window is not None
+        kind, steps = self._window
+        n = len(steps)
+        self._window = None
         if self._python is not None:
             self._python.disable()
+        if kind == "python":
+            from .overhead import python_split
+
+            self.profile["python"] = {"steps": n, "wall_ms": wall * 1e3 / n, **python_split(self._python, n)}
+            self._python = None
+            return
         self._profiler.__exit__(None, None, None)
         events = self._profiler.key_averages()
         self._profiler = None
-        n = len(self._profile_steps)
-        if self.ctx.profile == "breakdown":
+        if kind == "ops":
+            self.profile["ops"] = {"steps": n, **breakdown(events, wall, n)}
+            return
+        if kind == "breakdown":
             self.profile = {"steps": n, **breakdown(events, wall, n)}
             return
         import io
@@ -125,6 +149,7 @@ class Timer:
 
         text = io.StringIO()
         pstats.Stats(self._python, stream=text).sort_stats("cumulative").print_stats(45)
+        self._python = None
         self.profile = {"table": events.table(sort_by="self_cpu_time_total", row_limit=30),
                         "python": text.getvalue(), "steps": n, **breakdown(events, wall, n)}
 
@@ -134,6 +159,9 @@ class Timer:
         cpu = [b - s for s, b in zip(self.cpu, self.cpu[1:], strict=False)]
         out: dict[str, Any] = {"step_s": periods[a.warmup:a.warmup + a.steps], "losses": self.losses,
                                "cpu_s": cpu[a.warmup:a.warmup + a.steps]}
+        if self.ctx.profile == "split" and self.profile:
+            plain = sorted(periods[a.warmup:a.warmup + a.steps // 3])
+            self.profile["plain_ms"] = plain[len(plain) // 2] * 1e3
         if self.profile:
             out["profile"] = self.profile
         return out

@@ -94,6 +94,7 @@ class NonFiniteLossGuard(Callback):
         self._sigterm_asked = False
         self._pending_bad: Tensor | bool = False
         self._patched: Any = None
+        self._agreed: tuple[int, int, Tensor] | None = None
 
     # ------------------------------------------------------------------ wiring
     def attach(self, trainer: pl.Trainer) -> None:
@@ -188,12 +189,13 @@ class NonFiniteLossGuard(Callback):
             self.skipped.append(self._step)
             raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def local_numbers(self, trainer: pl.Trainer, outputs: Any) -> Tensor | None:
+        """This rank's numbers of the batch's agreement, to be summed over every rank: its preemption flag, whether
+        its loss (``outputs``: the training step's) is not finite, its loss where finite, 1. None with the check off.
+        A strategy whose data-parallel ranks are the whole world sums them in the all-reduce of its logged values
+        and hands the sum to :meth:`agree`; otherwise the batch's end all-reduces them alone."""
         if self.action == "off":
-            return
-        self.attach(trainer)
+            return None
         loss = _loss_of(outputs)
         device = trainer.strategy.root_device
         if loss is None:
@@ -205,19 +207,37 @@ class NonFiniteLossGuard(Callback):
             bad = (~finite).float().to(device)
             value = torch.where(finite, loss.mean(), torch.zeros((), device=loss.device)).to(device)
         sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
-        numbers = torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
-        if _multi_rank(trainer):
-            _all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
+        return torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
+
+    def agree(self, numbers: Tensor) -> None:
+        """The batch's numbers (:meth:`local_numbers`), already summed over every rank by the strategy."""
+        self._agreed = (self._step, self._batch, numbers)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.action == "off":
+            return
+        self.attach(trainer)
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[:2] == (self._step, self._batch):
+            numbers = agreed[2]
+        else:
+            local = self.local_numbers(trainer, outputs)
+            assert local is not None
+            numbers = local
+            if _multi_rank(trainer):
+                _all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
         sigterms, bad_ranks, total, ranks = numbers.tolist()  # the one host sync of the batch
         self._sigterm_agreed = sigterms > 0
         if bad_ranks == 0:
-            if loss is not None:
+            if _loss_of(outputs) is not None:
                 self._last_finite = (self._step, total / ranks)
             return
         if self.action == "skip":
             return
         trainer.should_stop = True
-        message = self.message(trainer, bad_ranks=int(bad_ranks), ranks=int(ranks), value=loss)
+        message = self.message(trainer, bad_ranks=int(bad_ranks), ranks=int(ranks), value=_loss_of(outputs))
         setattr(trainer.strategy, REFUSE_SAVES_ATTR,
                 f"the training state is not finite since step {self._step} (its loss was not finite)")
         raise NonFiniteLossError(message)

@@ -35,9 +35,11 @@ No Lightning import.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable
+import inspect
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,7 +49,7 @@ from lightning_parallel.parallel.compose import DataParallelPlan
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.parallel.zero import ZeroOptimizer
 
-__all__ = ["TrainStep", "logged_reduce_op", "reduce_logged"]
+__all__ = ["TrainStep", "logged_reduce_op", "reduce_logged", "reduce_logged_batch"]
 
 
 class TrainStep:
@@ -169,6 +171,12 @@ class TrainStep:
         (:func:`reduce_logged`)."""
         return reduce_logged(value, group=self.dp_group, size=self.dims.replicas, reduce_fx=reduce_fx)
 
+    def reduce_logged_batch(self, values: Sequence[tuple[Tensor, Any]], extra: Tensor | None = None
+                            ) -> tuple[list[Tensor], Tensor | None]:
+        """Every value a training step logged, combined over ``dp`` (``dp x cp``) in as few all-reduces as their
+        reductions allow, ``extra`` summed in the first (:func:`reduce_logged_batch`)."""
+        return reduce_logged_batch(values, group=self.dp_group, size=self.dims.replicas, extra=extra)
+
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
 
@@ -197,3 +205,49 @@ def reduce_logged(value: Tensor, *, group: dist.ProcessGroup | None, size: int, 
         out /= size
     return out
 
+
+
+_SUMMED = ("mean", "sum")
+
+
+def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.ProcessGroup | None, size: int,
+                        extra: Tensor | None = None) -> tuple[list[Tensor], Tensor | None]:
+    """Several logged ``(value, reduce_fx)`` pairs combined as :func:`reduce_logged` combines each, batched: every
+    ``mean``/``sum`` value of one dtype (and ``extra``, a tensor of numbers to be summed over the same ranks, such as
+    the non-finite-loss guard's flags) in ONE all-reduce of their concatenation, ``max`` and ``min`` values in one
+    more each. Returns the combined values (detached copies; values of another ``reduce_fx`` as they are) and
+    ``extra`` summed (None when not given).
+
+    Every rank of ``group`` must call it with values of the same count, reductions and dtypes in the same order (as
+    for :func:`reduce_logged`). When ``extra`` is given the all-reduce is control traffic that the communication
+    counter does not book (it replaces Lightning's per-batch broadcast; the logged values ride in it)."""
+    out = [value for value, _ in values]
+    buckets: dict[tuple[str, torch.dtype], list[int]] = {}
+    ops = [logged_reduce_op(fx) if size > 1 else None for _, fx in values]
+    for i, op in enumerate(ops):
+        if op is not None:
+            kind = "sum" if op in _SUMMED else op
+            buckets.setdefault((kind, out[i].dtype), []).append(i)
+    if extra is not None and size > 1:
+        buckets = {("sum", extra.dtype): buckets.pop(("sum", extra.dtype), []), **buckets}  # extra rides first
+    all_reduce = inspect.unwrap(dist.all_reduce) if extra is not None else dist.all_reduce
+    summed_extra = extra
+    for (kind, _dtype), members in buckets.items():
+        parts = [out[i].detach().reshape(-1) for i in members]
+        with_extra = extra is not None and kind == "sum" and _dtype == extra.dtype and summed_extra is extra
+        if with_extra:
+            assert extra is not None
+            parts.append(extra.detach().reshape(-1).to(parts[0].device if parts else extra.device))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[kind]
+        all_reduce(flat, op=reduce_op, group=group)
+        offset = 0
+        for i in members:
+            n = out[i].numel()
+            combined = flat[offset:offset + n].reshape(out[i].shape)
+            out[i] = combined / size if ops[i] == "mean" else combined
+            offset += n
+        if with_extra:
+            assert extra is not None
+            summed_extra = flat[offset:].reshape(extra.shape)
+    return out, summed_extra

@@ -63,7 +63,7 @@ from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
-from .logged import global_batch_logs
+from .logged import training_step_agreed
 from .resumable import ResumableDataMixin
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
@@ -99,6 +99,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             minutes on CPU (gloo), Lightning's 30 minutes on accelerators. ``parallel.collective_timeout`` (seconds,
             a recipe key) wins over it.
     """
+
+    _nonfinite_guard: Any = None
+    """The Trainer's non-finite-loss guard of the current fit (set when training starts)."""
 
     def __init__(
         self,
@@ -395,9 +398,11 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
         if self.dims.cp > 1:
             args, kwargs = self._context_args(args, kwargs)
-        reduce = self.train_step.reduce_logged if self.dims.replicas > 1 else None
-        with global_batch_logs(self.lightning_module, reduce):
-            return super().training_step(*args, **kwargs)
+        replicas = self.dims.replicas
+        reduce = self.train_step.reduce_logged_batch if replicas > 1 else None
+        guard = self._nonfinite_guard if replicas > 1 and replicas == self.world_size else None
+        return training_step_agreed(self.lightning_module, lambda: super(LayoutStrategy, self).training_step(
+            *args, **kwargs), reduce, guard)
 
     @contextlib.contextmanager
     @override
@@ -452,7 +457,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            guard = self._nonfinite_guard = install_nonfinite_guard(self.lightning_module.trainer)
             interrupts.install(self.lightning_module.trainer,
                                request_stop=guard.request_stop if guard.agrees_on_preemption else None)
 

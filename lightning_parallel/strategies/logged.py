@@ -5,58 +5,128 @@ each rank's value for its part of the global batch, so rank 0's curve is not the
 rank 0's half-batch loss, 7e-3 relative off one device, while the weights agreed to 1e-7). While a training step
 runs, :func:`global_batch_logs` routes ``self.log`` (and ``log_dict``) so that every floating-point tensor logged
 without ``sync_dist`` is first combined over the data-parallel ranks by its ``reduce_fx`` (``mean``: the global
-batch's mean, ``sum``, ``max``, ``min``; :func:`~lightning_parallel.parallel.step.reduce_logged`), one all-reduce
-of a scalar each, issued without a host synchronisation. Left as they are: values logged with ``sync_dist=True``
-(Lightning reduces them over every rank, which under model parallelism is the same mean), with
-``rank_zero_only=True`` or ``enable_graph=True``, with a custom ``reduce_fx``, and anything but a floating-point
-tensor (a number, a torchmetrics ``Metric``).
+batch's mean, ``sum``, ``max``, ``min``; :func:`~lightning_parallel.parallel.step.reduce_logged_batch`): the calls
+are recorded while the step runs and made when it returns, every value of the step combined in ONE all-reduce (one
+more per ``max``/``min`` kind), issued without a host synchronisation. Where the replicas are the whole world (dp and
+cp layouts), the non-finite-loss guard's per-batch numbers ride in that same all-reduce, so logging the global-batch
+loss costs no collective of its own (:mod:`lightning_parallel.callbacks.nonfinite`). Left as they are: values
+logged with ``sync_dist=True`` (Lightning reduces them over every rank, which under model parallelism is the same
+mean), with ``rank_zero_only=True`` or ``enable_graph=True``, with a custom ``reduce_fx``, and anything but a
+floating-point tensor (a number, a torchmetrics ``Metric``).
 
-As with ``sync_dist=True``, every data-parallel rank must log the value (a ``self.log`` under ``if
-self.global_rank == 0`` would wait for the others at the all-reduce). Model-parallel peers (``tp``, ``pp``) hold the
-same value already; ``lp_pipeline``/``lp_hybrid`` log their ``train_loss`` themselves, averaged over ``dp``.
+As with ``sync_dist=True``, every data-parallel rank must log the same values in the same order (a ``self.log``
+under ``if self.global_rank == 0`` would wait for the others at the all-reduce, or mismatch it). Model-parallel
+peers (``tp``, ``pp``) hold the same value already; ``lp_pipeline``/``lp_hybrid`` log their ``train_loss``
+themselves, averaged over ``dp``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
 
-__all__ = ["global_batch_logs"]
+__all__ = ["GlobalBatchLogs", "ReduceBatch", "global_batch_logs", "training_step_agreed"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 
 
-@contextlib.contextmanager
-def global_batch_logs(module: Any, reduce: Callable[[Tensor, Any], Tensor] | None) -> Generator[None, None, None]:
-    """While open, ``module.log`` combines what it logs over dp with ``reduce(value, reduce_fx)`` (module
-    docstring); ``reduce`` None (one dp rank) changes nothing. The module's own ``log`` (or one a strategy put in
-    place before) is restored on exit."""
-    if module is None or reduce is None:
-        yield
-        return
-    had_own = "log" in vars(module)
-    previous = module.log
+ReduceBatch = Callable[[Sequence[tuple[Tensor, Any]], Tensor | None], tuple[list[Tensor], Tensor | None]]
+"""``(values with their reduce_fx, extra) -> (combined values, extra summed)``: e.g.
+:meth:`~lightning_parallel.parallel.step.TrainStep.reduce_logged_batch`."""
 
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, Tensor) and value.is_floating_point():
-            bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments
-            if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
-                value = reduce(_plain(value), bound.get("reduce_fx", "mean"))
-        previous(name, value, *args, **kwargs)
 
-    module.log = log
-    try:
-        yield
-    finally:
-        if had_own:
-            module.log = previous
+class GlobalBatchLogs:
+    """While open (a ``with`` block around a training step), ``module.log`` calls are recorded; :meth:`finish` combines
+    every floating-point value over dp in one all-reduce (per reduction kind and dtype) -- with ``extra`` numbers
+    riding along, e.g. the non-finite-loss guard's -- and then makes the recorded ``log`` calls, in their order, with
+    the combined values. Without :meth:`finish` the block's end does it (no ``extra``); an exception in the block drops
+    the recorded calls. ``reduce`` None (one dp rank, nothing to combine): ``log`` is left as it is.
+
+    The values are recorded, not logged, until the step returns: a training step that logs a value and then reads it
+    back from ``trainer.callback_metrics`` in the same step sees the previous step's."""
+
+    def __init__(self, module: Any, reduce: ReduceBatch | None) -> None:
+        self.module, self.reduce = module, reduce
+        self._calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self._previous: Any = None
+        self._had_own = False
+        self._open = False
+
+    def __enter__(self) -> GlobalBatchLogs:
+        module = self.module
+        if module is None or self.reduce is None:
+            return self
+        self._had_own = "log" in vars(module)
+        self._previous = module.log
+        self._calls = []
+        calls = self._calls
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            fx = None
+            if isinstance(value, Tensor) and value.is_floating_point():
+                bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments
+                if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
+                    fx, value = bound.get("reduce_fx", "mean"), _plain(value)
+            calls.append((name, value, args, kwargs, fx))
+
+        module.log = log
+        self._open = True
+        return self
+
+    def finish(self, extra: Tensor | None = None) -> Tensor | None:
+        """Combine the recorded values (one all-reduce, ``extra`` summed in it) and log them; returns ``extra``
+        summed over dp (``extra`` as it is when ``log`` was not routed: one rank)."""
+        if not self._open:
+            return extra
+        self._restore()
+        assert self.reduce is not None
+        reduced = [i for i, call in enumerate(self._calls) if call[4] is not None]
+        values, summed = self.reduce([(self._calls[i][1], self._calls[i][4]) for i in reduced], extra)
+        combined = dict(zip(reduced, values, strict=True))
+        for i, (name, value, args, kwargs, _) in enumerate(self._calls):
+            self._previous(name, combined.get(i, value), *args, **kwargs)
+        self._calls.clear()
+        return summed
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if not self._open:
+            return
+        if kind is None:
+            self.finish()
         else:
-            del module.log
+            self._restore()
+            self._calls.clear()
+
+    def _restore(self) -> None:
+        self._open = False
+        if self._had_own:
+            self.module.log = self._previous
+        else:
+            del self.module.log
+
+
+def global_batch_logs(module: Any, reduce: ReduceBatch | None) -> GlobalBatchLogs:
+    """While open, ``module.log`` combines what it logs over dp (module docstring) with ``reduce``, batched at the
+    block's end (:class:`GlobalBatchLogs`); ``reduce`` None (one dp rank) changes nothing."""
+    return GlobalBatchLogs(module, reduce)
+
+
+def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBatch | None, guard: Any | None) -> Any:
+    """Run ``step`` (the module's training step) with its logged values combined over dp (:class:`GlobalBatchLogs`)
+    and, when ``guard`` (a :class:`~lightning_parallel.callbacks.NonFiniteLossGuard`) is given -- the strategy's
+    replicas are the whole world --, the guard's numbers of this batch summed in the same all-reduce: one collective
+    per batch for both, where Lightning broadcasts its preemption flag. Returns what ``step`` returns."""
+    with global_batch_logs(module, reduce) as logs:
+        out = step()
+        numbers = guard.local_numbers(module.trainer, out) if guard is not None and reduce is not None else None
+        summed = logs.finish(numbers)
+    if guard is not None and numbers is not None and summed is not None:
+        guard.agree(summed)
+    return out
 
 
 def _plain(value: Tensor) -> Tensor:

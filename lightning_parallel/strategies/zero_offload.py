@@ -95,6 +95,9 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
             precision_plugin, process_group_backend, logging_level, load_full_weights, ...).
     """
 
+    _nonfinite_guard: Any = None
+    """The Trainer's non-finite-loss guard of the current fit (set when training starts)."""
+
     strategy_name = "lp_zero_offload"
 
     def __init__(
@@ -274,17 +277,17 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``training_step``; the values it logs are combined over the (data-parallel) world first, so
         the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
-        from lightning_parallel.parallel.step import reduce_logged
+        from lightning_parallel.parallel.step import reduce_logged_batch
 
-        from .logged import global_batch_logs
+        from .logged import training_step_agreed
 
         size = self.world_size
 
-        def reduce(value: torch.Tensor, reduce_fx: Any) -> torch.Tensor:
-            return reduce_logged(value, group=None, size=size, reduce_fx=reduce_fx)
+        def reduce(values: Any, extra: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+            return reduce_logged_batch(values, group=None, size=size, extra=extra)
 
-        with global_batch_logs(self.lightning_module, reduce if size > 1 else None):
-            return super().training_step(*args, **kwargs)
+        return training_step_agreed(self.lightning_module, lambda: super(LPZeroOffloadStrategy, self).training_step(
+            *args, **kwargs), reduce if size > 1 else None, self._nonfinite_guard if size > 1 else None)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -466,7 +469,7 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         super().on_train_start()
         apply_restored_rng_states()
         if self.lightning_module is not None:
-            guard = install_nonfinite_guard(self.lightning_module.trainer)
+            guard = self._nonfinite_guard = install_nonfinite_guard(self.lightning_module.trainer)
             interrupts.install(self.lightning_module.trainer,
                                request_stop=guard.request_stop if guard.agrees_on_preemption else None)
         for config in self.lr_scheduler_configs:

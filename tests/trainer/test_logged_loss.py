@@ -102,7 +102,10 @@ def test_every_strategy_logs_the_one_device_loss_of_the_global_batch(tmp_path: P
 
 @pytest.mark.parametrize("reduce_fx", ["sum", "max"])
 def test_a_logged_reduce_fx_combines_the_ranks_as_one_device_would(tmp_path: Path, reduce_fx: str) -> None:
-    """A value logged with ``reduce_fx="sum"`` (e.g. tokens in the batch) is summed over dp; ``max`` is the max."""
+    """A value logged with ``reduce_fx="sum"`` (e.g. tokens in the batch) is summed over dp; ``max`` is the max. And
+    the batch's collectives outside DDP's C++ reducer: the sum rides with the mean loss and the non-finite-loss
+    guard's numbers in one all-reduce (which also replaces Lightning's broadcast of the preemption flag); a max takes
+    one more."""
     from tests.helpers import tiny_gpt
 
     class Counts(type(tiny_gpt())):  # type: ignore[misc]
@@ -114,12 +117,29 @@ def test_a_logged_reduce_fx_combines_the_ranks_as_one_device_would(tmp_path: Pat
 
     class Record(Callback):
         def __init__(self) -> None:
-            self.values: list[float] = []
+            self.calls: list[str] = []
+            self.originals: dict[str, Any] = {}
+
+        def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            import torch.distributed as dist
+
+            for name in ("all_reduce", "broadcast", "all_gather", "barrier", "broadcast_object_list"):
+                original = self.originals[name] = getattr(dist, name)
+                setattr(dist, name, lambda *a, _f=original, _n=name, **k: (self.calls.append(_n), _f(*a, **k))[1])
+
+        def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            import torch.distributed as dist
+
+            for name, original in self.originals.items():
+                setattr(dist, name, original)
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_rank == 0:
                 with open(tmp_path / "values.jsonl", "a") as f:
                     f.write(json.dumps(float(trainer.callback_metrics["first_token"])) + "\n")
+                with open(tmp_path / "calls.jsonl", "a") as f:
+                    f.write(json.dumps(self.calls) + "\n")
+            self.calls.clear()
 
     data = TokenData(GLOBAL_BATCH)
     tokens = data.tokens[:, 0].float().view(-1, GLOBAL_BATCH)[:3]  # the first 3 global batches, in order
@@ -132,3 +152,6 @@ def test_a_logged_reduce_fx_combines_the_ranks_as_one_device_would(tmp_path: Pat
     trainer.fit(model, datamodule=TokenData(GLOBAL_BATCH // 2))
     got = [float(x) for x in (tmp_path / "values.jsonl").read_text().split()]
     assert got == expected, (got, expected)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    per_batch = ["all_reduce"] if reduce_fx == "sum" else ["all_reduce", "all_reduce"]
+    assert calls[1:] == [per_batch] * 2, calls  # the first batch's count starts mid-batch (on_train_start)
