@@ -9,7 +9,10 @@ the loss the step returned is checked on every rank. In a multi-rank run the ran
 numbers (this rank's preemption flag, whether its loss is finite, its loss), which *replaces* Lightning's per-batch
 broadcast of the preemption flag (``_broadcast_sigterm_tensor``, one collective and one host sync per batch): the
 check adds no collective and no host synchronisation (nor is it booked by the communication counter: it is control
-traffic, as the broadcast it replaces). A preemption (SIGTERM) agreed there stops every rank at the start of the next
+traffic, as the broadcast it replaces). Where a strategy's data-parallel ranks are the whole world (dp, ZeRO, HSDP,
+cp, offload) the strategy sums these numbers in the all-reduce of the step's logged values at the end of the
+training step (:meth:`NonFiniteLossGuard.local_numbers`, :meth:`NonFiniteLossGuard.agree`): one collective per batch
+for both. A preemption (SIGTERM) agreed there stops every rank at the start of the next
 batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
 
 On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
