@@ -27,7 +27,6 @@ and printed. It costs one more all-reduce per optimizer step (the check must com
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Any, Literal
 
@@ -40,6 +39,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_parallel.checkpoint.formats.common import REFUSE_SAVES_ATTR
+from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 __all__ = ["NoTrainingStepError", "NonFiniteLossError", "NonFiniteLossGuard", "SkippedStep", "install"]
 
@@ -187,7 +187,7 @@ class NonFiniteLossGuard(Callback):
         local = flag.float().reshape(1) if isinstance(flag, Tensor) else torch.tensor([float(flag)])
         local = local.to(trainer.strategy.root_device)
         if _multi_rank(trainer):
-            _all_reduce(local)
+            uncounted_all_reduce(local)
         if float(local.item()) > 0:
             self.skipped.append(self._step)
             raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
@@ -230,7 +230,7 @@ class NonFiniteLossGuard(Callback):
             assert local is not None
             numbers = local
             if _multi_rank(trainer):
-                _all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
+                uncounted_all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
         sigterms, bad_ranks, total, ranks = numbers.tolist()  # the one host sync of the batch
         self._sigterm_agreed = sigterms > 0
         if bad_ranks == 0:
@@ -264,13 +264,6 @@ class NonFiniteLossGuard(Callback):
                 f"{resume} after lowering the learning rate, clipping gradients (trainer.gradient_clip_val) or "
                 "checking the data of that step -- or skip such steps with the callback "
                 "lightning_parallel.callbacks.NonFiniteLossGuard(action=skip).")
-
-
-def _all_reduce(tensor: Tensor) -> None:
-    """A sum over the world that the library's communication counter does not book (``CommCounter`` wraps
-    ``torch.distributed``'s functions): control traffic, as Lightning's broadcast of the preemption flag it replaces,
-    not the strategy's communication."""
-    inspect.unwrap(dist.all_reduce)(tensor)
 
 
 def _multi_rank(trainer: pl.Trainer) -> bool:

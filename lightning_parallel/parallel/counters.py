@@ -36,9 +36,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALLREDUCE_GRADS", "DP_KINDS", "GATHER_OUTPUTS", "REDUCE_GRADS", "REPLICATE_PARAMS", "SCATTER_GRAD",
-           "SCATTER_INPUTS", "CommCounter", "CountingHookState", "ExchangeStats", "counting_allreduce_hook",
-           "ring_bytes", "tensor_bytes"]
+__all__ = [
+    "ALLREDUCE_GRADS",
+    "DP_KINDS",
+    "GATHER_OUTPUTS",
+    "REDUCE_GRADS",
+    "REPLICATE_PARAMS",
+    "SCATTER_GRAD",
+    "SCATTER_INPUTS",
+    "CommCounter",
+    "CountingHookState",
+    "ExchangeStats",
+    "counting_allreduce_hook",
+    "ring_bytes",
+    "tensor_bytes",
+    "uncounted_all_reduce",
+]
 
 SCATTER_INPUTS = "scatter_inputs"
 REPLICATE_PARAMS = "replicate_params"
@@ -404,3 +417,10 @@ counting_allreduce_hook.__annotations__ = {
     "bucket": getattr(torch.distributed, "GradBucket", Any),
     "return": torch.futures.Future[torch.Tensor],
 }
+
+
+def uncounted_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.all_reduce`` past any counter that wraps it (:meth:`CommCounter.counting`, a benchmark's):
+    control traffic -- the ranks' per-batch agreement, in place of Lightning's broadcast -- is not the strategy's
+    communication."""
+    return inspect.unwrap(dist.all_reduce)(tensor, *args, **kwargs)

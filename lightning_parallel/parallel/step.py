@@ -19,9 +19,9 @@ to it at step time, for every layout strategy alike (``lp_ddp``, ``lp_sharded``,
   each shard counted once: squares summed over ``tp`` (tp-replicated tensors weighted ``1/t``), over ``pp`` (other
   stages), and over ``dp`` where gradients are sharded there (ZeRO, FSDP2 with TP);
 * **the logged values** -- :meth:`TrainStep.reduce_mean`: a value averaged over ``dp`` (the one-device value of the
-  global batch when each dp rank holds the mean of its part); :func:`reduce_logged` (:meth:`TrainStep.reduce_logged`):
-  a value a module logs, combined over ``dp`` by its ``reduce_fx`` (mean, sum, max, min) -- one all-reduce of a
-  scalar, no host synchronisation.
+  global batch when each dp rank holds the mean of its part); :func:`reduce_logged_batch`
+  (:meth:`TrainStep.reduce_logged_batch`): the values a module logs in a step, each combined over ``dp`` by its
+  ``reduce_fx`` (mean, sum, max, min) -- one all-reduce per kind, no host synchronisation.
 
 With context parallelism (cp > 1) the replicas of the model are the ``dp x cp`` ranks (the plan's ``axis``,
 ``dp_cp``): each cp rank's gradient is that of the mean loss over its own tokens, its share of the ring attention's
@@ -35,7 +35,6 @@ No Lightning import.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_parallel.parallel.compose import DataParallelPlan
+from lightning_parallel.parallel.counters import uncounted_all_reduce
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.parallel.zero import ZeroOptimizer
 
@@ -166,11 +166,6 @@ class TrainStep:
         value /= self.dims.replicas
         return value
 
-    def reduce_logged(self, value: Tensor, reduce_fx: Any = "mean") -> Tensor:
-        """A logged ``value`` combined over ``dp`` (``dp x cp`` with context parallelism) as one device would log it
-        (:func:`reduce_logged`)."""
-        return reduce_logged(value, group=self.dp_group, size=self.dims.replicas, reduce_fx=reduce_fx)
-
     def reduce_logged_batch(self, values: Sequence[tuple[Tensor, Any]], extra: Tensor | None = None
                             ) -> tuple[list[Tensor], Tensor | None]:
         """Every value a training step logged, combined over ``dp`` (``dp x cp``) in as few all-reduces as their
@@ -191,20 +186,10 @@ def logged_reduce_op(reduce_fx: Any) -> str | None:
 def reduce_logged(value: Tensor, *, group: dist.ProcessGroup | None, size: int, reduce_fx: Any = "mean") -> Tensor:
     """``value`` (each rank's value of the same metric, e.g. the loss of its part of the global batch) combined over
     the ``size`` ranks of ``group`` (None: the world) by ``reduce_fx``: the mean of equal parts' means is the global
-    batch's mean, the sum of their sums its sum. A copy, detached; ``value`` is returned as it is when ``size`` is 1
-    or ``reduce_fx`` is not one of mean/sum/max/min. One all-reduce, issued without waiting on the host (every rank
-    of ``group`` must log the value: as for Lightning's ``sync_dist=True``)."""
-    op = logged_reduce_op(reduce_fx)
-    if size == 1 or op is None:
-        return value
-    out = value.detach().clone()
-    dist_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(out, op=dist_op, group=group)
-    if op == "mean":
-        out /= size
-    return out
-
+    batch's mean, the sum of their sums its sum. A detached copy; ``value`` is returned as it is when ``size`` is 1 or
+    ``reduce_fx`` is not one of mean/sum/max/min. One all-reduce (:func:`reduce_logged_batch` of one value), issued
+    without waiting on the host (every rank of ``group`` must log the value: as for Lightning's ``sync_dist=True``)."""
+    return reduce_logged_batch([(value, reduce_fx)], group=group, size=size)[0][0]
 
 
 _SUMMED = ("mean", "sum")
@@ -230,7 +215,7 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
             buckets.setdefault((kind, out[i].dtype), []).append(i)
     if extra is not None and size > 1:
         buckets = {("sum", extra.dtype): buckets.pop(("sum", extra.dtype), []), **buckets}  # extra rides first
-    all_reduce = inspect.unwrap(dist.all_reduce) if extra is not None else dist.all_reduce
+    all_reduce = uncounted_all_reduce if extra is not None else dist.all_reduce
     summed_extra = extra
     for (kind, _dtype), members in buckets.items():
         parts = [out[i].detach().reshape(-1) for i in members]
