@@ -22,7 +22,7 @@ dp         lp_dp (N replicas, 1 proc)  one process, same global batch (CUDA: nn.
 ddp        lp_ddp                      DistributedDataParallel + AdamW                  ``ddp``
 zero1      lp_sharded zero_stage=1     DDP + ZeroRedundancyOptimizer                    CUDA: ``deepspeed`` stage 1
 zero2      lp_sharded zero_stage=2     FSDP2 fully_shard(reshard_after_forward=False)   CUDA: ``deepspeed`` stage 2
-zero3      lp_sharded zero_stage=3     FSDP2 fully_shard per block + root               ModelParallelStrategy dp=N
+zero3      lp_sharded zero_stage=3     FSDP2 fully_shard: blocks, embed, head, root     ModelParallelStrategy dp=N
 offload    lp_zero_offload z2 + CPU    bare deepspeed.initialize engine, same config    CUDA: ``deepspeed`` offload
 tp         lp_tensor tp=2              DTensor parallelize_module, Megatron plan        ModelParallelStrategy tp=2
 tp2d       lp_tensor dp2 x tp2 zero3   DTensor TP + FSDP2 over dp                       ModelParallelStrategy 2 x 2

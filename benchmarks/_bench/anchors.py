@@ -93,10 +93,12 @@ def hand_ddp(ctx: Ctx, zero: bool = False) -> dict[str, Any]:
 
 
 def _fsdp(model: Any, mesh: Any = None, reshard: bool = True) -> None:
+    """FSDP2 on the units the library shards (``parallel.zero.stage3``; torchtitan's too): every block, the
+    embedding, the head, then the root -- the same technique, so that a difference is the framework's."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    for unit in [*model.blocks.values(), model.embed, model.head]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 

@@ -71,7 +71,8 @@ CASES: dict[str, Case] = {c.key: c for c in (
     Case("zero2", "lp_sharded zero2 x{dp}", dp=DEFAULT_DP, zero=2,
          anchor="FSDP2 fully_shard(reshard_after_forward=False)", lightning_cuda="deepspeed_stage_2",
          lightning_missing="Lightning has no ZeRO-2 on CPU (deepspeed: CUDA only)"),
-    Case("zero3", "lp_sharded zero3 x{dp}", dp=DEFAULT_DP, zero=3, anchor="FSDP2 fully_shard per block + root",
+    Case("zero3", "lp_sharded zero3 x{dp}", dp=DEFAULT_DP, zero=3,
+         anchor="FSDP2 fully_shard per block, embedding, head + root",
          lightning="model_parallel", lightning_cuda="model_parallel"),
     Case("offload", "lp_zero_offload z2+cpu x{dp}", dp=DEFAULT_DP, zero=2, offload="cpu",
          anchor="bare deepspeed.initialize engine, same config", lightning_cuda="deepspeed_stage_2_offload",
@@ -88,7 +89,7 @@ CASES: dict[str, Case] = {c.key: c for c in (
          anchor="torch.distributed.pipelining Schedule1F1B over fully_shard stages (FSDP2 per stage over dp)",
          lightning_missing="Lightning 2 removed pipelines"),
     Case("hsdp", "lp_sharded zero3 HSDP 2 replicas x 2 shards", dp=4, zero=3, shard=2,
-         anchor="FSDP2 fully_shard per block + root on a 2-D (replicate, shard) mesh",
+         anchor="FSDP2 fully_shard per block, embedding, head + root on a 2-D (replicate, shard) mesh",
          lightning_missing="Lightning's ModelParallelStrategy has no HSDP"),
     Case("cp", "lp_ddp cp2 (ring attention)", dp=1, cp=2,
          anchor="CPU: one device on the whole sequence (torch's context_parallel dispatches CUDA attention kernels "

@@ -14,7 +14,7 @@ import torch
 
 from lightning_parallel.parallel.counters import ring_bytes
 
-from .cases import CASES, Case, lightning_name
+from .cases import CASES, DEFAULT_DP, Case, lightning_name
 
 
 def _local_params(a: argparse.Namespace, case: Case) -> int:
@@ -139,7 +139,8 @@ def summarize(a: argparse.Namespace, case: Case, reps: list[dict[str, dict[str, 
         row["step_s_reps"] = per_rep
         row["step_s"] = median(per_rep)
         row["tokens_per_s"] = a.batch * a.seq / row["step_s"]
-        row["cpu_s"] = median([median(run["ranks"][0]["cpu_s"]) for run in runs])
+        row["cpu_s_reps"] = [median(run["ranks"][0]["cpu_s"]) for run in runs]
+        row["cpu_s"] = median(row["cpu_s_reps"])
         for anchor in ("torch", "lightning"):
             if anchor == role or role != "ours" or anchor not in roles:
                 continue
@@ -307,6 +308,75 @@ def split_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+GOAL_X_LIGHTNING = 1.02
+"""The library at most this much slower than Lightning's built-in of the same technique."""
+GOAL_X_LOOP = 1.05
+"""The library at most this much slower than the hand-written loop plus Lightning's own per-step cost."""
+
+
+def _reps_ms(run: dict[str, Any], key: str) -> list[float]:
+    """A variant's per-repetition medians in ms (``step_s`` or ``cpu_s``; an older run kept only the median)."""
+    reps = run.get(f"{key}_reps") or ([run[key]] * len(run.get("step_s_reps", [])) if key in run else [])
+    return [x * 1e3 for x in reps]
+
+
+def lightning_loop_ms(rows: list[dict[str, Any]], key: str = "step_s") -> list[float]:
+    """Lightning's own cost per step, one figure per repetition: its ``ddp`` minus torch DDP on the same case."""
+    ddp = {r["role"]: r for r in rows if r.get("key", r["case"]) == "ddp" and "error" not in r
+           and r.get("dp", DEFAULT_DP) == DEFAULT_DP}
+    if "torch" not in ddp or "lightning" not in ddp:
+        return []
+    pairs = zip(_reps_ms(ddp["lightning"], key), _reps_ms(ddp["torch"], key), strict=False)
+    return [lt - t for lt, t in pairs]
+
+
+def _goal_cells(ours: dict[str, Any], torch_run: dict[str, Any], loop: list[float], key: str) -> str:
+    """``ours ms | torch + loop ms | x (torch + loop) | own ms`` for one measure (wall or CPU), paired by repetition."""
+    o, t = _reps_ms(ours, key), _reps_ms(torch_run, key)
+    n = min(len(o), len(t), len(loop))
+    if n == 0:
+        return "- | - | - | -"
+    o, t, lp = o[:n], t[:n], loop[:n]
+    x_loop = median([oi / (ti + li) for oi, ti, li in zip(o, t, lp, strict=True)])
+    own = median([oi - ti - li for oi, ti, li in zip(o, t, lp, strict=True)])
+    mark = "yes" if x_loop <= GOAL_X_LOOP else "**no**"
+    return f"{median(o):.1f} | {median(t) + median(lp):.1f} | {x_loop:.3f} {mark} | {own:+.1f}"
+
+
+def goals_table(rows: list[dict[str, Any]]) -> str:
+    """The per-step overhead goals: each case against Lightning's built-in and against torch + Lightning's loop.
+
+    Paired by repetition (the same repetition's runs), then the median over repetitions; by the wall clock and by
+    rank 0's CPU time (blind to other processes taking the cores). ``own ms`` is the library's step minus the hand
+    loop's minus Lightning's loop cost: what the library adds on top of both.
+    """
+    loop = lightning_loop_ms(rows)
+    cpu_loop = lightning_loop_ms(rows, "cpu_s")
+    if not loop:
+        return ""
+    lines = [f"Lightning's own per-step cost, its `ddp` minus torch DDP (median of the repetitions): "
+             f"**{median(loop):.1f} ms** by the wall clock ({', '.join(f'{x:.1f}' for x in loop)}), "
+             f"**{median(cpu_loop):.1f} ms** of CPU time.", "",
+             f"| case | ours ms | torch + loop ms | x (torch + loop) (goal <= {GOAL_X_LOOP}) | library's own ms | "
+             f"x Lightning (goal <= {GOAL_X_LIGHTNING}) | CPU: ours ms | CPU: torch + loop ms | "
+             f"CPU: x (torch + loop) | CPU: library's own ms | CPU: x Lightning |", "|---|" + "---|" * 10]
+    by_case: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        if "error" not in r and "step_s_reps" in r:
+            by_case[r["case"]][r["role"]] = r
+    for name, roles in by_case.items():
+        ours, torch_run = roles.get("ours"), roles.get("torch")
+        if ours is None or torch_run is None:
+            continue
+        cells = []
+        for key, prefix in (("step_s", "x"), ("cpu_s", "cpu_x")):
+            x = ours.get(f"{prefix}_lightning")
+            xl = "-" if x is None else f"{x:.3f} " + ("yes" if x <= GOAL_X_LIGHTNING else "**no**")
+            cells.append(f"{_goal_cells(ours, torch_run, loop if key == 'step_s' else cpu_loop, key)} | {xl}")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def render(path: Path) -> None:
     """The table and the plots of an earlier run, from its ``results.json`` (written next to it)."""
     data = json.loads(path.read_text())
@@ -321,6 +391,9 @@ def render(path: Path) -> None:
 def markdown(a: argparse.Namespace, rows: list[dict[str, Any]], header: str, skipped: dict[str, str]) -> str:
     """``results.md``: the header, the table, where the time goes (cases above 3 %), the skipped cases."""
     text = f"{header}\n\n{table(a, rows)}\n"
+    goals = goals_table(rows)
+    if goals:
+        text += f"\nPer-step overhead against the goals (paired by repetition, medians):\n\n{goals}\n"
     split = split_table(rows)
     if split:
         text += ("\nWhere the time goes, for the cases above 3 % (rank 0, torch.profiler over the timed steps of one "
