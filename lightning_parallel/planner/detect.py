@@ -184,10 +184,11 @@ def detect_hardware(
         for key in ("gpu_memory", "intra_node", "inter_node", "cpu_memory_per_node", "reserved_memory", "peak_tflops",
                     "nvme"):
             values[key] = getattr(profile, key)
+        values.update(rates=profile.rates, name=profile.name)
         notes.append(f"memory, links and host from profile {profile.name!r} (given: --planner.hardware)")
     else:
         host = _host_memory()
-        values["cpu_memory_per_node"] = host
+        values.update(cpu_memory_per_node=host, name="detected")
         if device_type == "cpu":
             values.update(gpu_memory=host // per_node, intra_node="nvlink", reserved_memory=0,
                           peak_tflops=CPU_PEAK_TFLOPS)

@@ -7,7 +7,7 @@ shared by the node) 1.25e9, host <-> device 12e9, NVMe 3e9 per node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -71,7 +71,10 @@ class Hardware:
     accelerator: Accelerator = "auto"
     """What a written recipe puts in ``trainer.accelerator``."""
     name: str = "custom"
-    """Profile name, or 'custom'."""
+    """Profile name, 'detected' (the machine found at launch), or 'custom'."""
+    rates: Any = field(default=None, compare=False, hash=False, repr=False)
+    """Measured or vendor rates (:class:`lightning_parallel.planner.rates.Rates`, or the profile's ``rates:`` mapping
+    it is read from); None: the calibration of this machine (when detected) or defaults from ``peak_tflops``."""
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes", "gpu_memory", "cpu_memory_per_node"):
@@ -84,6 +87,10 @@ class Hardware:
             raise ValueError(f"--inter-node {self.inter_node!r}: use fast (InfiniBand-class) or slow (Ethernet-class).")
         if self.accelerator not in get_args(Accelerator):
             raise ValueError(f"accelerator={self.accelerator!r}: use gpu, cpu or auto.")
+        if isinstance(self.rates, dict):
+            from lightning_parallel.planner.rates import rates_from_dict
+
+            object.__setattr__(self, "rates", rates_from_dict(self.rates, source=f"profile {self.name}"))
 
     @property
     def reserved(self) -> int:
