@@ -1,10 +1,34 @@
-"""A rough time per training step, used only to rank layouts that fit, and the link each layout stresses.
+"""Time per training step of a layout, from the layer shapes and the machine's rates, and the link each layout
+stresses.
 
-Nothing is assumed to overlap, so it is an upper bound; the figures are for ordering candidates, not promises.
-Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
+The rates (:class:`~lightning_parallel.planner.rates.Rates`) are a calibration of this machine or a profile's vendor
+figures. Per device and step, with ``m`` micro-batches of ``b`` sequences of ``s`` tokens, ``p`` stages, ``v`` model
+chunks per stage:
 
-* compute: ``6 P b s m`` FLOPs (``8`` with full recompute, +3 % selective) at 50 % of peak, times
-  ``1 + (p - 1) / (v m)`` for the pipeline bubble;
+* compute (:mod:`.flops`): each layer's GEMMs at the calibrated matmul rate of their shape and dtype, the attention
+  core at ``attention_efficiency`` of it, the memory-bound rest at the memory bandwidth; backward twice the forward;
+  recomputation adds the forward (``full``) or the attention core (``selective``). A stage's micro-batch time ``t`` is
+  its layers (the busiest stage: the head's logits on the last) plus its exposed tensor-parallel and point-to-point
+  time; the pipeline runs ``(m + p - 1) t`` (GPipe, 1F1B), ``(m + (p - 1) / v) t`` (interleaved 1F1B) or
+  ``(m + (p - 1) / 3) t`` (zero bubble: the weight-gradient passes fill two thirds of the 1F1B bubble);
+* each axis's collectives from the alpha-beta model: ``calls x alpha + bytes sent per rank / beta`` (bus bandwidth),
+  ``bytes`` per rank as below; what is exposed:
+
+  - tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (6 with full recomputation): on the critical path;
+  - pp: one activation forward and one gradient backward per micro-batch and boundary: on the critical path;
+  - dp, DDP: ``2 g P (N_d - 1) / N_d`` in 25 MB buckets under the last micro-batch's backward; exposed: what does not
+    fit under it (``overlap`` of the rates) and the last bucket;
+  - dp, ZeRO-1/2 (flat shards): the reduce-scatter and the all-gather after the backward: exposed;
+  - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
+    under backward: exposed beyond the compute they hide under, plus the first layer's gather;
+  - cp (ring attention): under the attention core it overlaps;
+* offload: 16-bit gradients out and weights back over the host link, the host optimizer at
+  ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
+* the optimizer step on the device (memory-bound: parameters, gradients and states read and written) and the
+  framework's host overhead per step.
+
+The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
+
 * dp: ``2 g P (N_d - 1) / N_d`` bytes (all-reduce, or reduce-scatter + all-gather under ZeRO-1/2), ``3 g P``-based
   under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
 * tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
@@ -15,8 +39,7 @@ Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches 
   ``c - 1`` hops forward and ``c - 1`` backward, and its fp32 dk/dv accumulator ``2 x 4 b (s/c) h / t`` ``c`` hops;
   compute divides by ``c`` (each rank runs ``s / c`` tokens) and the dp exchange runs over the ``dp x c`` replicas;
 * offload: 16-bit gradients out and weights back over PCIe (``2 g P / N_d``; ZeRO-3 fetches weights in forward and
-  backward, ``+ 2 p P / N_d``), the host optimizer at 2.5e8 parameters/s per rank, NVMe reading and writing the
-  optimizer state once per step.
+  backward, ``+ 2 p P / N_d``), the host optimizer, NVMe reading and writing the optimizer state once per step.
 
 Each axis's traffic goes over the link its groups span (:func:`axis_links`), which follows ``parallel.mesh_order``:
 with ``dp-pp-tp`` on several nodes the dp gradient exchange crosses nodes, with ``pp-dp-tp`` it stays inside a node
@@ -29,18 +52,19 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDims
-from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
+from lightning_parallel.planner.flops import Kernels
+from lightning_parallel.planner.hardware import Hardware
 from lightning_parallel.planner.memory import reshards
 from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.rates import Rates, rates_for
 from lightning_parallel.planner.settings import TrainingSettings
 
 __all__ = [
-    "HOST_OPTIMIZER_PARAMS_PER_S",
-    "MFU",
+    "DDP_BUCKET_BYTES",
     "RECOMPUTE_FLOPS",
     "StepCost",
     "axis_bytes_per_rank",
@@ -51,27 +75,45 @@ __all__ = [
     "layout_dims",
 ]
 
-MFU = 0.5
-"""Share of peak FLOP/s a step is taken to reach."""
-HOST_OPTIMIZER_PARAMS_PER_S = 2.5e8
-"""Parameters per second a host (CPU) optimizer updates, per rank."""
 RECOMPUTE_FLOPS: dict[str, float] = {"none": 6.0, "selective": 6.0 * 1.03, "full": 8.0}
-"""FLOPs per parameter and token: forward 2 + backward 4; full recompute repeats the forward (+2); selective
-recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
+"""FLOPs per parameter and token when the model's shape is unknown: forward 2 + backward 4; full recompute repeats
+the forward (+2); selective recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's gradient bucket (``bucket_cap_mb=25``): the last one is all-reduced after the backward ends."""
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per step by part, and the tokens the whole world processes in it."""
+    """Seconds per step by part, and the tokens the whole world processes in it.
+
+    ``comm_s`` is each axis's whole communication time, ``exposed_s`` the part of it the step waits for (the rest
+    hides under compute); the step is ``compute_s + sum(exposed_s) + overhead_s``."""
 
     compute_s: float
     comm_s: dict[str, float]
     tokens: int
     links: dict[str, str]
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    """Per axis, the communication the step waits for."""
+    overhead_s: float = 0.0
+    """The device optimizer step and the framework's host overhead."""
+    model_flops: float = 0.0
+    """Model FLOPs per device and step (forward + backward, no recomputation): what MFU counts."""
+    peak_flops: float = 0.0
+    """The peak FLOP/s MFU is against (calibrated, or the vendor's)."""
+    rates_source: str = ""
+    """Where the rates came from."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
+        return self.compute_s + sum(self.exposed_s.values()) + self.overhead_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: model FLOPs per second of one device over its peak (0 when unknown)."""
+        if self.step_s <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.model_flops / self.step_s / self.peak_flops
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,29 +223,16 @@ def cross_node_bytes(
     return out
 
 
-def _bandwidth(link: str) -> float:
-    special = {"host PCIe": "host", "NVMe": "nvme"}
-    return LINK_BANDWIDTH[special.get(link, link.split()[-1])]
+def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig, *,
+                  rates: Rates | None = None, kernels: Kernels | None = None, recompute: str | None = None) -> StepCost:
+    """Seconds per step of ``layout`` on ``hardware`` (the module docstring's model). ``rates`` default to
+    :func:`~lightning_parallel.planner.rates.rates_for` ``(hardware)``; ``kernels`` to this library's GPT
+    (:data:`~lightning_parallel.planner.flops.KERNELS`); ``recompute`` overrides the layout's recomputation with a
+    policy of :data:`~lightning_parallel.planner.steptime.RECOMPUTE_PARTS` (e.g. torchtitan's ``selective-op``)."""
+    from lightning_parallel.planner.steptime import step_cost
 
-
-def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig) -> StepCost:
-    """Seconds per step of ``layout``: compute plus every axis's traffic over its link, without overlap."""
-    dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
-    local = model.params_per_device(pp=pp, tp=tp)
-    shape = model.shape
-    s = training.sequence_length(shape.block_size if shape else 2048)
-    b, m = training.micro_batch_size, training.micro_batches(pp)
-    flops = RECOMPUTE_FLOPS[layout.activation_checkpointing] * local * b * s * m / layout.context_parallel_size
-    rate = hardware.peak_tflops * 1e12 * MFU / (1 if training.mixed else 4)
-    compute = flops / rate
-    if pp > 1:
-        compute *= 1 + (pp - 1) / (layout.virtual_pipeline_stages * m)
-    links = axis_links(layout, hardware)
-    traffic = _traffic(model, training, layout, hardware, local=local, seq_len=s)
-    comm = {axis: bytes_ / _bandwidth(links[axis]) for axis, bytes_ in traffic.items() if axis != "host_optimizer"}
-    if "host_optimizer" in traffic:
-        comm["offload"] = comm.get("offload", 0.0) + traffic["host_optimizer"] / HOST_OPTIMIZER_PARAMS_PER_S
-    return StepCost(compute_s=compute, comm_s=comm, tokens=dp * m * b * s, links=links)
+    return step_cost(model, training, hardware, layout, rates=rates or rates_for(hardware), kernels=kernels,
+                     recompute=recompute)
 
 
 def axis_bytes_per_rank(
