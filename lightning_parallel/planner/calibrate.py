@@ -47,9 +47,11 @@ __all__ = [
     "cache_path",
     "cached_rates",
     "calibrate",
+    "calibration_mode",
     "fit_alpha_beta",
     "format_rates",
     "machine_key",
+    "rates_for",
 ]
 
 CALIBRATION_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
@@ -381,6 +383,33 @@ def format_rates(rates: Rates) -> str:
                           for c, r in link.collectives.items())
         lines.append(f"  {kind}: {parts}")
     return "\n".join(lines)
+
+
+def calibration_mode() -> str:
+    """``$LIGHTNING_PARALLEL_CALIBRATION``: ``cached`` (default: a cached calibration of this machine when there is
+    one), ``now`` (calibrate when no cache exists), ``none`` (never read or make one; the tests set it)."""
+    mode = os.environ.get("LIGHTNING_PARALLEL_CALIBRATION", "cached").strip().lower() or "cached"
+    if mode not in ("cached", "now", "none"):
+        raise ValueError(f"LIGHTNING_PARALLEL_CALIBRATION={mode!r}: use cached, now or none.")
+    return mode
+
+
+def rates_for(hardware: Any, *, calibration: str | None = None) -> Rates:
+    """The rates a plan for ``hardware`` uses: the profile's own ``rates:`` when it has them (a machine not at
+    hand); else, for a machine detected here, its calibration (``calibration``: ``cached`` reads the cache,
+    ``now`` also measures when none is cached, ``none`` skips it; default :func:`calibration_mode`); else
+    :func:`default_rates`."""
+    own = getattr(hardware, "rates", None)
+    if own is not None:
+        return own if isinstance(own, Rates) else rates_from_dict(own, source=f"profile {hardware.name}")
+    mode = calibration or calibration_mode()
+    if mode != "none" and getattr(hardware, "name", "") in ("detected", "this machine"):
+        found = cached_rates()
+        if found is None and mode == "now":
+            found = calibrate(ranks=min(2, hardware.gpus_per_node), save=True)
+        if found is not None:
+            return found
+    return default_rates(hardware)
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m lightning_parallel.planner.calibrate [RANKS]

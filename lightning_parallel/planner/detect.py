@@ -70,6 +70,13 @@ class PlannerOptions:
     """Sequences per device per micro-batch. Default: the data module's ``batch_size``."""
     seq_len: int | None = None
     """Tokens per sequence. Default: the data module's ``block_size``, else the model's."""
+    select: str = "fastest"
+    """fastest: the layout with the highest predicted throughput (within 5 %, the guide's order decides); guide: the
+    first in the decision guide's order, whatever its speed."""
+    calibration: str | None = None
+    """Where the step-time model's rates come from for the machine found: cached (a calibration of this machine when
+    one is cached, the default), now (calibrate first when none is), none (defaults from the profile's peak); default
+    ``$LIGHTNING_PARALLEL_CALIBRATION``, else cached. A ``hardware`` profile with a ``rates:`` section uses those."""
     start_method: str | None = None
     """How the chosen strategy starts its ranks: popen (default; re-runs the command per rank), spawn or fork
     (cheapest from an already-imported process: notebooks, tests)."""

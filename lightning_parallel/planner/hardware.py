@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 
 import yaml
 
+from lightning_parallel.planner.rates import LINK_BANDWIDTH, rates_from_dict
 from lightning_parallel.planner.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -34,15 +35,7 @@ Accelerator = Literal["gpu", "cpu", "auto"]
 DEFAULT_RESERVED = 2**30
 """The largest default runtime allowance per accelerator (1 GiB)."""
 
-LINK_BANDWIDTH: dict[str, float] = {
-    "nvlink": 150e9,
-    "pcie": 12e9,
-    "fast": 12.5e9,
-    "slow": 1.25e9,
-    "host": 12e9,
-    "nvme": 3e9,
-}
-"""Bytes per second per device on each kind of link (rough; for ranking only)."""
+
 
 
 @dataclass(frozen=True)
@@ -88,8 +81,6 @@ class Hardware:
         if self.accelerator not in get_args(Accelerator):
             raise ValueError(f"accelerator={self.accelerator!r}: use gpu, cpu or auto.")
         if isinstance(self.rates, dict):
-            from lightning_parallel.planner.rates import rates_from_dict
-
             object.__setattr__(self, "rates", rates_from_dict(self.rates, source=f"profile {self.name}"))
 
     @property

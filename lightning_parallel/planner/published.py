@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.cost import estimate_step
 from lightning_parallel.planner.flops import KERNELS
 from lightning_parallel.planner.hardware import load_profile
 from lightning_parallel.planner.model import ModelShape, ModelSpec
-from lightning_parallel.planner.rates import rates_for
 from lightning_parallel.planner.settings import TrainingSettings
 
 __all__ = ["PUBLISHED", "Prediction", "Published", "format_table", "predict", "predict_all"]
@@ -48,7 +48,7 @@ class Published:
     """Sequences per step (the whole world)."""
     seq: int
     recompute: str
-    """A policy of :data:`lightning_parallel.planner.steptime.RECOMPUTE_PARTS`."""
+    """A policy of :data:`lightning_parallel.planner.cost.RECOMPUTE_PARTS`."""
     profile: str
     kernels: str
     """A key of :data:`lightning_parallel.planner.flops.KERNELS`."""

@@ -1,6 +1,6 @@
 """The machine rates the step-time model runs on: matmul FLOP/s, memory bandwidth, collectives, host overhead.
 
-A :class:`Rates` comes from one of three places (:func:`rates_for`):
+A :class:`Rates` comes from one of three places (:func:`lightning_parallel.planner.calibrate.rates_for`):
 
 1. a calibration of this machine (``lightning-parallel plan --calibrate``, :mod:`.calibrate`), cached per machine;
 2. the ``rates:`` section of a hardware profile (``configs/hardware/*.yaml``), vendor figures for machines not at
@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "COLLECTIVES",
+    "CPU_GLOO",
+    "LINK_BANDWIDTH",
     "LINK_KINDS",
     "SHAPE_CLASSES",
     "CollectiveRate",
     "LinkRates",
     "Rates",
-    "calibration_mode",
     "default_rates",
-    "rates_for",
     "rates_from_dict",
 ]
 
@@ -48,6 +47,16 @@ LINK_KINDS = ("intra_node", "inter_node")
 """Links a launch uses: between the devices of a node, and between nodes."""
 SHAPE_CLASSES: dict[str, tuple[int, ...]] = {"cpu": (256, 1024, 2048), "gpu": (256, 1024, 4096, 8192)}
 """The GEMM edges (cube root of ``m n k``) calibration measures square matmuls at, on CPU and on accelerators."""
+
+LINK_BANDWIDTH: dict[str, float] = {
+    "nvlink": 150e9,
+    "pcie": 12e9,
+    "fast": 12.5e9,
+    "slow": 1.25e9,
+    "host": 12e9,
+    "nvme": 3e9,
+}
+"""Bytes per second per device on each kind of link (rough defaults for profiles without rates)."""
 
 _BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
 
@@ -206,15 +215,18 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
     )
 
 
+CPU_GLOO = (100e-6, 0.25e9)
+"""Default alpha (s) and beta (B/s) of gloo between CPU ranks of one machine: what a 2-core VM gave (tensor
+parallelism's 19 MB of all-reduces per step cost about 0.3 s there); a calibration replaces it."""
+
 _LINK_ALPHA = {"nvlink": 10e-6, "pcie": 20e-6, "fast": 15e-6, "slow": 50e-6}
 
 
 def default_rates(hardware: Any) -> Rates:
     """Rates from a profile without a ``rates:`` section: ``peak_tflops`` (16-bit; fp32 at a quarter) at 70 % for
-    large GEMMs, the link kinds' rough bandwidths (:data:`lightning_parallel.planner.hardware.LINK_BANDWIDTH`) with
-    a latency each, and 2 TB/s of memory bandwidth on accelerators (50 GB/s on CPU)."""
-    from lightning_parallel.planner.hardware import LINK_BANDWIDTH
-
+    large GEMMs, the link kinds' rough bandwidths (:data:`LINK_BANDWIDTH`) with
+    a latency each (CPU ranks: :data:`CPU_GLOO`), and 2 TB/s of memory bandwidth on accelerators (20 GB/s on
+    CPU)."""
     peak16 = float(hardware.peak_tflops) * 1e12
     peak = {"bf16": peak16, "fp16": peak16, "fp32": peak16 / 4}
 
@@ -223,42 +235,16 @@ def default_rates(hardware: Any) -> Rates:
         return LinkRates(dict.fromkeys(COLLECTIVES, rate))
 
     cpu = getattr(hardware, "accelerator", "gpu") == "cpu"
+    intra = link(hardware.intra_node)
+    if cpu:  # gloo between CPU ranks of one machine: TCP through the kernel, on the cores that compute
+        intra = LinkRates(dict.fromkeys(COLLECTIVES, CollectiveRate(alpha=CPU_GLOO[0], beta=CPU_GLOO[1])))
     return Rates(
         matmul_flops={k: 0.7 * v for k, v in peak.items()},
         peak_flops=peak,
-        memory_bandwidth=50e9 if cpu else 2e12,
-        links={"intra_node": link(hardware.intra_node), "inter_node": link(hardware.inter_node)},
+        memory_bandwidth=20e9 if cpu else 2e12,
+        links={"intra_node": intra, "inter_node": link(hardware.inter_node)},
         host_link_bandwidth=LINK_BANDWIDTH["host"],
         nvme_bandwidth=LINK_BANDWIDTH["nvme"],
         overlap=0.0 if cpu else 1.0,
         source=f"defaults from {getattr(hardware, 'name', 'custom')} (peak_tflops {hardware.peak_tflops:g})",
     )
-
-
-def calibration_mode() -> str:
-    """``$LIGHTNING_PARALLEL_CALIBRATION``: ``cached`` (default: a cached calibration of this machine when there is
-    one), ``now`` (calibrate when no cache exists), ``none`` (never read or make one; the tests set it)."""
-    mode = os.environ.get("LIGHTNING_PARALLEL_CALIBRATION", "cached").strip().lower() or "cached"
-    if mode not in ("cached", "now", "none"):
-        raise ValueError(f"LIGHTNING_PARALLEL_CALIBRATION={mode!r}: use cached, now or none.")
-    return mode
-
-
-def rates_for(hardware: Any, *, calibration: str | None = None) -> Rates:
-    """The rates a plan for ``hardware`` uses: the profile's own ``rates:`` when it has them (a machine not at
-    hand); else, for a machine detected here, its calibration (``calibration``: ``cached`` reads the cache,
-    ``now`` also measures when none is cached, ``none`` skips it; default :func:`calibration_mode`); else
-    :func:`default_rates`."""
-    own = getattr(hardware, "rates", None)
-    if own is not None:
-        return own if isinstance(own, Rates) else rates_from_dict(own, source=f"profile {hardware.name}")
-    mode = calibration or calibration_mode()
-    if mode != "none" and getattr(hardware, "name", "") in ("detected", "this machine"):
-        from lightning_parallel.planner.calibrate import cached_rates, calibrate
-
-        found = cached_rates()
-        if found is None and mode == "now":
-            found = calibrate(ranks=min(2, hardware.gpus_per_node), save=True)
-        if found is not None:
-            return found
-    return default_rates(hardware)

@@ -7,14 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parallel.planner.calibrate import cache_path, cached_rates, fit_alpha_beta, format_rates
+from lightning_parallel.planner.calibrate import (
+    cache_path,
+    cached_rates,
+    calibration_mode,
+    fit_alpha_beta,
+    format_rates,
+    rates_for,
+)
 from lightning_parallel.planner.hardware import load_profile, make_hardware
 from lightning_parallel.planner.rates import (
     COLLECTIVES,
     Rates,
-    calibration_mode,
     default_rates,
-    rates_for,
     rates_from_dict,
 )
 

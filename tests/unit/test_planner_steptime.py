@@ -8,14 +8,13 @@ from dataclasses import replace
 import pytest
 
 from lightning_parallel.config import ParallelConfig
-from lightning_parallel.planner.cost import estimate_step
+from lightning_parallel.planner.calibrate import rates_for
+from lightning_parallel.planner.cost import bubble_factor, estimate_step
 from lightning_parallel.planner.flops import KERNELS, layer_work, model_flops_per_token
 from lightning_parallel.planner.hardware import load_profile
 from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec
 from lightning_parallel.planner.published import PUBLISHED, format_table, predict_all
-from lightning_parallel.planner.rates import rates_for
 from lightning_parallel.planner.settings import TrainingSettings
-from lightning_parallel.planner.steptime import bubble_factor
 
 
 def test_layer_gemms_are_megatrons_24_h_squared_per_token() -> None:
