@@ -1,8 +1,9 @@
 """The machines a plan is for: devices per node, nodes, memory, links; and the profiles in ``configs/hardware``.
 
-Link speeds are rough per-device figures used only to rank layouts (bytes/s): NVLink/NVSwitch 150e9, PCIe between
-devices 12e9, a fast inter-node fabric (100-200 Gb/s InfiniBand per GPU) 12.5e9, a slow one (10-25 Gb/s Ethernet
-shared by the node) 1.25e9, host <-> device 12e9, NVMe 3e9 per node.
+Link kinds have rough per-device default speeds (bytes/s, :data:`~lightning_parallel.planner.rates.LINK_BANDWIDTH`):
+NVLink/NVSwitch 150e9, PCIe between devices 12e9, a fast inter-node fabric (100-200 Gb/s InfiniBand per GPU) 12.5e9,
+a slow one (10-25 Gb/s Ethernet shared by the node) 1.25e9, host <-> device 12e9, NVMe 3e9 per node. A profile's
+``rates:`` section (or a calibration of the machine) replaces them in the step-time model.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Hardware:
     """Bytes per device the runtime takes before training (CUDA context, kernels, workspaces); None: the scaled
     default :attr:`reserved` states."""
     peak_tflops: float = 100.0
-    """Peak 16-bit dense TFLOP/s per device (fp32 runs are taken at 1/4 of it); for ranking only."""
+    """Peak 16-bit dense TFLOP/s per device (fp32 runs are taken at 1/4 of it); the step-time model's default rates
+    derive from it when the profile has no ``rates:`` section."""
     accelerator: Accelerator = "auto"
     """What a written recipe puts in ``trainer.accelerator``."""
     name: str = "custom"
