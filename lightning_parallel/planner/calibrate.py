@@ -180,7 +180,8 @@ def _free_port() -> int:
 
 
 def measure_collectives(world: int, device: torch.device) -> dict[str, list[tuple[float, float]]]:
-    """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size."""
+    """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size
+    (point-to-point needs two ranks)."""
     out: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
     for size in CALIBRATION_SIZES:
         for name, seconds in _time_size(size, world, device).items():
@@ -209,8 +210,9 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
         "all_reduce": lambda: dist.all_reduce(whole),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
         "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-        "p2p": p2p,
     }
+    if world > 1:
+        calls["p2p"] = p2p
     out: dict[str, float] = {}
     for name, fn in calls.items():
         dist.barrier()

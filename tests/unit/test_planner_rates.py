@@ -113,3 +113,36 @@ def test_default_rates_follow_the_profile() -> None:
     assert isinstance(rates, Rates)
     assert rates.peak("bf16") == 100e12 and rates.peak("fp32") == 25e12
     assert rates.links["intra_node"].bandwidth() == 12e9
+
+
+def test_calibrate_one_rank_measures_and_caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One rank: matmuls by edge and dtype, the copy bandwidth and Lightning's step overhead are measured (a few
+    seconds), no collective; the result is cached under this machine's key and read back."""
+    from lightning_parallel.planner.calibrate import calibrate
+
+    monkeypatch.setenv("LIGHTNING_PARALLEL_CACHE", str(tmp_path))
+    lines: list[str] = []
+    rates = calibrate(ranks=1, progress=lines.append)
+    assert any(line.startswith("matmul fp32 1024x1024x1024") for line in lines)
+    assert any("host overhead per step" in line for line in lines) and any("cached in" in line for line in lines)
+    assert rates.source.startswith("calibrated") and rates.overlap == 0.0
+    assert rates.peak("fp32") == max(rates.matmul_by_shape["fp32"].values()) > 0
+    assert 0 < rates.host_overhead_s < 1 and rates.memory_bandwidth > 1e8
+    assert cached_rates(1) is not None and cached_rates(1).source == rates.source  # type: ignore[union-attr]
+
+
+def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
+    """A one-rank gloo group in this process: every size of every collective (no point-to-point) gets a time."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_parallel.planner.calibrate import CALIBRATION_SIZES, measure_collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = measure_collectives(1, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
+    assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
+               for name, points in got.items() if name != "p2p")
