@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -93,9 +94,10 @@ def cached_rates(ranks: int | None = None) -> Rates | None:
     folder = cache_dir()
     if ranks is not None:
         paths = [cache_path(ranks)]
-    else:
-        stem = machine_key(1).rsplit("-", 2)[0]
-        paths = sorted(folder.glob(f"calibration-{stem}-*ranks-*.json"), reverse=True) if folder.is_dir() else []
+    else:  # this machine's files only (host, device, torch version in the key), the most ranks first
+        counts = sorted({int(m.group(1)) for p in (folder.glob("calibration-*.json") if folder.is_dir() else [])
+                         if (m := re.search(r"-(\d+)ranks-", p.name))}, reverse=True)
+        paths = [cache_path(n) for n in counts]
     for path in paths:
         if path.is_file():
             stamp = path.stat().st_mtime
@@ -408,7 +410,7 @@ def rates_for(hardware: Any, *, calibration: str | None = None) -> Rates:
     if mode != "none" and getattr(hardware, "name", "") in ("detected", "this machine"):
         found = cached_rates()
         if found is None and mode == "now":
-            found = calibrate(ranks=min(2, hardware.gpus_per_node), save=True)
+            found = calibrate(ranks=min(2, hardware.gpus_per_node), save=True, hardware=hardware)
         if found is not None:
             return found
     return default_rates(hardware)
