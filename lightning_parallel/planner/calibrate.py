@@ -5,12 +5,14 @@
 * matmul throughput of square GEMMs at a few edges (:data:`~lightning_parallel.planner.rates.SHAPE_CLASSES`), by dtype
   (fp32 and bf16; fp16 too on accelerators), inside every rank at once, so that ranks sharing cores or a memory
   system are measured as a run finds them (rank 0's figures are kept);
-* memory bandwidth: a 64 MiB tensor copy (read + write);
+* memory bandwidth: a 64 MiB tensor copy (read + write); and what a layer's memory-bound ops reach (GELU forward and
+  backward, LayerNorm, an add), which the step-time model uses for them;
 * the four collectives (all-reduce, reduce-scatter, all-gather, point-to-point) over ``ranks`` processes forked on
   127.0.0.1: gloo on CPU, NCCL on GPUs (one GPU per rank). Each is timed at several sizes and ``alpha`` (latency)
   and ``beta`` (bus bandwidth) are fitted by least squares to ``t = alpha + f(n) S / beta`` (:func:`fit_alpha_beta`);
   the link between nodes cannot be measured from one machine and keeps its profile or default figures;
-* the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time;
+* the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
+  eager op takes to dispatch (a tiny add);
 * the calibrated peak: the best matmul rate measured, what MFU is reported against.
 
 The result is cached as JSON in ``$LIGHTNING_PARALLEL_CACHE`` (default ``~/.cache/lightning-parallel/``), one file
@@ -172,7 +174,43 @@ def measure_compute(device: torch.device, *, progress: Progress | None = None) -
     bandwidth = 2.0 * 4 * n / seconds
     if progress:
         progress(f"memory bandwidth (64 MiB copy): {bandwidth / 1e9:,.1f} GB/s")
-    return {"matmul": table, "memory_bandwidth": bandwidth}
+    elementwise = measure_elementwise(device, sync)
+    if progress:
+        progress(f"elementwise ops (GELU forward + backward, LayerNorm, add): {elementwise / 1e9:,.1f} GB/s")
+    per_op = _timed(partial(_tiny_chain, device), sync=sync) / (3 * _CHAIN)
+    if progress:
+        progress(f"one eager op dispatched: {per_op * 1e6:,.1f} us")
+    return {"matmul": table, "memory_bandwidth": bandwidth, "elementwise_bandwidth": elementwise,
+            "op_overhead": per_op}
+
+
+_CHAIN = 50
+
+
+def _tiny_chain(device: torch.device) -> None:
+    """``_CHAIN`` tiny ops with autograd, then their backward (about twice as many ops): dispatch, not work."""
+    x = torch.ones(8, device=device, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
+def measure_elementwise(device: torch.device, sync: Callable[[], None]) -> float:
+    """Bytes/s of a layer's memory-bound ops on a 16 MiB fp32 activation of width 256: GELU forward and backward
+    (5 passes), LayerNorm forward (2), an add (3); total bytes over total time."""
+    x = torch.randn(2**22 // 256, 256, device=device, requires_grad=True)
+    other = torch.randn_like(x).detach()
+    nbytes = x.numel() * 4
+
+    def gelu() -> None:
+        torch.nn.functional.gelu(x).sum().backward()
+
+    ops: list[tuple[Callable[[], Any], int]] = [
+        (gelu, 5), (partial(torch.nn.functional.layer_norm, x.detach(), (256,)), 2),
+        (partial(torch.add, x.detach(), other), 3)]
+    seconds = sum(_timed(fn, sync=sync) for fn, _ in ops)
+    return sum(passes for _, passes in ops) * nbytes / seconds
 
 
 def _free_port() -> int:
@@ -349,7 +387,10 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
 
 def _compute_lines(compute: dict[str, Any]) -> list[str]:
     lines = [f"matmul {d} {e}^3: {r / 1e9:,.1f} GFLOP/s" for d, t in compute["matmul"].items() for e, r in t.items()]
-    return [*lines, f"memory bandwidth (64 MiB copy): {compute['memory_bandwidth'] / 1e9:,.1f} GB/s"]
+    return [*lines, f"memory bandwidth (64 MiB copy): {compute['memory_bandwidth'] / 1e9:,.1f} GB/s",
+            f"elementwise ops (GELU forward + backward, LayerNorm, add): "
+            f"{compute.get('elementwise_bandwidth', 0.0) / 1e9:,.1f} GB/s",
+            f"one eager op dispatched: {compute.get('op_overhead', 0.0) * 1e6:,.1f} us"]
 
 
 def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *, device_type: str, ranks: int,
@@ -363,10 +404,12 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
         "matmul_tflops_by_shape": {d: {e: r / 1e12 for e, r in t.items()} for d, t in table.items()},
         "peak_tflops": {d: r / 1e12 for d, r in best.items()},
         "memory_bandwidth_gbs": compute["memory_bandwidth"] / 1e9,
+        "elementwise_gbs": compute.get("elementwise_bandwidth", compute["memory_bandwidth"]) / 1e9,
         "links": {"intra_node": links.get("intra_node", default_link),
                   "inter_node": (base.to_dict()["links"]["inter_node"] if base is not None
                                  else links.get("intra_node", default_link))},
         "host_overhead_ms": overhead * 1e3,
+        "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
         "overlap": 0.0 if device_type == "cpu" else 1.0,
         "attention_efficiency": 1.0 if device_type == "cpu" else 0.6,
         "source": f"calibrated {socket.gethostname()} {device_type} x{ranks} "
@@ -380,7 +423,8 @@ def format_rates(rates: Rates) -> str:
     lines = [f"rates: {rates.source}"]
     lines += [f"  matmul {d}: {r / 1e12:.4g} TFLOP/s (peak {rates.peak(d) / 1e12:.4g})"
               for d, r in rates.matmul_flops.items()]
-    lines.append(f"  memory bandwidth: {rates.memory_bandwidth / 1e9:,.1f} GB/s; host overhead "
+    lines.append(f"  memory bandwidth: {rates.memory_bandwidth / 1e9:,.1f} GB/s (elementwise ops "
+                 f"{rates.elementwise_rate / 1e9:,.1f}); op dispatch {rates.op_overhead_s * 1e6:.1f} us; host overhead "
                  f"{rates.host_overhead_s * 1e3:.2f} ms/step; overlap {rates.overlap:g}")
     for kind, link in rates.links.items():
         parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"

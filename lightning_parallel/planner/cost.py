@@ -24,8 +24,9 @@ chunks per stage:
   - cp (ring attention): under the attention core it overlaps;
 * offload: 16-bit gradients out and weights back over the host link, the host optimizer at
   ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
-* the optimizer step on the device (memory-bound: parameters, gradients and states read and written) and the
-  framework's host overhead per step.
+* the optimizer step on the device (memory-bound: parameters, gradients and states read and written), the
+  framework's host overhead per step, and the eager ops' dispatch (``op_overhead_s`` per op, :data:`OPS_PER_LAYER`
+  per layer and micro-batch): on CPU it adds to the step, on GPUs only what the kernels do not cover.
 
 The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
 
@@ -66,6 +67,8 @@ from lightning_parallel.planner.settings import TrainingSettings
 
 __all__ = [
     "DDP_BUCKET_BYTES",
+    "OPS_PER_LAYER",
+    "OPS_PER_STEP",
     "RECOMPUTE_FLOPS",
     "RECOMPUTE_PARTS",
     "StageTimes",
@@ -84,6 +87,11 @@ __all__ = [
 RECOMPUTE_FLOPS: dict[str, float] = {"none": 6.0, "selective": 6.0 * 1.03, "full": 8.0}
 """FLOPs per parameter and token when the model's shape is unknown: forward 2 + backward 4; full recompute repeats
 the forward (+2); selective recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
+OPS_PER_LAYER = 60
+"""Eager ops one transformer layer dispatches per micro-batch, forward (about 20: norms, linears, head reshapes,
+attention, activation, adds) and backward (about twice that)."""
+OPS_PER_STEP = 30
+"""Ops per micro-batch outside the layers (embedding, head, loss and their gradients)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """torch DDP's gradient bucket (``bucket_cap_mb=25``): the last one is all-reduced after the backward ends."""
 
@@ -366,7 +374,7 @@ def stage_times(model: ModelSpec, training: TrainingSettings, layout: ParallelCo
     gemm = sum(2.0 * m * n * k / rates.matmul_rate(dtype, m=m, n=n, k=k) for m, n, k in work.gemms)
     attention = work.attention_flops / (rates.matmul_rate(dtype, m=s / cp, n=s, k=shape.n_embd / shape.n_head)
                                         * rates.attention_efficiency)
-    elementwise = work.elementwise_bytes / rates.memory_bandwidth
+    elementwise = work.elementwise_bytes / rates.elementwise_rate
     layers = math.ceil(shape.n_layer / pp)
     m, n, k = head_work(shape, batch=b, seq=s, tp=tp, cp=cp)
     head = 2.0 * m * n * k / rates.matmul_rate(dtype, m=m, n=n, k=k)
@@ -467,6 +475,8 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     optimizer = 0.0 if layout.offload_device != "none" else (
         shard * (2 * state.param + state.grad + 2 * state.optimizer) / rates.memory_bandwidth)
     compute = m * stage.total * bubble
+    dispatch = m * (OPS_PER_LAYER * layers + OPS_PER_STEP) * rates.op_overhead_s
+    launch = dispatch if rates.overlap == 0 else max(dispatch - compute, 0.0)  # GPUs run while the host enqueues
     flops = 0.0
     if shape is not None:
         flops = model_flops_per_token(shape, seq=s) * b * s * m / (pp * tp * cp)
@@ -478,7 +488,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         tokens=dp * m * b * s,
         links=links,
         exposed_s=exposed,
-        overhead_s=optimizer + rates.host_overhead_s,
+        overhead_s=optimizer + rates.host_overhead_s + launch,
         model_flops=flops,
         peak_flops=rates.peak(_dtype(training)),
         rates_source=rates.source,

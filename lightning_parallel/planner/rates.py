@@ -123,6 +123,11 @@ class Rates:
     """Parameters per second a host (CPU) Adam updates, per rank."""
     nvme_bandwidth: float = 3e9
     """NVMe bytes/s per node."""
+    elementwise_bandwidth: float | None = None
+    """Bytes/s the memory-bound ops of a layer reach (GELU, LayerNorm, adds: calibrated); None: ``memory_bandwidth``
+    (a copy's rate; fused GPU kernels come close to it, CPU ones reach a fraction)."""
+    op_overhead_s: float = 0.0
+    """Host time to dispatch one eager op (Python, the dispatcher, a kernel launch); calibrated."""
     overlap: float = 1.0
     """Share of overlappable communication (DDP buckets, FSDP prefetch) that hides under compute: 1 where a device
     computes while its links move data (GPUs, NCCL); 0 on CPU ranks, whose gloo transfers run on the same cores."""
@@ -145,6 +150,11 @@ class Rates:
                 return math.exp(math.log(r0) * (1 - w) + math.log(r1) * w)
         return points[-1][1]
 
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of the memory-bound ops: :attr:`elementwise_bandwidth`, else :attr:`memory_bandwidth`."""
+        return self.elementwise_bandwidth or self.memory_bandwidth
+
     def peak(self, dtype: str) -> float:
         """The calibrated (or vendor) peak FLOP/s of ``dtype``."""
         return self.peak_flops.get(dtype, self.matmul_flops[dtype])
@@ -164,13 +174,15 @@ class Rates:
             "host_optimizer_params_per_s": self.host_optimizer_params_per_s,
             "nvme_gbs": self.nvme_bandwidth / 1e9,
             "overlap": self.overlap,
+            "op_overhead_us": self.op_overhead_s * 1e6,
+            **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
             "source": self.source,
         }
 
 
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
          "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
-         "overlap", "source"}
+         "overlap", "elementwise_gbs", "op_overhead_us", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -199,7 +211,8 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
     optional: dict[str, Any] = {}
     scaled = {"host_overhead_ms": ("host_overhead_s", 1e-3), "host_link_gbs": ("host_link_bandwidth", 1e9),
               "nvme_gbs": ("nvme_bandwidth", 1e9), "attention_efficiency": ("attention_efficiency", 1.0),
-              "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0), "overlap": ("overlap", 1.0)}
+              "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0), "overlap": ("overlap", 1.0),
+              "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale
