@@ -253,10 +253,19 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     }
     if world > 1:
         calls["p2p"] = p2p
+    reps = 10 if size <= 2**20 else 4  # the same count on every rank: a collective called unevenly would hang
     out: dict[str, float] = {}
     for name, fn in calls.items():
         dist.barrier()
-        out[name] = _timed(fn, sync=sync, seconds=0.1) / (2 if name == "p2p" else 1)
+        fn()  # warm-up
+        sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) / (2 if name == "p2p" else 1)
     return out
 
 
@@ -264,6 +273,7 @@ def _rank_main(rank: int, world: int, port: int, device_type: str, queue: Any) -
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, same calls
     device = torch.device(device_type, rank) if device_type != "cpu" else torch.device("cpu")
     if device_type != "cpu":
         torch.get_device_module(device_type).set_device(device)
