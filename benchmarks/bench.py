@@ -12,6 +12,7 @@ against Lightning's built-in strategies, on the same GPT, global batch and seed.
     python benchmarks/bench.py --cases ddp,zero1,zero2,zero3 --dp 1,2,4   # data parallelism over 1, 2 and 4 ranks
     python benchmarks/bench.py --study bubble      # one of the studies below instead of the table
     python benchmarks/bench.py --study compile --quick   # parallel.compile on/off under every strategy
+    python benchmarks/bench.py --quick --predict   # the planner's predicted step of each case next to the measured
 
 **Cases** (``--cases``; the anchors are written with torch only, no framework):
 
@@ -218,6 +219,16 @@ def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]
 
 
 
+def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    """``--predict``: the planner's step of each case against the library's measured one (``_bench.predict``)."""
+    from _bench.predict import prediction_table, predictions, rates_here
+
+    measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
+    cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
+    source = rates_here(a, max((c.world for c in cases), default=1)).source
+    return "## Predicted against measured\n\n" + prediction_table(predictions(a, cases), measured, source=source)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv, description=__doc__.split("\n\n")[0])
     if a.render is not None:
@@ -283,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
               f"batch {a.batch}, fp32 AdamW; {a.reps} interleaved repetitions of {a.steps} timed steps (median); "
               f"`{command}` took {elapsed:.0f} s.")
     text = markdown(a, rows, header, skipped)
+    if a.predict:
+        text += "\n\n" + _predicted_section(a, rows)
     (folder / "results.md").write_text(text)
     (folder / "results.json").write_text(json.dumps({
         "machine": machine, "date": date, "header": header, "args": vars(a),

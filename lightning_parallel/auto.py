@@ -31,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.detect import PlannerOptions, detect_hardware, model_spec_from_module
 from lightning_parallel.planner.guide import BRANCH_FAMILIES, NVME_PATH, Candidate
 from lightning_parallel.planner.hardware import Hardware
@@ -40,7 +41,8 @@ from lightning_parallel.planner.plan import _BRANCH_TEXT, Plan, _facts, make_pla
 from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import format_bytes
 
-__all__ = ["AutoDecision", "NoLayoutFits", "PlannerOptions", "choose", "plan_for_module"]
+__all__ = ["AutoDecision", "NoLayoutFits", "PlannerOptions", "choose", "guide_choice", "plan_for_module",
+           "runnable_by_speed"]
 
 _MAX_DEVICES = 4096
 """The largest device count the refusal searches for the smallest hardware that fits."""
@@ -58,7 +60,13 @@ class AutoDecision:
     chosen: Candidate
     runner_up: Candidate | None
     passed_over: list[str] = field(default_factory=list)
-    """One line per better-ranked candidate that was not runnable here, with the reason."""
+    """One line per faster candidate that was not runnable here, with the reason."""
+    fastest: list[Candidate] = field(default_factory=list)
+    """The runnable candidates that fit, fastest first (the chosen one first)."""
+    guide_choice: Candidate | None = None
+    """The first runnable candidate in the decision guide's order (what lp_auto chose before it ranked by speed)."""
+    select: str = "fastest"
+    """How it was chosen: ``fastest`` or ``guide`` (``--planner.select``)."""
     hardware_notes: list[str] = field(default_factory=list)
     model_note: str = ""
 
@@ -139,6 +147,9 @@ class AutoDecision:
         ]
         if self.runner_up is not None:
             lines.append(f"lp_auto: runner-up {self.describe_candidate(self.runner_up)}")
+        lines.append(f"lp_auto: fastest that fit (predicted; rates: {self.chosen.cost.rates_source or 'defaults'}):")
+        for i, c in enumerate(self.fastest[:3] or [self.chosen], 1):
+            lines.append(f"lp_auto:   {i}. {_speed_text(c)}")
         why = _why(self)
         lines.append(f"lp_auto: why: {why}")
         predicted = self.predicted_states()
@@ -166,24 +177,27 @@ def _states_text(states: ModelStates) -> str:
     return text
 
 
+def _speed_text(candidate: Candidate) -> str:
+    cost = candidate.cost
+    return (f"{candidate.strategy} {candidate.layout.describe()}: step {cost.step_s * 1e3:,.1f} ms, MFU "
+            f"{cost.mfu:.1%}, {cost.tokens_per_s:,.0f} tokens/s")
+
+
 def _why(decision: AutoDecision) -> str:
     chosen, plan = decision.chosen, decision.plan
     families = BRANCH_FAMILIES[plan.branch]
-    text = (f"{chosen.strategy} is the first layout in the guide's order for this branch ("
-            f"{', '.join(families)}) that fits and runs here")
-    runner = decision.runner_up
-    if runner is None:
-        return text + "; no other layout does."
-    rank = {f: i for i, f in enumerate(families)}
-    late = len(families)
-    if rank.get(runner.family, late) > rank.get(chosen.family, late):
-        text += (f"; the runner-up {runner.strategy} is of a later family ({runner.family} after {chosen.family})"
-                 + (", although its step is estimated faster" if runner.cost.tokens_per_s > chosen.cost.tokens_per_s
-                    else ""))
-    else:
-        text += (f"; the runner-up {runner.strategy} is of the same family with an estimated "
-                 f"{runner.cost.tokens_per_s:,.0f} tokens/s against {chosen.cost.tokens_per_s:,.0f}")
-    return text + "."
+    if decision.plan is not None and decision.select == "guide":
+        return (f"{chosen.strategy} is the first layout in the guide's order for this branch ({', '.join(families)}) "
+                "that fits and runs here (--planner.select guide).")
+    text = (f"{chosen.strategy} {chosen.layout.describe()} has the highest predicted throughput "
+            f"({chosen.cost.tokens_per_s:,.0f} tokens/s, step {chosen.cost.step_s * 1e3:,.1f} ms) of the layouts that "
+            "fit and run here")
+    guide = decision.guide_choice
+    if guide is None or guide is chosen or guide.layout == chosen.layout:
+        return text + f"; it is also the guide's first choice for this branch ({', '.join(families)})."
+    return (text + f"; the guide's order for this branch ({', '.join(families)}) would pick {guide.strategy} "
+            f"{guide.layout.describe()}, predicted {guide.cost.tokens_per_s:,.0f} tokens/s (step "
+            f"{guide.cost.step_s * 1e3:,.1f} ms; {chosen.cost.tokens_per_s / guide.cost.tokens_per_s:.2f}x slower).")
 
 
 def _runnable(candidate: Candidate, module: nn.Module | None, options: PlannerOptions) -> str:
@@ -225,29 +239,57 @@ def _with_nvme_path(candidate: Candidate, options: PlannerOptions) -> Candidate:
     return candidate
 
 
+def runnable_by_speed(plan: Plan, *, module: nn.Module | None = None,
+                      options: PlannerOptions | None = None) -> list[Candidate]:
+    """The candidates of ``plan`` that fit and run here, highest predicted throughput (tokens/s) first (ties: the
+    plan's order). Throughput, not step time: a layout with a smaller dp runs fewer sequences per step."""
+    opts = options or PlannerOptions()
+    fitting = [c for c in plan.candidates if c.fits and not _runnable(c, module, opts)]
+    order = {id(c): i for i, c in enumerate(fitting)}
+    return [_with_nvme_path(c, opts) for c in sorted(fitting, key=lambda c: (1.0 / c.cost.tokens_per_s, order[id(c)]))]
+
+
+def guide_choice(plan: Plan, *, module: nn.Module | None = None,
+                 options: PlannerOptions | None = None) -> Candidate | None:
+    """The first candidate in the plan's (the decision guide's) order that fits and runs here."""
+    opts = options or PlannerOptions()
+    return next((_with_nvme_path(c, opts) for c in plan.candidates if c.fits and not _runnable(c, module, opts)),
+                None)
+
+
+SPEED_TIE = 0.05
+"""Predicted throughputs within this share of the best count as equal (the model is good to 10-20 %): among them the
+decision guide's order decides."""
+
+
 def choose(plan: Plan, *, module: nn.Module | None = None,
            options: PlannerOptions | None = None) -> tuple[Candidate | None, Candidate | None, list[str]]:
-    """The first runnable candidate of ``plan`` (its ranking: the guide's order, then throughput), a runner-up (the
-    next runnable one, preferring another strategy), and one line per fitting candidate passed over before it."""
+    """The runnable candidate of ``plan`` with the highest predicted throughput (within :data:`SPEED_TIE` of it, the
+    first in the guide's order), a runner-up (the next fastest runnable one, preferring another strategy), and one
+    line per faster fitting candidate passed over (not runnable here)."""
     opts = options or PlannerOptions()
-    chosen: Candidate | None = None
-    passed: list[str] = []
-    runnable: list[Candidate] = []
-    for candidate in plan.candidates:
-        if not candidate.fits:
-            break  # the ranking puts every fitting candidate first
-        why = _runnable(candidate, module, opts)
-        if why:
-            if chosen is None and len(passed) < 5:
-                passed.append(f"{candidate.strategy} {candidate.layout.describe()}: {why}")
-            continue
-        runnable.append(_with_nvme_path(candidate, opts))
-        if chosen is None:
-            chosen = runnable[-1]
-    if chosen is None:
-        return None, None, passed
-    others = [c for c in runnable[1:] if c.strategy != chosen.strategy] or runnable[1:]
+    by_speed = runnable_by_speed(plan, module=module, options=opts)
+    if not by_speed:
+        fitting = [c for c in plan.candidates if c.fits]
+        return None, None, [f"{c.strategy} {c.layout.describe()}: {_runnable(c, module, opts)}" for c in fitting[:5]]
+    if opts.select not in ("fastest", "guide"):
+        raise ValueError(f"--planner.select {opts.select!r}: use fastest or guide.")
+    floor = (1 - SPEED_TIE) * by_speed[0].cost.tokens_per_s if opts.select == "fastest" else 0.0
+    chosen = next(c for c in by_speed if c.cost.tokens_per_s >= floor and c.layout == _first_near(plan, by_speed,
+                                                                                                    floor).layout)
+    fitting = [c for c in plan.candidates if c.fits]
+    before = (fitting[:next(i for i, c in enumerate(fitting) if c.layout == chosen.layout)] if opts.select == "guide"
+              else [c for c in fitting if c.cost.tokens_per_s > chosen.cost.tokens_per_s])
+    passed = [f"{c.strategy} {c.layout.describe()}: {why}" for c in before if (why := _runnable(c, module, opts))][:5]
+    rest = [c for c in by_speed if c is not chosen]
+    others = [c for c in rest if c.strategy != chosen.strategy] or rest
     return chosen, (others[0] if others else None), passed
+
+
+def _first_near(plan: Plan, by_speed: list[Candidate], floor: float) -> Candidate:
+    """Of the runnable candidates at least ``floor`` tokens/s, the first in the plan's (the guide's) order."""
+    near = {c.layout for c in by_speed if c.cost.tokens_per_s >= floor}
+    return next(c for c in plan.candidates if c.layout in near)
 
 
 def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | None,
@@ -277,6 +319,7 @@ def plan_for_module(
     try:
         opts = PlannerOptions.from_any(options)
         hardware, notes = detect_hardware(accelerator=accelerator, devices=devices, num_nodes=num_nodes, options=opts)
+        hardware = _with_rates(hardware, opts, notes)
         spec, how = model_spec_from_module(module)
         training = _settings(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, options=opts)
     except ValueError as err:  # LayoutError included: every refusal says it is lp_auto's
@@ -287,7 +330,23 @@ def plan_for_module(
     if chosen is None:
         raise NoLayoutFits(refusal(plan, module=module, options=opts, passed=passed))
     return AutoDecision(plan=plan, chosen=chosen, runner_up=runner_up, passed_over=passed, hardware_notes=notes,
-                        model_note=how)
+                        model_note=how, fastest=runnable_by_speed(plan, module=module, options=opts),
+                        guide_choice=guide_choice(plan, module=module, options=opts), select=opts.select)
+
+
+def _with_rates(hardware: Hardware, options: PlannerOptions, notes: list[str]) -> Hardware:
+    """``hardware`` with the rates its step times use (``--planner.calibration``; a profile's own rates stay)."""
+    if options.select not in ("fastest", "guide"):
+        raise ValueError(f"--planner.select {options.select!r}: use fastest or guide.")
+    if hardware.rates is not None:
+        notes.append(f"rates from profile {hardware.name!r}")
+        return hardware
+    if options.calibration not in (None, "cached", "now", "none"):
+        raise ValueError(f"--planner.calibration {options.calibration!r}: use cached, now or none.")
+    rates = rates_for(hardware, calibration=options.calibration)
+    notes.append(f"rates: {rates.source}" + ("" if not rates.source.startswith("defaults") else
+                                             " (lightning-parallel plan --calibrate measures this machine)"))
+    return replace(hardware, rates=rates)
 
 
 def _first_runnable(model: ModelSpec, training: TrainingSettings, hardware: Hardware, module: nn.Module | None,

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Two cores: one intra-op thread per process keeps multi-rank tests from oversubscribing the machine.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests never calibrate (or read a calibration of) the machine implicitly: the planner uses profile or default rates.
+os.environ["LIGHTNING_PARALLEL_CALIBRATION"] = "none"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                    help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
     p.add_argument("--out", help="output folder (default benchmarks/<date>)")
+    p.add_argument("--predict", action="store_true",
+                   help="after the table: the planner's predicted step of each case next to the measured one, the "
+                        "ratio and the ranking comparison (rates: this machine's cached calibration, else defaults; "
+                        "`lightning-parallel plan --calibrate` first)")
     p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
     p.add_argument("--overhead", metavar="CASE[,CASE...]",
                    help="where a step's time goes for each variant of CASE (all: every case): compute / collectives / "

@@ -23,10 +23,10 @@ from lightning_parallel.callbacks.nonfinite import NonFiniteLossError, NonFinite
 from lightning_parallel.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightning_parallel.callbacks.preemption import PreemptionCheckpoint
 from lightning_parallel.callbacks.resumable_data import ResumableDataLoaders
-from lightning_parallel.callbacks.summary import RunSummary
+from lightning_parallel.callbacks.summary import WARMUP_BATCHES, RunSummary, calibrated_peak, model_flops_per_sample
 from lightning_parallel.callbacks.tiling import TileLinearLayers
 from lightning_parallel.callbacks.zero_stats import CountCommunication, ZeroStats
 
-__all__ = ["CountCommunication", "GlobalBatch", "ModelStateReport", "NonFiniteLossError", "NonFiniteLossGuard",
-           "PeriodicCheckpoint", "PreemptionCheckpoint", "ResumableDataLoaders", "RunSummary", "TileLinearLayers",
-           "ZeroStats"]
+__all__ = ["WARMUP_BATCHES", "CountCommunication", "GlobalBatch", "ModelStateReport", "NonFiniteLossError",
+           "NonFiniteLossGuard", "PeriodicCheckpoint", "PreemptionCheckpoint", "ResumableDataLoaders", "RunSummary",
+           "TileLinearLayers", "ZeroStats", "calibrated_peak", "model_flops_per_sample"]

@@ -8,6 +8,7 @@ Examples::
     lightning-parallel plan --params 7.5e9 --nodes 8 --gpus-per-node 8 --gpu-memory 32GB
     lightning-parallel plan --model gpt3-13b --gpus-per-node 8 --gpu-memory 24GB --intra-node pcie
     lightning-parallel plan --model gpt3-175b --hardware dgx-a100-80gb --nodes 16 --inter-node slow --json
+    lightning-parallel plan --calibrate                    # measure this machine (2 ranks), cache the rates
     lightning-parallel plan --layers 2 --hidden 64 --heads 4 --vocab 256 --seq-len 64 --gpus-per-node 2 \\
         --gpu-memory 4GB --hardware cpu-2proc --precision fp32 --write-recipe recipes/planned.yaml
 """
@@ -18,11 +19,13 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from typing import Any
 
 from lightning_parallel.planner.hardware import Hardware, list_profiles, load_profile, make_hardware
 from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec, load_recipe
 from lightning_parallel.planner.plan import make_plan
+from lightning_parallel.planner.rates import Rates
 from lightning_parallel.planner.recipe_writer import write_recipe
 from lightning_parallel.planner.report import format_plan, plan_json
 from lightning_parallel.planner.settings import TrainingSettings
@@ -73,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default) tries none, selective and full for every layout",
     )
     tr.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default 4 x stages)")
+    cal = parser.add_argument_group("calibration (the rates the step-time model runs on)")
+    cal.add_argument("--calibrate", action="store_true", help="measure this machine (matmul by shape and dtype, "
+                     "memory bandwidth, the four collectives over --calibrate-ranks processes, host overhead), cache "
+                     "the result, and plan with it; alone: calibrate and print the rates")
+    cal.add_argument("--calibrate-ranks", type=int, default=None,
+                     help="processes the collectives are measured over (default: the GPUs here, 2 on CPU)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     out.add_argument("--top", type=int, default=12, help="candidates in the table (0 = all)")
@@ -221,14 +230,33 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _calibrate(args: argparse.Namespace) -> Rates:
+    """``--calibrate``: measure, cache, print the rates."""
+    import torch
+
+    from lightning_parallel.planner.calibrate import calibrate, format_rates
+
+    ranks = args.calibrate_ranks or (max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 2)
+    rates = calibrate(ranks=ranks, progress=lambda line: print(f"calibrate: {line}", flush=True))
+    print(format_rates(rates), flush=True)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``lightning-parallel plan ARGS``; returns 0, or 2 after printing what to fix."""
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    rates = None
+    if args.calibrate:
+        rates = _calibrate(args)
+        if not any((args.params, args.model, args.recipe, args.layers, args.hidden, args.heads)):
+            return 0
     try:
         _check_counts(args)
         model, hints = _model(args)
         hardware, note = _hardware(args, hints)
+        if rates is not None and hardware.rates is None:
+            hardware = replace(hardware, rates=rates)
         plan = make_plan(model, _training(args, hints), hardware)
         if args.write_recipe:
             command = shlex.join(["lightning-parallel", "plan", *argv])

@@ -1,10 +1,35 @@
-"""A rough time per training step, used only to rank layouts that fit, and the link each layout stresses.
+"""Time per training step of a layout, from the layer shapes and the machine's rates, and the link each layout
+stresses.
 
-Nothing is assumed to overlap, so it is an upper bound; the figures are for ordering candidates, not promises.
-Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches of ``b`` sequences of ``s`` tokens:
+The rates (:class:`~lightning_parallel.planner.rates.Rates`) are a calibration of this machine or a profile's vendor
+figures. Per device and step, with ``m`` micro-batches of ``b`` sequences of ``s`` tokens, ``p`` stages, ``v`` model
+chunks per stage:
 
-* compute: ``6 P b s m`` FLOPs (``8`` with full recompute, +3 % selective) at 50 % of peak, times
-  ``1 + (p - 1) / (v m)`` for the pipeline bubble;
+* compute (:mod:`.flops`): each layer's GEMMs at the calibrated matmul rate of their shape and dtype, the attention
+  core at ``attention_efficiency`` of it, the memory-bound rest at the memory bandwidth; backward twice the forward;
+  recomputation adds the forward (``full``) or the attention core (``selective``). A stage's micro-batch time ``t`` is
+  its layers (the busiest stage: the head's logits on the last) plus its exposed tensor-parallel and point-to-point
+  time; the pipeline runs ``(m + p - 1) t`` (GPipe, 1F1B), ``(m + (p - 1) / v) t`` (interleaved 1F1B) or
+  ``(m + (p - 1) / 3) t`` (zero bubble: the weight-gradient passes fill two thirds of the 1F1B bubble);
+* each axis's collectives from the alpha-beta model: ``calls x alpha + bytes sent per rank / beta`` (bus bandwidth),
+  ``bytes`` per rank as below; what is exposed:
+
+  - tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (6 with full recomputation): on the critical path;
+  - pp: one activation forward and one gradient backward per micro-batch and boundary: on the critical path;
+  - dp, DDP: ``2 g P (N_d - 1) / N_d`` in 25 MB buckets under the last micro-batch's backward; exposed: what does not
+    fit under it (``overlap`` of the rates) and the last bucket;
+  - dp, ZeRO-1/2 (flat shards): the reduce-scatter and the all-gather after the backward: exposed;
+  - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
+    under backward: exposed beyond the compute they hide under, plus the first layer's gather;
+  - cp (ring attention): under the attention core it overlaps;
+* offload: 16-bit gradients out and weights back over the host link, the host optimizer at
+  ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
+* the optimizer step on the device (memory-bound: parameters, gradients and states read and written), the
+  framework's host overhead per step, and the eager ops' dispatch (``op_overhead_s`` per op, :data:`OPS_PER_LAYER`
+  per layer and micro-batch): on CPU it adds to the step, on GPUs only what the kernels do not cover.
+
+The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
+
 * dp: ``2 g P (N_d - 1) / N_d`` bytes (all-reduce, or reduce-scatter + all-gather under ZeRO-1/2), ``3 g P``-based
   under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
 * tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
@@ -15,8 +40,7 @@ Per device and step, with ``P`` = parameters on the device, ``m`` micro-batches 
   ``c - 1`` hops forward and ``c - 1`` backward, and its fp32 dk/dv accumulator ``2 x 4 b (s/c) h / t`` ``c`` hops;
   compute divides by ``c`` (each rank runs ``s / c`` tokens) and the dp exchange runs over the ``dp x c`` replicas;
 * offload: 16-bit gradients out and weights back over PCIe (``2 g P / N_d``; ZeRO-3 fetches weights in forward and
-  backward, ``+ 2 p P / N_d``), the host optimizer at 2.5e8 parameters/s per rank, NVMe reading and writing the
-  optimizer state once per step.
+  backward, ``+ 2 p P / N_d``), the host optimizer, NVMe reading and writing the optimizer state once per step.
 
 Each axis's traffic goes over the link its groups span (:func:`axis_links`), which follows ``parallel.mesh_order``:
 with ``dp-pp-tp`` on several nodes the dp gradient exchange crosses nodes, with ``pp-dp-tp`` it stays inside a node
@@ -29,49 +53,81 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDims
-from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
+from lightning_parallel.planner.calibrate import rates_for
+from lightning_parallel.planner.flops import Kernels, head_work, layer_work, model_flops_per_token
+from lightning_parallel.planner.hardware import Hardware
 from lightning_parallel.planner.memory import reshards
 from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.rates import LinkRates, Rates
 from lightning_parallel.planner.settings import TrainingSettings
 
 __all__ = [
-    "HOST_OPTIMIZER_PARAMS_PER_S",
-    "MFU",
+    "DDP_BUCKET_BYTES",
+    "OPS_PER_LAYER",
+    "OPS_PER_STEP",
     "RECOMPUTE_FLOPS",
+    "RECOMPUTE_PARTS",
+    "StageTimes",
     "StepCost",
     "axis_bytes_per_rank",
     "axis_links",
+    "bubble_factor",
     "cross_node_bytes",
     "cross_node_bytes_by_order",
     "estimate_step",
     "layout_dims",
+    "stage_times",
+    "step_cost",
 ]
 
-MFU = 0.5
-"""Share of peak FLOP/s a step is taken to reach."""
-HOST_OPTIMIZER_PARAMS_PER_S = 2.5e8
-"""Parameters per second a host (CPU) optimizer updates, per rank."""
 RECOMPUTE_FLOPS: dict[str, float] = {"none": 6.0, "selective": 6.0 * 1.03, "full": 8.0}
-"""FLOPs per parameter and token: forward 2 + backward 4; full recompute repeats the forward (+2); selective
-recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
+"""FLOPs per parameter and token when the model's shape is unknown: forward 2 + backward 4; full recompute repeats
+the forward (+2); selective recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
+OPS_PER_LAYER = 60
+"""Eager ops one transformer layer dispatches per micro-batch, forward (about 20: norms, linears, head reshapes,
+attention, activation, adds) and backward (about twice that)."""
+OPS_PER_STEP = 30
+"""Ops per micro-batch outside the layers (embedding, head, loss and their gradients)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's gradient bucket (``bucket_cap_mb=25``): the last one is all-reduced after the backward ends."""
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per step by part, and the tokens the whole world processes in it."""
+    """Seconds per step by part, and the tokens the whole world processes in it.
+
+    ``comm_s`` is each axis's whole communication time, ``exposed_s`` the part of it the step waits for (the rest
+    hides under compute); the step is ``compute_s + sum(exposed_s) + overhead_s``."""
 
     compute_s: float
     comm_s: dict[str, float]
     tokens: int
     links: dict[str, str]
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    """Per axis, the communication the step waits for."""
+    overhead_s: float = 0.0
+    """The device optimizer step and the framework's host overhead."""
+    model_flops: float = 0.0
+    """Model FLOPs per device and step (forward + backward, no recomputation): what MFU counts."""
+    peak_flops: float = 0.0
+    """The peak FLOP/s MFU is against (calibrated, or the vendor's)."""
+    rates_source: str = ""
+    """Where the rates came from."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
+        return self.compute_s + sum(self.exposed_s.values()) + self.overhead_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: model FLOPs per second of one device over its peak (0 when unknown)."""
+        if self.step_s <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.model_flops / self.step_s / self.peak_flops
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,29 +237,14 @@ def cross_node_bytes(
     return out
 
 
-def _bandwidth(link: str) -> float:
-    special = {"host PCIe": "host", "NVMe": "nvme"}
-    return LINK_BANDWIDTH[special.get(link, link.split()[-1])]
-
-
-def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig) -> StepCost:
-    """Seconds per step of ``layout``: compute plus every axis's traffic over its link, without overlap."""
-    dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
-    local = model.params_per_device(pp=pp, tp=tp)
-    shape = model.shape
-    s = training.sequence_length(shape.block_size if shape else 2048)
-    b, m = training.micro_batch_size, training.micro_batches(pp)
-    flops = RECOMPUTE_FLOPS[layout.activation_checkpointing] * local * b * s * m / layout.context_parallel_size
-    rate = hardware.peak_tflops * 1e12 * MFU / (1 if training.mixed else 4)
-    compute = flops / rate
-    if pp > 1:
-        compute *= 1 + (pp - 1) / (layout.virtual_pipeline_stages * m)
-    links = axis_links(layout, hardware)
-    traffic = _traffic(model, training, layout, hardware, local=local, seq_len=s)
-    comm = {axis: bytes_ / _bandwidth(links[axis]) for axis, bytes_ in traffic.items() if axis != "host_optimizer"}
-    if "host_optimizer" in traffic:
-        comm["offload"] = comm.get("offload", 0.0) + traffic["host_optimizer"] / HOST_OPTIMIZER_PARAMS_PER_S
-    return StepCost(compute_s=compute, comm_s=comm, tokens=dp * m * b * s, links=links)
+def estimate_step(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig, *,
+                  rates: Rates | None = None, kernels: Kernels | None = None, recompute: str | None = None) -> StepCost:
+    """Seconds per step of ``layout`` on ``hardware`` (the module docstring's model). ``rates`` default to
+    :func:`~lightning_parallel.planner.rates.rates_for` ``(hardware)``; ``kernels`` to this library's GPT
+    (:data:`~lightning_parallel.planner.flops.KERNELS`); ``recompute`` overrides the layout's recomputation with a
+    policy of :data:`~lightning_parallel.planner.cost.RECOMPUTE_PARTS` (e.g. torchtitan's ``selective-op``)."""
+    return step_cost(model, training, hardware, layout, rates=rates or rates_for(hardware), kernels=kernels,
+                     recompute=recompute)
 
 
 def axis_bytes_per_rank(
@@ -282,3 +323,186 @@ def _traffic(
             ranks = min(hardware.gpus_per_node, dp)
             out["nvme"] = 2 * state.optimizer * shard * ranks
     return out
+
+
+RECOMPUTE_PARTS: dict[str, tuple[float, float, float]] = {
+    "none": (0.0, 0.0, 0.0),
+    "selective": (0.0, 1.0, 0.0),
+    "full": (1.0, 1.0, 1.0),
+    "selective-op": (0.5, 0.0, 1.0),
+}
+"""Share of the forward's GEMMs, attention core and memory-bound ops each recomputation runs again: ``selective`` is
+Korthikanti et al.'s (the attention core; this library's), ``selective-op`` torchtitan's per-op policy (every second
+matmul and every op outside its save list; the attention kernel's output is kept)."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One micro-batch on the busiest pipeline stage (one tp rank), in seconds."""
+
+    forward: float
+    backward: float
+    recompute: float
+    layers: int
+    """Transformer layers on the stage."""
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+
+def _dtype(training: TrainingSettings) -> str:
+    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}[training.precision]
+
+
+def stage_times(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, rates: Rates, *,
+                kernels: Kernels | None = None, recompute: str | None = None) -> StageTimes:
+    """Compute of one micro-batch on the busiest stage: GEMMs at their shape's rate, the attention core at
+    ``attention_efficiency`` of it, the memory-bound ops at the memory bandwidth (:mod:`.flops`)."""
+    pp, tp, cp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.context_parallel_size
+    dtype = _dtype(training)
+    shape = model.shape
+    b = training.micro_batch_size
+    if shape is None:  # a bare parameter count: 6 P T at the large-GEMM rate
+        s = training.sequence_length(2048)
+        flops = RECOMPUTE_FLOPS[layout.activation_checkpointing] * model.params_per_device(pp=pp, tp=tp) * b * s / cp
+        total = flops / rates.matmul_rate(dtype)
+        extra = total * (RECOMPUTE_FLOPS[layout.activation_checkpointing] / 6.0 - 1.0)
+        return StageTimes(forward=(total - extra) / 3, backward=2 * (total - extra) / 3, recompute=extra, layers=0)
+    s = training.sequence_length(shape.block_size)
+    work = layer_work(shape, batch=b, seq=s, tp=tp, element_bytes=training.activation_bytes, cp=cp, kernels=kernels)
+    gemm = sum(2.0 * m * n * k / rates.matmul_rate(dtype, m=m, n=n, k=k) for m, n, k in work.gemms)
+    attention = work.attention_flops / (rates.matmul_rate(dtype, m=s / cp, n=s, k=shape.n_embd / shape.n_head)
+                                        * rates.attention_efficiency)
+    elementwise = work.elementwise_bytes / rates.elementwise_rate
+    layers = math.ceil(shape.n_layer / pp)
+    m, n, k = head_work(shape, batch=b, seq=s, tp=tp, cp=cp)
+    head = 2.0 * m * n * k / rates.matmul_rate(dtype, m=m, n=n, k=k)
+    forward = layers * (gemm + attention + elementwise) + head
+    share = RECOMPUTE_PARTS[recompute or layout.activation_checkpointing]
+    again = layers * (share[0] * gemm + share[1] * attention + share[2] * elementwise)
+    return StageTimes(forward=forward, backward=2 * forward, recompute=again, layers=layers)
+
+
+def bubble_factor(layout: ParallelConfig, micro_batches: int) -> float:
+    """Stage-times per step over micro-batches: ``(m + p - 1) / m`` (GPipe, 1F1B), ``(m + (p - 1) / v) / m``
+    (interleaved 1F1B), ``(m + (p - 1) / 3) / m`` (zero bubble); 1 without a pipeline."""
+    p, m = layout.pipeline_parallel_size, micro_batches
+    if p == 1:
+        return 1.0
+    idle = {"interleaved_1f1b": (p - 1) / layout.virtual_pipeline_stages,
+            "zero_bubble": (p - 1) / 3}.get(layout.pipeline_schedule, p - 1)
+    return (m + idle) / m
+
+
+def _send(link: LinkRates, collective: str, sent_bytes: float, calls: float) -> float:
+    """``calls x alpha + sent_bytes / beta``: ``sent_bytes`` is what one rank sends (the bus-bandwidth bytes)."""
+    if sent_bytes <= 0:
+        return 0.0
+    rate = link.collectives[collective]
+    return calls * rate.alpha + sent_bytes / rate.beta
+
+
+def _link(rates: Rates, link_name: str) -> LinkRates:
+    return rates.links["inter_node" if link_name.startswith("inter-node") else "intra_node"]
+
+
+def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageTimes, m: int, rates: Rates,
+                last_bucket: float) -> float:
+    """The part of a dp-axis exchange the step waits for."""
+    fsdp = layout.zero == 3 or (layout.pipeline_parallel_size > 1 and layout.zero >= 2) or axis != "dp"
+    if fsdp:  # gathers prefetched under forward and backward, reduce-scatters under backward
+        hide = rates.overlap * m * (stage.total - stage.forward / max(stage.layers, 1))
+        first_gather = seconds / max(3 * (stage.layers + 1), 1)
+        return max(seconds - hide, 0.0) + first_gather
+    if layout.zero in (1, 2) or layout.pipeline_parallel_size > 1:
+        return seconds  # flat shards after the backward; a pipeline's dp all-reduce after the schedule
+    hide = rates.overlap * stage.backward  # DDP buckets under the last micro-batch's backward
+    return max(seconds - hide, min(last_bucket, seconds))
+
+
+def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, layout: ParallelConfig, *,
+              rates: Rates, kernels: Kernels | None = None, recompute: str | None = None) -> StepCost:
+    """The step of ``layout``: compute, every axis's collectives and what of them is exposed, offload, the optimizer
+    step and the host overhead (:func:`lightning_parallel.planner.cost.estimate_step`)."""
+    dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
+    cp = layout.context_parallel_size
+    shape = model.shape
+    s = training.sequence_length(shape.block_size if shape else 2048)
+    b, m = training.micro_batch_size, training.micro_batches(pp)
+    local = model.params_per_device(pp=pp, tp=tp)
+    stage = stage_times(model, training, layout, rates, kernels=kernels, recompute=recompute)
+    bubble = bubble_factor(layout, m)
+    links = axis_links(layout, hardware)
+    traffic = _traffic(model, training, layout, hardware, local=local, seq_len=s)
+    layers = stage.layers or 1
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
+        calls = (6 if layout.activation_checkpointing == "full" else 4) * layers * m
+        comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls)
+        exposed["tp"] = comm["tp"] * bubble
+    if "pp" in traffic:
+        v = layout.virtual_pipeline_stages
+        comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
+        exposed["pp"] = comm["pp"] * bubble
+    if "cp" in traffic:
+        comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
+        attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
+        exposed["cp"] = max(comm["cp"] - rates.overlap * attention_s, 0.0)
+    state = training.state_bytes
+    for axis in ("dp", "dp_shard", "dp_replicate"):
+        if axis not in traffic:
+            continue
+        link = _link(rates, links[axis])
+        if axis == "dp" and layout.zero == 0 and pp == 1:
+            grad_bytes = local * state.grad
+            comm[axis] = _send(link, "all_reduce", traffic[axis], math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+            last = _send(link, "all_reduce", traffic[axis] * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1)), 1)
+        else:
+            collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
+            calls = 3 * (layers + 1) if (layout.zero == 3 or axis == "dp_shard") else 2
+            comm[axis] = _send(link, collective, traffic[axis], calls)
+            last = 0.0
+        exposed[axis] = _dp_exposed(axis, comm[axis], layout, stage, m, rates, last)
+    offload = 0.0
+    if "offload" in traffic:
+        offload = (traffic["offload"] / rates.host_link_bandwidth
+                   + traffic["host_optimizer"] / rates.host_optimizer_params_per_s
+                   + traffic.get("nvme", 0.0) / rates.nvme_bandwidth)
+        comm["offload"] = exposed["offload"] = offload
+    shard = local / (dp * cp) if layout.zero >= 1 else local
+    optimizer = 0.0 if layout.offload_device != "none" else (
+        shard * (2 * state.param + state.grad + 2 * state.optimizer) / rates.memory_bandwidth)
+    compute = m * stage.total * bubble
+    dispatch = m * (OPS_PER_LAYER * layers + OPS_PER_STEP) * rates.op_overhead_s
+    launch = dispatch if rates.overlap == 0 else max(dispatch - compute, 0.0)  # GPUs run while the host enqueues
+    flops = 0.0
+    if shape is not None:
+        flops = model_flops_per_token(shape, seq=s) * b * s * m / (pp * tp * cp)
+    else:
+        flops = 6.0 * model.n_params * b * s * m / (pp * tp * cp)
+    return StepCost(
+        compute_s=compute,
+        comm_s=comm,
+        tokens=dp * m * b * s,
+        links=links,
+        exposed_s=exposed,
+        overhead_s=optimizer + rates.host_overhead_s + launch,
+        model_flops=flops,
+        peak_flops=rates.peak(_dtype(training)),
+        rates_source=rates.source,
+    )
+
+
+def _attention_share(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, rates: Rates) -> float:
+    """Seconds of attention core (forward and backward) per micro-batch on the busiest stage: what ring attention's
+    transfers hide under."""
+    shape = model.shape
+    assert shape is not None
+    s = training.sequence_length(shape.block_size)
+    cp, tp = layout.context_parallel_size, layout.tensor_parallel_size
+    work = layer_work(shape, batch=training.micro_batch_size, seq=s, tp=tp, cp=cp)
+    rate = rates.matmul_rate(_dtype(training), m=s / cp, n=s, k=shape.n_embd / shape.n_head)
+    rate *= rates.attention_efficiency
+    return 3.0 * math.ceil(shape.n_layer / layout.pipeline_parallel_size) * work.attention_flops / rate

@@ -70,6 +70,13 @@ class PlannerOptions:
     """Sequences per device per micro-batch. Default: the data module's ``batch_size``."""
     seq_len: int | None = None
     """Tokens per sequence. Default: the data module's ``block_size``, else the model's."""
+    select: str = "fastest"
+    """fastest: the layout with the highest predicted throughput (within 5 %, the guide's order decides); guide: the
+    first in the decision guide's order, whatever its speed."""
+    calibration: str | None = None
+    """Where the step-time model's rates come from for the machine found: cached (a calibration of this machine when
+    one is cached, the default), now (calibrate first when none is), none (defaults from the profile's peak); default
+    ``$LIGHTNING_PARALLEL_CALIBRATION``, else cached. A ``hardware`` profile with a ``rates:`` section uses those."""
     start_method: str | None = None
     """How the chosen strategy starts its ranks: popen (default; re-runs the command per rank), spawn or fork
     (cheapest from an already-imported process: notebooks, tests)."""
@@ -184,10 +191,11 @@ def detect_hardware(
         for key in ("gpu_memory", "intra_node", "inter_node", "cpu_memory_per_node", "reserved_memory", "peak_tflops",
                     "nvme"):
             values[key] = getattr(profile, key)
+        values.update(rates=profile.rates, name=profile.name)
         notes.append(f"memory, links and host from profile {profile.name!r} (given: --planner.hardware)")
     else:
         host = _host_memory()
-        values["cpu_memory_per_node"] = host
+        values.update(cpu_memory_per_node=host, name="detected")
         if device_type == "cpu":
             values.update(gpu_memory=host // per_node, intra_node="nvlink", reserved_memory=0,
                           peak_tflops=CPU_PEAK_TFLOPS)

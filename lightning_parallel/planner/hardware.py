@@ -1,18 +1,20 @@
 """The machines a plan is for: devices per node, nodes, memory, links; and the profiles in ``configs/hardware``.
 
-Link speeds are rough per-device figures used only to rank layouts (bytes/s): NVLink/NVSwitch 150e9, PCIe between
-devices 12e9, a fast inter-node fabric (100-200 Gb/s InfiniBand per GPU) 12.5e9, a slow one (10-25 Gb/s Ethernet
-shared by the node) 1.25e9, host <-> device 12e9, NVMe 3e9 per node.
+Link kinds have rough per-device default speeds (bytes/s, :data:`~lightning_parallel.planner.rates.LINK_BANDWIDTH`):
+NVLink/NVSwitch 150e9, PCIe between devices 12e9, a fast inter-node fabric (100-200 Gb/s InfiniBand per GPU) 12.5e9,
+a slow one (10-25 Gb/s Ethernet shared by the node) 1.25e9, host <-> device 12e9, NVMe 3e9 per node. A profile's
+``rates:`` section (or a calibration of the machine) replaces them in the step-time model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
 
+from lightning_parallel.planner.rates import LINK_BANDWIDTH, rates_from_dict
 from lightning_parallel.planner.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -34,15 +36,7 @@ Accelerator = Literal["gpu", "cpu", "auto"]
 DEFAULT_RESERVED = 2**30
 """The largest default runtime allowance per accelerator (1 GiB)."""
 
-LINK_BANDWIDTH: dict[str, float] = {
-    "nvlink": 150e9,
-    "pcie": 12e9,
-    "fast": 12.5e9,
-    "slow": 1.25e9,
-    "host": 12e9,
-    "nvme": 3e9,
-}
-"""Bytes per second per device on each kind of link (rough; for ranking only)."""
+
 
 
 @dataclass(frozen=True)
@@ -67,11 +61,15 @@ class Hardware:
     """Bytes per device the runtime takes before training (CUDA context, kernels, workspaces); None: the scaled
     default :attr:`reserved` states."""
     peak_tflops: float = 100.0
-    """Peak 16-bit dense TFLOP/s per device (fp32 runs are taken at 1/4 of it); for ranking only."""
+    """Peak 16-bit dense TFLOP/s per device (fp32 runs are taken at 1/4 of it); the step-time model's default rates
+    derive from it when the profile has no ``rates:`` section."""
     accelerator: Accelerator = "auto"
     """What a written recipe puts in ``trainer.accelerator``."""
     name: str = "custom"
-    """Profile name, or 'custom'."""
+    """Profile name, 'detected' (the machine found at launch), or 'custom'."""
+    rates: Any = field(default=None, compare=False, hash=False, repr=False)
+    """Measured or vendor rates (:class:`lightning_parallel.planner.rates.Rates`, or the profile's ``rates:`` mapping
+    it is read from); None: the calibration of this machine (when detected) or defaults from ``peak_tflops``."""
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes", "gpu_memory", "cpu_memory_per_node"):
@@ -84,6 +82,8 @@ class Hardware:
             raise ValueError(f"--inter-node {self.inter_node!r}: use fast (InfiniBand-class) or slow (Ethernet-class).")
         if self.accelerator not in get_args(Accelerator):
             raise ValueError(f"accelerator={self.accelerator!r}: use gpu, cpu or auto.")
+        if isinstance(self.rates, dict):
+            object.__setattr__(self, "rates", rates_from_dict(self.rates, source=f"profile {self.name}"))
 
     @property
     def reserved(self) -> int:

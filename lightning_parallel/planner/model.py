@@ -44,12 +44,37 @@ class ModelShape:
     """Dropout probability; > 0 adds Korthikanti's 1-byte dropout masks to the activations."""
     key_bias: bool = False
     """A bias on the key projection (GPT-2 has one; :class:`lightning_parallel.models.GPT` does not)."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention, Llama 3); None: ``n_head``."""
+    ffn_hidden: int | None = None
+    """The MLP's inner width; None: ``4 h``."""
+    gated_mlp: bool = False
+    """A SwiGLU MLP (gate, up and down projections: three matrices) instead of GPT-2's two."""
+    learned_positions: bool = True
+    """A learned position table (GPT-2); False for rotary positions (Llama), which have no parameters."""
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: ``h`` without grouped-query attention."""
+        return self.n_embd if self.n_kv_head is None else self.n_embd // self.n_head * self.n_kv_head
+
+    @property
+    def ffn_dim(self) -> int:
+        """The MLP's inner width (``4 h`` unless given)."""
+        return 4 * self.n_embd if self.ffn_hidden is None else self.ffn_hidden
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model {key}={value!r} must be a positive integer.")
+        for key in ("n_kv_head", "ffn_hidden"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"model {key}={value!r} must be a positive integer (or None).")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"model n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}. Fix: a "
+                             "divisor of n_head.")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head} "
@@ -58,16 +83,18 @@ class ModelShape:
 
     def block_params(self, tp: int = 1) -> int:
         """Parameters of one block on one tp rank: matrices and column-parallel biases / tp, the rest replicated."""
-        h = self.n_embd
-        matrices = 12 * h * h // tp
+        h, kv, f = self.n_embd, self.kv_dim, self.ffn_dim
+        mlp_in = 2 * f if self.gated_mlp else f
+        matrices = (2 * h * h + 2 * h * kv + (mlp_in + f) * h) // tp  # 12 h^2 for GPT-2's shape
         if not self.bias:
             return matrices + 2 * h
-        split_biases = (7 if self.key_bias else 6) * h  # q, (k,) v and fc_in: column-parallel, split over tp
+        split_biases = h + (kv if self.key_bias else 0) + kv + mlp_in  # q, (k,) v and fc_in: column-parallel
         return matrices + split_biases // tp + 6 * h  # out_proj, fc_out biases and the LayerNorms stay whole
 
     def embedding_params(self, tp: int = 1) -> int:
         """Token table (vocab-parallel: / tp) and position table (replicated)."""
-        return self.vocab_size * self.n_embd // tp + self.block_size * self.n_embd
+        positions = self.block_size * self.n_embd if self.learned_positions else 0
+        return self.vocab_size * self.n_embd // tp + positions
 
     def head_params(self, tp: int = 1, *, separate_stage: bool = False) -> int:
         """Final LayerNorm plus the vocabulary projection (absent when tied, unless it lives on another stage)."""
@@ -81,8 +108,10 @@ class ModelShape:
 
     def largest_layer_params(self) -> int:
         """Parameters of the largest single module: the token embedding or the MLP's first linear."""
-        h = self.n_embd
-        return max(self.vocab_size * h, 4 * h * h + (4 * h if self.bias else 0), self.block_size * h)
+        h, f = self.n_embd, self.ffn_dim
+        widest = f * h + (f if self.bias else 0)  # the MLP's first linear (gate and up are two under SwiGLU)
+        positions = self.block_size * h if self.learned_positions else 0
+        return max(self.vocab_size * h, widest, positions)
 
     def stage_params(self, *, pp: int, tp: int) -> int:
         """Parameters on the busiest (pipeline stage, tp rank): ceil(L/pp) blocks plus embedding and/or head."""

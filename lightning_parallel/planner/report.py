@@ -40,6 +40,7 @@ _COLUMNS = (
     "host/node",
     "stresses",
     "tokens/s",
+    "MFU",
 )
 _LEFT = {"strategy", "order", "offload", "recompute", "stresses"}
 """Columns aligned left (names); the numbers are aligned right."""
@@ -90,6 +91,7 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> lis
         _gb(mem.host_per_node) if mem.host_per_node else "-",
         c.cost.stressed_link(),
         f"{c.cost.tokens_per_s:,.0f}",
+        f"{c.cost.mfu:.0%}",
     ]
     if "cp" in columns:
         cells.insert(columns.index("cp"), str(lay.context_parallel_size))
@@ -137,7 +139,9 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     rows = [list(columns)] + [
         _row(str(i + 1) if c.fits and c.available else "-", c, scale, columns) for i, c in shown
     ]
-    lines.append(f"Candidate layouts ({unit} per device; tokens/s is a rough no-overlap estimate, for ranking only):")
+    source = plan.candidates[0].cost.rates_source if plan.candidates else ""
+    lines.append(f"Candidate layouts ({unit} per device; tokens/s and MFU from the step-time model, rates: "
+                 f"{source or 'defaults'}):")
     lines.append(_table(rows))
     if len(shown) < len(plan.candidates):
         lines.append(f"... {len(plan.candidates) - len(shown)} more layouts not shown (--top 0 shows all)")
@@ -247,6 +251,9 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "stresses": c.cost.stressed_link(),
         "est_step_seconds": c.cost.step_s,
         "est_tokens_per_second": c.cost.tokens_per_s,
+        "est_mfu": c.cost.mfu,
+        "est_exposed_seconds": dict(c.cost.exposed_s),
+        "rates": c.cost.rates_source,
     }
 
 

@@ -41,7 +41,7 @@ def test_lp_auto_chooses_trains_matches_one_device_and_measures_its_prediction(
     reference = _val_losses(_summary(capfd.readouterr().out))
 
     args = ["fit", "--config", QUICKSTART, "--trainer.strategy", "lp_auto", "--planner.gpu_memory", "16MB",
-            "--planner.start_method", "fork", *SHORT]
+            "--planner.start_method", "fork", "--planner.select", "guide", *SHORT]
     assert main(args) == 0
     out = capfd.readouterr().out
     assert "lp_auto: chosen    lp_pipeline dp=1 pp=2 tp=1 zero=0 recompute=full" in out
@@ -65,7 +65,7 @@ def test_lp_auto_zero_layout_measures_its_prediction(tmp_path: Path, monkeypatch
     """20 MB per rank: lp_sharded ZeRO-2 over both ranks; measured model states per rank = the ZeRO formula."""
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", QUICKSTART, "--parallel", "auto", "--planner.gpu_memory", "20MB",
-            "--planner.start_method", "fork", *SHORT]
+            "--planner.start_method", "fork", "--planner.select", "guide", *SHORT]
     assert main(args) == 0
     out = capfd.readouterr().out
     assert "strategy lp_sharded (dp=2 x pp=1 x tp=1 = 2 ranks, zero=2, recompute=full)" in _summary(out)
@@ -101,7 +101,7 @@ def test_lp_auto_other_budgets_train_and_measure_their_prediction(
         pytest.importorskip("deepspeed")
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", QUICKSTART, "--trainer.strategy", "lp_auto", "--planner.gpu_memory", budget,
-            "--planner.start_method", "fork", *SHORT]
+            "--planner.start_method", "fork", "--planner.select", "guide", *SHORT]
     assert main(args) == 0
     out = capfd.readouterr().out
     summary = _summary(out)

@@ -57,7 +57,7 @@ def test_quickstart_recipe_shortened_in_process(tmp_path: Path, monkeypatch: pyt
     out = capfd.readouterr().out
     summary = [line for line in out.splitlines() if line.startswith("lightning-parallel: fit done")]
     assert summary and "val_loss" in summary[0] and "lp_ddp (dp=2 x pp=1 x tp=1 = 2 ranks)" in summary[0]
-    assert "(lower; 2 validations)" in summary[0]
+    assert "(lower; 2 validations)" in summary[0] and "TFLOP/s" in summary[0]  # MFU or the model rate
     version = tmp_path / "runs" / "quickstart" / "csv" / "version_0"
     assert (version / "metrics.csv").is_file() and (version / "checkpoints" / "last.ckpt").is_file()
 

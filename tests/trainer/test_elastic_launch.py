@@ -163,7 +163,7 @@ CASES = ["lp_auto 820KB"] + (["lp_ddp"] if os.environ.get("LP_ELASTIC_CASES") ==
 def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_path: Path, case: str,
                                                                            reference: Path) -> None:
     strategy, _, budget = case.partition(" ")
-    extra = ["--planner.gpu_memory", budget] if budget else []
+    extra = ["--planner.gpu_memory", budget, "--planner.select", "guide"] if budget else []
     recipe = _recipe(tmp_path / "elastic", strategy)
     port = free_port()
     logs = {n: tmp_path / f"node_{n}.log" for n in "AB"}

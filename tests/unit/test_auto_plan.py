@@ -27,8 +27,9 @@ def _quickstart_gpt() -> GPT:
 
 
 def _decide(model: nn.Module, budget: str, *, devices: int = 2, **options: object) -> object:
+    """The decision by the guide's order (``select="guide"``), what these tests pin; the fastest is tested apart."""
     return plan_for_module(model, accelerator="cpu", devices=devices, precision="32-true", micro_batch_size=16,
-                           seq_len=128, options={"gpu_memory": budget, **options})
+                           seq_len=128, options={"gpu_memory": budget, "select": "guide", **options})
 
 
 def test_budgets_drive_every_branch_on_the_quickstart_model() -> None:
@@ -76,7 +77,7 @@ def test_largest_layer_above_the_budget_goes_to_tensor_parallelism() -> None:
     with torch.device("meta"):
         model = GPT(n_layer=2, n_head=8, n_embd=64, block_size=32, vocab_size=8192)
     decision = plan_for_module(model, accelerator="cpu", devices=8, precision="32-true", micro_batch_size=1,
-                               seq_len=32, options={"gpu_memory": "4MB"})
+                               seq_len=32, options={"gpu_memory": "4MB", "select": "guide"})
     assert decision.plan.branch == "one-node/largest-layer-does-not-fit"
     assert not decision.plan.situation.largest_layer_fits
     assert decision.strategy_name == "lp_tensor" and decision.layout.tensor_parallel_size == 8
@@ -107,7 +108,8 @@ def test_a_model_of_any_class_is_counted_and_the_hooks_it_lacks_pass_layouts_ove
     assert spec.n_params == 256 * 1024 + 1024 + 1024 * 256 + 256
     assert spec.largest_layer_params == 256 * 1024 + 1024 and spec.shape is None
     assert "counted; no GPT shape" in how
-    decision = plan_for_module(module, accelerator="cpu", devices=2, options={"gpu_memory": "100MB"})
+    decision = plan_for_module(module, accelerator="cpu", devices=2, options={"gpu_memory": "100MB",
+                                                                              "select": "guide"})
     assert decision.strategy_name == "lp_ddp"
     assert "Activations are not counted: the module has no GPT shape" in decision.text()
     for size, hook in (("tensor_parallel_size", "tensor_parallel_plan"), ("pipeline_parallel_size", "pipeline_layers")):
@@ -196,3 +198,29 @@ def test_parallel_auto_in_a_recipe_means_lp_auto(tmp_path: Path) -> None:
 def test_bare_lp_auto_in_a_trainer_says_how_to_plan() -> None:
     with pytest.raises(LayoutError, match="plan_for_module"):
         Trainer(strategy="lp_auto", accelerator="cpu", devices=2, logger=False)
+
+
+def test_lp_auto_picks_the_fastest_layout_that_fits() -> None:
+    """By default lp_auto takes the highest predicted throughput among the runnable layouts that fit (ties within 5 %:
+    the guide's order), prints the three fastest with step time and MFU, and names the guide's choice when it differs:
+    at 16 MB the guide's order gives a pipeline, the step-time model a faster layout."""
+    model = _quickstart_gpt()
+    for budget in ("1GB", "16MB"):
+        decision = plan_for_module(model, accelerator="cpu", devices=2, precision="32-true", micro_batch_size=16,
+                                   seq_len=128, options={"gpu_memory": budget})
+        best = max(c.cost.tokens_per_s for c in decision.fastest)
+        assert decision.chosen.cost.tokens_per_s >= 0.95 * best
+        assert decision.chosen.fits and decision.select == "fastest"
+        text = decision.text()
+        assert text.count("lp_auto: fastest that fit") == 1
+        assert "step" in text and "MFU" in text and "lp_auto:   3. " in text
+        guide = decision.guide_choice
+        assert guide is not None
+        if guide.layout != decision.layout:
+            assert "the guide's order for this branch" in text and guide.strategy in text
+        else:
+            assert "it is also the guide's first choice" in text
+    assert decision.guide_choice.strategy == "lp_pipeline"  # type: ignore[union-attr]
+    assert decision.chosen.cost.tokens_per_s > decision.guide_choice.cost.tokens_per_s  # type: ignore[union-attr]
+    with pytest.raises(LayoutError, match="use fastest or guide"):
+        plan_for_module(model, accelerator="cpu", devices=2, options={"gpu_memory": "1GB", "select": "quickest"})

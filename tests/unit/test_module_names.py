@@ -12,7 +12,8 @@ import pytest
 @pytest.mark.parametrize(
     ("module", "package", "names"),
     [
-        ("lightning_parallel.callbacks.summary", "lightning_parallel.callbacks", ["RunSummary"]),
+        ("lightning_parallel.callbacks.summary", "lightning_parallel.callbacks",
+         ["RunSummary", "WARMUP_BATCHES", "calibrated_peak", "model_flops_per_sample"]),
     ],
 )
 def test_packages_reexport_their_modules_names(module: str, package: str, names: list[str]) -> None:

@@ -1,0 +1,94 @@
+"""``--predict``: the planner's step time of each case next to the step measured in the same run.
+
+Each case becomes the planner's layout on a machine of ``case.world`` devices (one node) with this machine's rates
+(``lightning_parallel.planner.calibrate.rates_for`` of a detected machine: the cached calibration, else the defaults;
+``lightning-parallel plan --calibrate`` first for a calibrated prediction). The GPT is the benchmark's (the library's
+default: biases, untied head, no dropout), fp32 AdamW, no recomputation; the global batch ``B`` is split as the runs
+split it: ``B / dp`` sequences per rank in one step, ``B / (dp m)`` per micro-batch with a pipeline of ``m``.
+``lp_dp`` (one process driving N replicas with threads) is no planner layout: no prediction.
+
+The table: case, predicted and measured step (ms), their ratio, and the ranking of the cases by predicted and by
+measured step (the cases of one table train the same global batch, so the faster step is the faster layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from _bench.cases import Case
+
+__all__ = ["predict_case", "prediction_table", "predictions", "rates_here"]
+
+
+def rates_here(a: argparse.Namespace, world: int) -> Any:
+    """This machine's rates for ``world`` ranks: the cached calibration, else the defaults."""
+    from lightning_parallel.planner.calibrate import rates_for
+    from lightning_parallel.planner.hardware import make_hardware
+
+    hardware = make_hardware(gpus_per_node=max(world, 1), gpu_memory="1TB", name="detected",
+                             accelerator="cpu" if a.device == "cpu" else "gpu",
+                             peak_tflops=0.2 if a.device == "cpu" else 100.0)
+    return rates_for(hardware, calibration="cached")
+
+
+def predict_case(a: argparse.Namespace, case: Case, rates: Any) -> Any:
+    """The planner's :class:`~lightning_parallel.planner.cost.StepCost` of ``case`` (None for lp_dp)."""
+    from lightning_parallel.config import ParallelConfig
+    from lightning_parallel.planner.cost import estimate_step
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.model import ModelShape, ModelSpec
+    from lightning_parallel.planner.settings import TrainingSettings
+
+    if case.key == "dp":
+        return None
+    shape = ModelShape(n_layer=a.layers, n_embd=a.hidden, n_head=a.heads, vocab_size=a.vocab, block_size=a.seq)
+    dp = case.dp
+    m = a.micro_batches if case.pp > 1 else 1
+    micro = max(1, a.batch // (dp * m))
+    training = TrainingSettings(precision="fp32", micro_batch_size=micro, seq_len=a.seq,
+                                activation_checkpointing="none", num_micro_batches=m if case.pp > 1 else None)
+    layout = ParallelConfig.from_dict({
+        "data_parallel_size": dp, "pipeline_parallel_size": case.pp, "tensor_parallel_size": case.tp,
+        "zero_stage": case.zero, "offload": case.offload, "context_parallel_size": case.cp,
+        "activation_checkpointing": "none",
+        **({"num_micro_batches": m} if case.pp > 1 else {}),
+        **({"data_parallel_shard_size": case.shard} if case.shard else {})})
+    hardware = make_hardware(gpus_per_node=case.world, gpu_memory="1TB", rates=rates, name="benchmark",
+                             accelerator="cpu" if a.device == "cpu" else "gpu")
+    return estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
+
+
+def predictions(a: argparse.Namespace, cases: list[Case]) -> dict[str, float]:
+    """Predicted step seconds of each case that has a planner layout, by case name."""
+    out: dict[str, float] = {}
+    for case in cases:
+        cost = predict_case(a, case, rates_here(a, case.world))
+        if cost is not None:
+            out[case.name] = cost.step_s
+    return out
+
+
+def _ranking(values: dict[str, float]) -> list[str]:
+    return [name for name, _ in sorted(values.items(), key=lambda kv: kv[1])]
+
+
+def prediction_table(predicted: dict[str, float], measured: dict[str, float], *, source: str = "") -> str:
+    """Markdown: predicted vs measured step per case, the ratio, and the two rankings (fastest first)."""
+    lines = ["| case | predicted step (ms) | measured step (ms) | predicted / measured |", "|---|---:|---:|---:|"]
+    both = [name for name in measured if name in predicted]
+    for name in both:
+        p, m = predicted[name], measured[name]
+        lines.append(f"| {name} | {p * 1e3:,.1f} | {m * 1e3:,.1f} | {p / m:.2f} |")
+    for name in measured:
+        if name not in predicted:
+            lines.append(f"| {name} | no planner layout | {measured[name] * 1e3:,.1f} | - |")
+    by_pred = _ranking({n: predicted[n] for n in both})
+    by_meas = _ranking({n: measured[n] for n in both})
+    ratios = [predicted[n] / measured[n] for n in both]
+    inside = sum(0.8 <= r <= 1.25 for r in ratios)
+    lines += ["", f"Ranking by predicted step: {' < '.join(by_pred)}",
+              f"Ranking by measured step:  {' < '.join(by_meas)}",
+              f"Same ranking: {'yes' if by_pred == by_meas else 'no'}; {inside} of {len(ratios)} ratios within "
+              "[0.8, 1.25]" + (f"; rates: {source}" if source else "") + "."]
+    return "\n".join(lines)

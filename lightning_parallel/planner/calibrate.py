@@ -1,0 +1,474 @@
+"""Calibration: measure this machine's rates (:class:`~lightning_parallel.planner.rates.Rates`) and cache them.
+
+``lightning-parallel plan --calibrate`` (and ``lp_auto`` with ``--planner.calibration now``) runs it once per machine:
+
+* matmul throughput of square GEMMs at a few edges (:data:`~lightning_parallel.planner.rates.SHAPE_CLASSES`), by dtype
+  (fp32 and bf16; fp16 too on accelerators), inside every rank at once, so that ranks sharing cores or a memory
+  system are measured as a run finds them (rank 0's figures are kept);
+* memory bandwidth: a 64 MiB tensor copy (read + write); and what a layer's memory-bound ops reach (GELU forward and
+  backward, LayerNorm, an add), which the step-time model uses for them;
+* the four collectives (all-reduce, reduce-scatter, all-gather, point-to-point) over ``ranks`` processes forked on
+  127.0.0.1: gloo on CPU, NCCL on GPUs (one GPU per rank). Each is timed at several sizes and ``alpha`` (latency)
+  and ``beta`` (bus bandwidth) are fitted by least squares to ``t = alpha + f(n) S / beta`` (:func:`fit_alpha_beta`);
+  the link between nodes cannot be measured from one machine and keeps its profile or default figures;
+* the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
+  eager op takes to dispatch (a tiny add);
+* the calibrated peak: the best matmul rate measured, what MFU is reported against.
+
+The result is cached as JSON in ``$LIGHTNING_PARALLEL_CACHE`` (default ``~/.cache/lightning-parallel/``), one file
+per machine key (:func:`machine_key`: host, device, rank count, torch version). ``LIGHTNING_PARALLEL_CALIBRATION=none``
+(the test suite sets it) keeps the planner from reading or making one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import closing
+from datetime import datetime, timedelta, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.planner.rates import COLLECTIVES, SHAPE_CLASSES, Rates, default_rates, rates_from_dict
+
+__all__ = [
+    "CALIBRATION_SIZES",
+    "cache_dir",
+    "cache_path",
+    "cached_rates",
+    "calibrate",
+    "calibration_mode",
+    "fit_alpha_beta",
+    "format_rates",
+    "machine_key",
+    "rates_for",
+]
+
+CALIBRATION_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
+"""Buffer sizes (bytes) each collective is timed at."""
+_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+
+Progress = Callable[[str], None]
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def machine_key(ranks: int, device: str | None = None) -> str:
+    """``host-device-Nranks-torchV`` plus a short hash of it: what a calibration is valid for."""
+    device = device or _device_type()
+    name = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine())
+    text = f"{socket.gethostname()}|{device}|{name}|{ranks}|{torch.__version__}|{os.cpu_count()}"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:10]
+    return f"{socket.gethostname()}-{device}-{ranks}ranks-{digest}"
+
+
+def cache_dir() -> Path:
+    """``$LIGHTNING_PARALLEL_CACHE``, else ``~/.cache/lightning-parallel``."""
+    return Path(os.environ.get("LIGHTNING_PARALLEL_CACHE") or Path.home() / ".cache" / "lightning-parallel")
+
+
+def cache_path(ranks: int) -> Path:
+    return cache_dir() / f"calibration-{machine_key(ranks)}.json"
+
+
+_MEMO: dict[str, tuple[float, Rates]] = {}
+
+
+def cached_rates(ranks: int | None = None) -> Rates | None:
+    """The cached calibration of this machine for ``ranks`` ranks (any rank count when None, the most ranks
+    first); None when there is none."""
+    folder = cache_dir()
+    if ranks is not None:
+        paths = [cache_path(ranks)]
+    else:  # this machine's files only (host, device, torch version in the key), the most ranks first
+        counts = sorted({int(m.group(1)) for p in (folder.glob("calibration-*.json") if folder.is_dir() else [])
+                         if (m := re.search(r"-(\d+)ranks-", p.name))}, reverse=True)
+        paths = [cache_path(n) for n in counts]
+    for path in paths:
+        if path.is_file():
+            stamp = path.stat().st_mtime
+            memo = _MEMO.get(str(path))
+            if memo is not None and memo[0] == stamp:
+                return memo[1]
+            rates = rates_from_dict(json.loads(path.read_text())["rates"])
+            _MEMO[str(path)] = (stamp, rates)
+            return rates
+    return None
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of ``t = alpha + x / beta`` over ``(x, t)`` points (``x``: the bus bytes ``f(n) S``); alpha
+    clamped at 0, beta at a positive value. Returns ``(alpha seconds, beta bytes/s)``."""
+    if len(points) < 2:
+        raise ValueError(f"fit_alpha_beta needs two points or more, got {len(points)}.")
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx else 0.0
+    if slope <= 0:  # latency-bound at every size: bandwidth from the largest point
+        slope = max(ts) / max(xs)
+    alpha = max(mt - slope * mx, 0.0)
+    return alpha, 1.0 / slope
+
+
+def _timed(fn: Callable[[], Any], *, sync: Callable[[], None], seconds: float = 0.15, min_reps: int = 3) -> float:
+    """Median seconds of one call of ``fn`` after a warm-up."""
+    fn()
+    sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    module = torch.get_device_module(device.type)
+    return lambda: module.synchronize(device)
+
+
+def measure_compute(device: torch.device, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Matmul FLOP/s by dtype and edge, and memory bandwidth, on ``device``."""
+    sync = _sync_for(device)
+    edges = SHAPE_CLASSES["cpu" if device.type == "cpu" else "gpu"]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if device.type != "cpu":
+        dtypes["fp16"] = torch.float16
+    table: dict[str, dict[str, float]] = {}
+    for name, dtype in dtypes.items():
+        table[name] = {}
+        for edge in edges if device.type != "cpu" or dtype == torch.float32 else edges[:2]:  # CPU bf16 is slow
+            a = torch.randn(edge, edge, device=device, dtype=dtype)
+            b = torch.randn(edge, edge, device=device, dtype=dtype)
+            seconds = _timed(partial(torch.mm, a, b), sync=sync)
+            table[name][str(edge)] = 2.0 * edge**3 / seconds
+            if progress:
+                progress(f"matmul {name} {edge}x{edge}x{edge}: {table[name][str(edge)] / 1e9:,.1f} GFLOP/s")
+    n = 16 * 2**20  # 64 MiB of fp32
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), sync=sync)
+    bandwidth = 2.0 * 4 * n / seconds
+    if progress:
+        progress(f"memory bandwidth (64 MiB copy): {bandwidth / 1e9:,.1f} GB/s")
+    elementwise = measure_elementwise(device, sync)
+    if progress:
+        progress(f"elementwise ops (GELU forward + backward, LayerNorm, add): {elementwise / 1e9:,.1f} GB/s")
+    per_op = _timed(partial(_tiny_chain, device), sync=sync) / (3 * _CHAIN)
+    if progress:
+        progress(f"one eager op dispatched: {per_op * 1e6:,.1f} us")
+    return {"matmul": table, "memory_bandwidth": bandwidth, "elementwise_bandwidth": elementwise,
+            "op_overhead": per_op}
+
+
+_CHAIN = 50
+
+
+def _tiny_chain(device: torch.device) -> None:
+    """``_CHAIN`` tiny ops with autograd, then their backward (about twice as many ops): dispatch, not work."""
+    x = torch.ones(8, device=device, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
+def measure_elementwise(device: torch.device, sync: Callable[[], None]) -> float:
+    """Bytes/s of a layer's memory-bound ops on a 16 MiB fp32 activation of width 256: GELU forward and backward
+    (5 passes), LayerNorm forward (2), an add (3); total bytes over total time."""
+    x = torch.randn(2**22 // 256, 256, device=device, requires_grad=True)
+    other = torch.randn_like(x).detach()
+    nbytes = x.numel() * 4
+
+    def gelu() -> None:
+        torch.nn.functional.gelu(x).sum().backward()
+
+    ops: list[tuple[Callable[[], Any], int]] = [
+        (gelu, 5), (partial(torch.nn.functional.layer_norm, x.detach(), (256,)), 2),
+        (partial(torch.add, x.detach(), other), 3)]
+    seconds = sum(_timed(fn, sync=sync) for fn, _ in ops)
+    return sum(passes for _, passes in ops) * nbytes / seconds
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def measure_collectives(world: int, device: torch.device) -> dict[str, list[tuple[float, float]]]:
+    """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size
+    (point-to-point needs two ranks)."""
+    out: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
+    for size in CALIBRATION_SIZES:
+        for name, seconds in _time_size(size, world, device).items():
+            out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), seconds))
+    return out
+
+
+def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
+    """Seconds of each collective on a ``size``-byte fp32 buffer (point-to-point: half a round trip 0 <-> 1)."""
+    import torch.distributed as dist
+
+    sync = _sync_for(device)
+    rank = dist.get_rank()
+    whole = torch.ones(size // 4, device=device)
+    part = torch.empty(size // 4 // world, device=device)
+
+    def p2p() -> None:
+        if rank == 0:
+            dist.send(whole, dst=1)
+            dist.recv(whole, src=1)
+        elif rank == 1:
+            dist.recv(whole, src=0)
+            dist.send(whole, dst=0)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: dist.all_reduce(whole),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+    }
+    if world > 1:
+        calls["p2p"] = p2p
+    reps = 10 if size <= 2**20 else 4  # the same count on every rank: a collective called unevenly would hang
+    out: dict[str, float] = {}
+    for name, fn in calls.items():
+        dist.barrier()
+        fn()  # warm-up
+        sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) / (2 if name == "p2p" else 1)
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, device_type: str, queue: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, same calls
+    device = torch.device(device_type, rank) if device_type != "cpu" else torch.device("cpu")
+    if device_type != "cpu":
+        torch.get_device_module(device_type).set_device(device)
+    backend = "gloo" if device_type == "cpu" else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        dist.barrier()
+        compute = measure_compute(device)  # every rank at once: shared cores and memory as a run sees them
+        dist.barrier()
+        collectives = measure_collectives(world, device)
+        if rank == 0:
+            queue.put({"compute": compute, "collectives": collectives})
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    ctx: Any = mp.get_context("fork" if device_type == "cpu" else "spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    if progress:
+        progress(f"starting {ranks} {'gloo' if device_type == 'cpu' else 'nccl'} ranks on 127.0.0.1:{port} "
+                 f"(matmul and bandwidth in every rank at once, then the collectives at {len(CALIBRATION_SIZES)} "
+                 "sizes)")
+    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, device_type, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad or queue.empty():
+        raise RuntimeError(f"calibration ranks failed (exit codes {[p.exitcode for p in procs]}).")
+    result: dict[str, Any] = queue.get()
+    return result
+
+
+def measure_host_overhead(*, steps: int = 40) -> float:
+    """Seconds per training step of a Lightning ``fit`` of a one-layer model on CPU: the framework's own time."""
+    import lightning.pytorch as pl
+    from torch import nn
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    stamps: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            stamps.append(time.perf_counter())
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2, 8)), batch_size=2)
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[Clock()])
+            trainer.fit(Tiny(), data)
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    warm = stamps[steps // 4:]
+    return (warm[-1] - warm[0]) / (len(warm) - 1)
+
+
+def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = None,
+              hardware: Any = None) -> Rates:
+    """Measure this machine over ``ranks`` processes (1: in this process, no collectives) and cache the result."""
+    device_type = _device_type()
+    if device_type == "cuda":
+        ranks = min(ranks, torch.cuda.device_count())
+    say = progress or (lambda line: None)
+    t0 = time.perf_counter()
+    base = default_rates(hardware) if hardware is not None else None
+    if ranks > 1:
+        world = _run_world(ranks, device_type, say)
+        compute, collectives = world["compute"], world["collectives"]
+        for line in _compute_lines(compute):
+            say(line)
+    else:
+        compute, collectives = measure_compute(torch.device(device_type, 0) if device_type != "cpu"
+                                               else torch.device("cpu"), progress=say), {}
+    links: dict[str, Any] = {}
+    if collectives:
+        links["intra_node"] = {}
+        for name, points in collectives.items():
+            alpha, beta = fit_alpha_beta(points)
+            links["intra_node"][name] = {"alpha_us": alpha * 1e6, "beta_gbs": beta / 1e9}
+            say(f"{name} over {ranks} ranks: alpha {alpha * 1e6:,.1f} us, beta {beta / 1e9:,.2f} GB/s (bus)")
+    else:
+        say("collectives: one rank, nothing to measure (intra-node link from the defaults)")
+    overhead = measure_host_overhead()
+    say(f"host overhead per step (Lightning fit of a one-layer model): {overhead * 1e3:.2f} ms")
+    rates = _assemble(compute, links, overhead, device_type=device_type, ranks=ranks, base=base)
+    say(f"calibrated peak: {max(rates.peak_flops.values()) / 1e12:.4g} TFLOP/s; done in "
+        f"{time.perf_counter() - t0:.1f} s")
+    if save:
+        path = cache_path(ranks)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": machine_key(ranks), "rates": rates.to_dict()}, indent=1))
+        say(f"cached in {path}")
+    return rates
+
+
+def _compute_lines(compute: dict[str, Any]) -> list[str]:
+    lines = [f"matmul {d} {e}^3: {r / 1e9:,.1f} GFLOP/s" for d, t in compute["matmul"].items() for e, r in t.items()]
+    return [*lines, f"memory bandwidth (64 MiB copy): {compute['memory_bandwidth'] / 1e9:,.1f} GB/s",
+            f"elementwise ops (GELU forward + backward, LayerNorm, add): "
+            f"{compute.get('elementwise_bandwidth', 0.0) / 1e9:,.1f} GB/s",
+            f"one eager op dispatched: {compute.get('op_overhead', 0.0) * 1e6:,.1f} us"]
+
+
+def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *, device_type: str, ranks: int,
+              base: Rates | None) -> Rates:
+    table: dict[str, dict[str, float]] = compute["matmul"]
+    best = {d: max(t.values()) for d, t in table.items()}
+    fallback = {c: {"alpha_us": 20.0, "beta_gbs": 1.0} for c in COLLECTIVES}
+    default_link = base.to_dict()["links"]["intra_node"] if base is not None else fallback
+    data = {
+        "matmul_tflops": {d: r / 1e12 for d, r in best.items()},
+        "matmul_tflops_by_shape": {d: {e: r / 1e12 for e, r in t.items()} for d, t in table.items()},
+        "peak_tflops": {d: r / 1e12 for d, r in best.items()},
+        "memory_bandwidth_gbs": compute["memory_bandwidth"] / 1e9,
+        "elementwise_gbs": compute.get("elementwise_bandwidth", compute["memory_bandwidth"]) / 1e9,
+        "links": {"intra_node": links.get("intra_node", default_link),
+                  "inter_node": (base.to_dict()["links"]["inter_node"] if base is not None
+                                 else links.get("intra_node", default_link))},
+        "host_overhead_ms": overhead * 1e3,
+        "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
+        "overlap": 0.0 if device_type == "cpu" else 1.0,
+        "attention_efficiency": 1.0 if device_type == "cpu" else 0.6,
+        "source": f"calibrated {socket.gethostname()} {device_type} x{ranks} "
+                  f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC",
+    }
+    return rates_from_dict(data)
+
+
+def format_rates(rates: Rates) -> str:
+    """A few lines describing ``rates`` (what ``plan --calibrate`` prints at the end)."""
+    lines = [f"rates: {rates.source}"]
+    lines += [f"  matmul {d}: {r / 1e12:.4g} TFLOP/s (peak {rates.peak(d) / 1e12:.4g})"
+              for d, r in rates.matmul_flops.items()]
+    lines.append(f"  memory bandwidth: {rates.memory_bandwidth / 1e9:,.1f} GB/s (elementwise ops "
+                 f"{rates.elementwise_rate / 1e9:,.1f}); op dispatch {rates.op_overhead_s * 1e6:.1f} us; host overhead "
+                 f"{rates.host_overhead_s * 1e3:.2f} ms/step; overlap {rates.overlap:g}")
+    for kind, link in rates.links.items():
+        parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"
+                          for c, r in link.collectives.items())
+        lines.append(f"  {kind}: {parts}")
+    return "\n".join(lines)
+
+
+def calibration_mode() -> str:
+    """``$LIGHTNING_PARALLEL_CALIBRATION``: ``cached`` (default: a cached calibration of this machine when there is
+    one), ``now`` (calibrate when no cache exists), ``none`` (never read or make one; the tests set it)."""
+    mode = os.environ.get("LIGHTNING_PARALLEL_CALIBRATION", "cached").strip().lower() or "cached"
+    if mode not in ("cached", "now", "none"):
+        raise ValueError(f"LIGHTNING_PARALLEL_CALIBRATION={mode!r}: use cached, now or none.")
+    return mode
+
+
+def rates_for(hardware: Any, *, calibration: str | None = None) -> Rates:
+    """The rates a plan for ``hardware`` uses: the profile's own ``rates:`` when it has them (a machine not at
+    hand); else, for a machine detected here, its calibration (``calibration``: ``cached`` reads the cache,
+    ``now`` also measures when none is cached, ``none`` skips it; default :func:`calibration_mode`); else
+    :func:`default_rates`."""
+    own = getattr(hardware, "rates", None)
+    if own is not None:
+        return own if isinstance(own, Rates) else rates_from_dict(own, source=f"profile {hardware.name}")
+    mode = calibration or calibration_mode()
+    if mode != "none" and getattr(hardware, "name", "") in ("detected", "this machine"):
+        found = cached_rates()
+        if found is None and mode == "now":
+            found = calibrate(ranks=min(2, hardware.gpus_per_node), save=True, hardware=hardware)
+        if found is not None:
+            return found
+    return default_rates(hardware)
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m lightning_parallel.planner.calibrate [RANKS]
+    print(format_rates(calibrate(ranks=int(sys.argv[1]) if len(sys.argv) > 1 else 2, progress=print)))

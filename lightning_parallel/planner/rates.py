@@ -1,0 +1,263 @@
+"""The machine rates the step-time model runs on: matmul FLOP/s, memory bandwidth, collectives, host overhead.
+
+A :class:`Rates` comes from one of three places (:func:`lightning_parallel.planner.calibrate.rates_for`):
+
+1. a calibration of this machine (``lightning-parallel plan --calibrate``, :mod:`.calibrate`), cached per machine;
+2. the ``rates:`` section of a hardware profile (``configs/hardware/*.yaml``), vendor figures for machines not at
+   hand (``docs/planner.md`` lists each figure and its source);
+3. defaults derived from the profile's ``peak_tflops`` and link kinds (the rough figures of :mod:`.hardware`).
+
+Collectives follow the alpha-beta model with NCCL's *bus bandwidth* convention (``nccl-tests``' ``busbw``), so one
+``beta`` per link describes a ring of any size: a collective over ``n`` ranks of a buffer of ``S`` bytes takes::
+
+    all_reduce      alpha + 2 (n - 1) / n * S / beta
+    reduce_scatter  alpha +   (n - 1) / n * S / beta      (S: the whole, unsharded buffer)
+    all_gather      alpha +   (n - 1) / n * S / beta      (S: the whole, gathered buffer)
+    p2p             alpha +                 S / beta
+
+``alpha`` is the latency of one call (seconds), ``beta`` bytes per second. Matmul throughput is by dtype and, when
+measured, by shape (:data:`SHAPE_CLASSES`: square GEMMs of a few edges); a GEMM's rate is read at the cube root of
+``m n k``, interpolating between measured edges in log space.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "COLLECTIVES",
+    "CPU_GLOO",
+    "LINK_BANDWIDTH",
+    "LINK_KINDS",
+    "SHAPE_CLASSES",
+    "CollectiveRate",
+    "LinkRates",
+    "Rates",
+    "default_rates",
+    "rates_from_dict",
+]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+"""The four collectives each link is described by."""
+LINK_KINDS = ("intra_node", "inter_node")
+"""Links a launch uses: between the devices of a node, and between nodes."""
+SHAPE_CLASSES: dict[str, tuple[int, ...]] = {"cpu": (256, 1024, 2048), "gpu": (256, 1024, 4096, 8192)}
+"""The GEMM edges (cube root of ``m n k``) calibration measures square matmuls at, on CPU and on accelerators."""
+
+LINK_BANDWIDTH: dict[str, float] = {
+    "nvlink": 150e9,
+    "pcie": 12e9,
+    "fast": 12.5e9,
+    "slow": 1.25e9,
+    "host": 12e9,
+    "nvme": 3e9,
+}
+"""Bytes per second per device on each kind of link (rough defaults for profiles without rates)."""
+
+_BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
+
+
+@dataclass(frozen=True)
+class CollectiveRate:
+    """One collective on one link: ``alpha`` seconds per call, ``beta`` bytes per second (bus bandwidth)."""
+
+    alpha: float
+    """Latency of one call (s)."""
+    beta: float
+    """Bus bandwidth (bytes/s)."""
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta > 0 and math.isfinite(self.alpha) and math.isfinite(self.beta)):
+            raise ValueError(f"collective rate alpha={self.alpha!r} s, beta={self.beta!r} B/s: need alpha >= 0 and "
+                             "beta > 0 (finite).")
+
+
+@dataclass(frozen=True)
+class LinkRates:
+    """The four collectives over one kind of link."""
+
+    collectives: Mapping[str, CollectiveRate]
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``p2p``."""
+
+    def time(self, collective: str, nbytes: float, ranks: int) -> float:
+        """Seconds for ``collective`` of ``nbytes`` (the whole buffer) over ``ranks`` ranks; 0 for one rank or no
+        bytes."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        rate = self.collectives[collective]
+        factor = 1.0 if collective == "p2p" else _BUS_FACTOR[collective] * (ranks - 1) / ranks
+        return rate.alpha + factor * nbytes / rate.beta
+
+    def bandwidth(self) -> float:
+        """The all-reduce bus bandwidth, the link's headline figure."""
+        return self.collectives["all_reduce"].beta
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one device of a machine does per second, and what its links carry."""
+
+    matmul_flops: Mapping[str, float]
+    """Sustained FLOP/s of large GEMMs by dtype (``fp32``, ``bf16``, ``fp16``)."""
+    memory_bandwidth: float
+    """Device memory bytes/s (elementwise, normalization, optimizer step)."""
+    links: Mapping[str, LinkRates]
+    """``intra_node`` and ``inter_node``."""
+    peak_flops: Mapping[str, float]
+    """The physical limit by dtype: the calibrated peak (best measured matmul) or the vendor's dense peak; what
+    MFU is reported against."""
+    host_overhead_s: float = 0.002
+    """Framework time per optimizer step the device waits for (Python, the training loop, launches)."""
+    matmul_by_shape: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Measured FLOP/s by dtype and GEMM edge (``{"bf16": {"1024": ...}}``, :data:`SHAPE_CLASSES`); empty when only
+    large GEMMs are known."""
+    attention_efficiency: float = 0.6
+    """The attention core's FLOP/s as a share of the GEMM rate (fused attention kernels reach less than GEMMs)."""
+    host_link_bandwidth: float = 12e9
+    """Host <-> device bytes/s per device (PCIe), what offload moves its tensors over."""
+    host_optimizer_params_per_s: float = 2.5e8
+    """Parameters per second a host (CPU) Adam updates, per rank."""
+    nvme_bandwidth: float = 3e9
+    """NVMe bytes/s per node."""
+    elementwise_bandwidth: float | None = None
+    """Bytes/s the memory-bound ops of a layer reach (GELU, LayerNorm, adds: calibrated); None: ``memory_bandwidth``
+    (a copy's rate; fused GPU kernels come close to it, CPU ones reach a fraction)."""
+    op_overhead_s: float = 0.0
+    """Host time to dispatch one eager op (Python, the dispatcher, a kernel launch); calibrated."""
+    overlap: float = 1.0
+    """Share of overlappable communication (DDP buckets, FSDP prefetch) that hides under compute: 1 where a device
+    computes while its links move data (GPUs, NCCL); 0 on CPU ranks, whose gloo transfers run on the same cores."""
+    source: str = "defaults"
+    """Where the figures come from: ``calibrated <host> <date>``, ``profile <name>`` or ``defaults``."""
+
+    def matmul_rate(self, dtype: str, *, m: float = 4096, n: float = 4096, k: float = 4096) -> float:
+        """FLOP/s of an ``m x k`` by ``k x n`` GEMM in ``dtype``: the measured edges interpolated in log space at the
+        cube root of ``m n k``, clamped at the ends; the large-GEMM rate without a shape table."""
+        table = self.matmul_by_shape.get(dtype)
+        if not table:
+            return self.matmul_flops[dtype]
+        edge = max(1.0, (max(m, 1) * max(n, 1) * max(k, 1)) ** (1 / 3))
+        points = sorted((float(edge), rate) for edge, rate in table.items())
+        if edge <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in itertools.pairwise(points):
+            if edge <= x1:
+                w = math.log(edge / x0) / math.log(x1 / x0)
+                return math.exp(math.log(r0) * (1 - w) + math.log(r1) * w)
+        return points[-1][1]
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of the memory-bound ops: :attr:`elementwise_bandwidth`, else :attr:`memory_bandwidth`."""
+        return self.elementwise_bandwidth or self.memory_bandwidth
+
+    def peak(self, dtype: str) -> float:
+        """The calibrated (or vendor) peak FLOP/s of ``dtype``."""
+        return self.peak_flops.get(dtype, self.matmul_flops[dtype])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML/JSON form :func:`rates_from_dict` reads back."""
+        return {
+            "matmul_tflops": {k: v / 1e12 for k, v in self.matmul_flops.items()},
+            "matmul_tflops_by_shape": {d: {c: r / 1e12 for c, r in t.items()} for d, t in self.matmul_by_shape.items()},
+            "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+            "memory_bandwidth_gbs": self.memory_bandwidth / 1e9,
+            "links": {kind: {c: {"alpha_us": r.alpha * 1e6, "beta_gbs": r.beta / 1e9}
+                             for c, r in link.collectives.items()} for kind, link in self.links.items()},
+            "host_overhead_ms": self.host_overhead_s * 1e3,
+            "attention_efficiency": self.attention_efficiency,
+            "host_link_gbs": self.host_link_bandwidth / 1e9,
+            "host_optimizer_params_per_s": self.host_optimizer_params_per_s,
+            "nvme_gbs": self.nvme_bandwidth / 1e9,
+            "overlap": self.overlap,
+            "op_overhead_us": self.op_overhead_s * 1e6,
+            **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
+            "source": self.source,
+        }
+
+
+_KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
+         "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
+         "overlap", "elementwise_gbs", "op_overhead_us", "source"}
+
+
+def _link(data: Mapping[str, Any], where: str) -> LinkRates:
+    missing = [c for c in COLLECTIVES if c not in data]
+    if missing:
+        raise ValueError(f"{where}: collectives {missing} missing; give alpha_us and beta_gbs for each of "
+                         f"{list(COLLECTIVES)}.")
+    return LinkRates({c: CollectiveRate(alpha=float(data[c]["alpha_us"]) * 1e-6, beta=float(data[c]["beta_gbs"]) * 1e9)
+                      for c in COLLECTIVES})
+
+
+def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
+    """A :class:`Rates` from the ``rates:`` section of a profile or a calibration cache (units in the key names:
+    TFLOP/s, GB/s = 1e9 B/s, microseconds, milliseconds)."""
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ValueError(f"rates: unknown keys {unknown}. Valid keys: {sorted(_KEYS)}.")
+    for key in ("matmul_tflops", "memory_bandwidth_gbs", "links"):
+        if key not in data:
+            raise ValueError(f"rates: {key} is missing (see docs/planner.md, 'Rates').")
+    matmul = {k: float(v) * 1e12 for k, v in data["matmul_tflops"].items()}
+    links = {kind: _link(data["links"][kind], f"rates.links.{kind}") for kind in LINK_KINDS if kind in data["links"]}
+    if "intra_node" not in links:
+        raise ValueError("rates.links.intra_node is missing.")
+    links.setdefault("inter_node", links["intra_node"])
+    optional: dict[str, Any] = {}
+    scaled = {"host_overhead_ms": ("host_overhead_s", 1e-3), "host_link_gbs": ("host_link_bandwidth", 1e9),
+              "nvme_gbs": ("nvme_bandwidth", 1e9), "attention_efficiency": ("attention_efficiency", 1.0),
+              "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0), "overlap": ("overlap", 1.0),
+              "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6)}
+    for key, (name, scale) in scaled.items():
+        if key in data:
+            optional[name] = float(data[key]) * scale
+    return Rates(
+        matmul_flops=matmul,
+        matmul_by_shape={d: {c: float(r) * 1e12 for c, r in t.items()}
+                         for d, t in (data.get("matmul_tflops_by_shape") or {}).items()},
+        peak_flops={k: float(v) * 1e12 for k, v in (data.get("peak_tflops") or data["matmul_tflops"]).items()},
+        memory_bandwidth=float(data["memory_bandwidth_gbs"]) * 1e9,
+        links=links,
+        source=str(data.get("source") or source or "profile"),
+        **optional,
+    )
+
+
+CPU_GLOO = (100e-6, 0.25e9)
+"""Default alpha (s) and beta (B/s) of gloo between CPU ranks of one machine: what a 2-core VM gave (tensor
+parallelism's 19 MB of all-reduces per step cost about 0.3 s there); a calibration replaces it."""
+
+_LINK_ALPHA = {"nvlink": 10e-6, "pcie": 20e-6, "fast": 15e-6, "slow": 50e-6}
+
+
+def default_rates(hardware: Any) -> Rates:
+    """Rates from a profile without a ``rates:`` section: ``peak_tflops`` (16-bit; fp32 at a quarter) at 70 % for
+    large GEMMs, the link kinds' rough bandwidths (:data:`LINK_BANDWIDTH`) with
+    a latency each (CPU ranks: :data:`CPU_GLOO`), and 2 TB/s of memory bandwidth on accelerators (20 GB/s on
+    CPU)."""
+    peak16 = float(hardware.peak_tflops) * 1e12
+    peak = {"bf16": peak16, "fp16": peak16, "fp32": peak16 / 4}
+
+    def link(kind: str) -> LinkRates:
+        rate = CollectiveRate(alpha=_LINK_ALPHA[kind], beta=LINK_BANDWIDTH[kind])
+        return LinkRates(dict.fromkeys(COLLECTIVES, rate))
+
+    cpu = getattr(hardware, "accelerator", "gpu") == "cpu"
+    intra = link(hardware.intra_node)
+    if cpu:  # gloo between CPU ranks of one machine: TCP through the kernel, on the cores that compute
+        intra = LinkRates(dict.fromkeys(COLLECTIVES, CollectiveRate(alpha=CPU_GLOO[0], beta=CPU_GLOO[1])))
+    return Rates(
+        matmul_flops={k: 0.7 * v for k, v in peak.items()},
+        peak_flops=peak,
+        memory_bandwidth=20e9 if cpu else 2e12,
+        links={"intra_node": intra, "inter_node": link(hardware.inter_node)},
+        host_link_bandwidth=LINK_BANDWIDTH["host"],
+        nvme_bandwidth=LINK_BANDWIDTH["nvme"],
+        overlap=0.0 if cpu else 1.0,
+        source=f"defaults from {getattr(hardware, 'name', 'custom')} (peak_tflops {hardware.peak_tflops:g})",
+    )

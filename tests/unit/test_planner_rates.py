@@ -1,0 +1,148 @@
+"""Rates and calibration without measuring: profiles, the alpha-beta model, the fit, the cache, the opt-out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_parallel.planner.calibrate import (
+    cache_path,
+    cached_rates,
+    calibration_mode,
+    fit_alpha_beta,
+    format_rates,
+    rates_for,
+)
+from lightning_parallel.planner.hardware import load_profile, make_hardware
+from lightning_parallel.planner.rates import (
+    COLLECTIVES,
+    Rates,
+    default_rates,
+    rates_from_dict,
+)
+
+
+def test_profiles_carry_vendor_rates() -> None:
+    """H100, H200 and A100 profiles: 989 / 989 / 312 TFLOP/s bf16 peak; every collective on both links."""
+    for name, peak in (("dgx-h100", 989e12), ("dgx-h200", 989e12), ("dgx-a100-80gb", 312e12)):
+        rates = rates_for(load_profile(name))
+        assert rates.peak("bf16") == peak
+        assert rates.matmul_rate("bf16") < peak
+        assert set(rates.links) == {"intra_node", "inter_node"}
+        for link in rates.links.values():
+            assert set(link.collectives) == set(COLLECTIVES)
+        assert rates.links["intra_node"].bandwidth() > rates.links["inter_node"].bandwidth()
+    assert load_profile("dgx-h200").gpu_memory == 141 * 10**9
+
+
+def test_alpha_beta_time_uses_bus_factors() -> None:
+    rates = rates_from_dict({
+        "matmul_tflops": {"fp32": 1.0}, "memory_bandwidth_gbs": 10,
+        "links": {"intra_node": {c: {"alpha_us": 10, "beta_gbs": 1} for c in COLLECTIVES}}})
+    link = rates.links["intra_node"]
+    assert link.time("all_reduce", 1e9, 4) == pytest.approx(10e-6 + 2 * 3 / 4)
+    assert link.time("reduce_scatter", 1e9, 4) == pytest.approx(10e-6 + 3 / 4)
+    assert link.time("p2p", 1e9, 2) == pytest.approx(10e-6 + 1)
+    assert link.time("all_reduce", 1e9, 1) == 0.0
+    assert rates.links["inter_node"] is link  # one link given: both kinds
+
+
+def test_matmul_rate_interpolates_measured_edges() -> None:
+    rates = rates_from_dict({
+        "matmul_tflops": {"fp32": 4.0}, "matmul_tflops_by_shape": {"fp32": {"256": 1.0, "1024": 4.0}},
+        "memory_bandwidth_gbs": 10, "links": {"intra_node": {c: {"alpha_us": 1, "beta_gbs": 1} for c in COLLECTIVES}}})
+    assert rates.matmul_rate("fp32", m=256, n=256, k=256) == pytest.approx(1e12)
+    assert rates.matmul_rate("fp32", m=512, n=512, k=512) == pytest.approx(2e12)  # halfway in log space
+    assert rates.matmul_rate("fp32", m=8192, n=8192, k=8192) == pytest.approx(4e12)  # clamped
+    assert rates.matmul_rate("fp32", m=16, n=16, k=16) == pytest.approx(1e12)
+
+
+def test_rates_round_trip_and_bad_keys() -> None:
+    rates = rates_for(load_profile("dgx-a100-80gb"))
+    again = rates_from_dict(rates.to_dict())
+    assert again.matmul_flops == rates.matmul_flops and again.memory_bandwidth == rates.memory_bandwidth
+    for kind, link in rates.links.items():
+        for name, rate in link.collectives.items():
+            assert again.links[kind].collectives[name].alpha == pytest.approx(rate.alpha)
+            assert again.links[kind].collectives[name].beta == pytest.approx(rate.beta)
+    with pytest.raises(ValueError, match="unknown keys"):
+        rates_from_dict({**rates.to_dict(), "matmul_tflop": {}})
+    with pytest.raises(ValueError, match="collectives"):
+        rates_from_dict({"matmul_tflops": {"bf16": 1}, "memory_bandwidth_gbs": 1,
+                         "links": {"intra_node": {"all_reduce": {"alpha_us": 1, "beta_gbs": 1}}}})
+
+
+def test_fit_alpha_beta_recovers_the_line() -> None:
+    alpha, beta = 25e-6, 3e9
+    points = [(x, alpha + x / beta) for x in (4e3, 6.4e4, 1e6, 1.6e7)]
+    got = fit_alpha_beta(points)
+    assert got[0] == pytest.approx(alpha, rel=1e-6) and got[1] == pytest.approx(beta, rel=1e-6)
+    assert fit_alpha_beta([(1e3, 1e-3), (1e6, 1e-3)])[1] > 0  # flat: latency-bound, still a positive bandwidth
+
+
+def test_tests_never_calibrate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """conftest sets LIGHTNING_PARALLEL_CALIBRATION=none: a detected machine gets default rates, no cache read."""
+    assert calibration_mode() == "none"
+    detected = make_hardware(gpus_per_node=2, gpu_memory="4GB", accelerator="cpu", name="detected")
+    assert rates_for(detected).source.startswith("defaults")
+    monkeypatch.setenv("LIGHTNING_PARALLEL_CALIBRATION", "sometimes")
+    with pytest.raises(ValueError, match="cached, now or none"):
+        calibration_mode()
+
+
+def test_cache_is_read_for_a_detected_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LIGHTNING_PARALLEL_CACHE", str(tmp_path))
+    hardware = make_hardware(gpus_per_node=2, gpu_memory="4GB", accelerator="cpu", name="detected")
+    fake = default_rates(hardware).to_dict() | {"source": "calibrated fake"}
+    path = cache_path(2)
+    assert path.parent == tmp_path
+    path.write_text(json.dumps({"rates": fake}))
+    assert cached_rates(2) is not None and cached_rates().source == "calibrated fake"  # type: ignore[union-attr]
+    monkeypatch.setenv("LIGHTNING_PARALLEL_CALIBRATION", "cached")
+    assert rates_for(hardware).source == "calibrated fake"
+    custom = make_hardware(gpus_per_node=2, gpu_memory="4GB", accelerator="cpu")  # not this machine: defaults
+    assert rates_for(custom).source.startswith("defaults")
+    assert "intra_node" in format_rates(rates_for(hardware))
+
+
+def test_default_rates_follow_the_profile() -> None:
+    hw = make_hardware(gpus_per_node=8, gpu_memory="80GiB", peak_tflops=100, intra_node="pcie")
+    rates = default_rates(hw)
+    assert isinstance(rates, Rates)
+    assert rates.peak("bf16") == 100e12 and rates.peak("fp32") == 25e12
+    assert rates.links["intra_node"].bandwidth() == 12e9
+
+
+def test_calibrate_one_rank_measures_and_caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One rank: matmuls by edge and dtype, the copy bandwidth and Lightning's step overhead are measured (a few
+    seconds), no collective; the result is cached under this machine's key and read back."""
+    from lightning_parallel.planner.calibrate import calibrate
+
+    monkeypatch.setenv("LIGHTNING_PARALLEL_CACHE", str(tmp_path))
+    lines: list[str] = []
+    rates = calibrate(ranks=1, progress=lines.append)
+    assert any(line.startswith("matmul fp32 1024x1024x1024") for line in lines)
+    assert any("host overhead per step" in line for line in lines) and any("cached in" in line for line in lines)
+    assert rates.source.startswith("calibrated") and rates.overlap == 0.0
+    assert rates.peak("fp32") == max(rates.matmul_by_shape["fp32"].values()) > 0
+    assert 0 < rates.host_overhead_s < 1 and rates.memory_bandwidth > 1e8
+    assert cached_rates(1) is not None and cached_rates(1).source == rates.source  # type: ignore[union-attr]
+
+
+def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
+    """A one-rank gloo group in this process: every size of every collective (no point-to-point) gets a time."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_parallel.planner.calibrate import CALIBRATION_SIZES, measure_collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = measure_collectives(1, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
+    assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
+               for name, points in got.items() if name != "p2p")

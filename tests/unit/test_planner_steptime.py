@@ -1,0 +1,89 @@
+"""The step-time model: layer work from shapes, the pipeline bubble by schedule, overlap of each axis's collectives,
+and the published configurations it must reproduce (docs/formulas.md, "Published throughput")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner.calibrate import rates_for
+from lightning_parallel.planner.cost import bubble_factor, estimate_step
+from lightning_parallel.planner.flops import KERNELS, layer_work, model_flops_per_token
+from lightning_parallel.planner.hardware import load_profile
+from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec
+from lightning_parallel.planner.published import PUBLISHED, format_table, predict_all
+from lightning_parallel.planner.settings import TrainingSettings
+
+
+def test_layer_gemms_are_megatrons_24_h_squared_per_token() -> None:
+    """GPT-2 shape: the four GEMMs of a layer are 2 x 12 h^2 FLOPs per token (on tp ranks: / t); attention 4 s h."""
+    shape = MODEL_PRESETS["gpt3-1.3b"]
+    h, s = shape.n_embd, 2048
+    work = layer_work(shape, batch=2, seq=s)
+    assert work.gemm_flops == 2 * 2 * s * 12 * h * h
+    assert work.attention_flops == 4 * 2 * s * s * h
+    assert layer_work(shape, batch=2, seq=s, tp=4).gemm_flops == work.gemm_flops / 4
+    per_token = model_flops_per_token(shape, seq=s)
+    assert per_token == pytest.approx(3 * (shape.n_layer * (24 * h * h + 4 * s * h) + 2 * h * shape.vocab_size))
+
+
+def test_llama_shape_counts_8b_parameters() -> None:
+    """Grouped-query attention, a SwiGLU MLP of 14336 and rotary positions: Llama 3.1 8B's 8.03e9 parameters."""
+    shape = ModelShape(n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, vocab_size=128256,
+                       bias=False, gated_mlp=True, learned_positions=False)
+    assert shape.total_params() == 8_030_261_248
+    assert shape.largest_layer_params() == 128256 * 4096
+
+
+def test_bubble_by_schedule() -> None:
+    base = ParallelConfig.from_dict({"pipeline_parallel_size": 4, "num_micro_batches": 8})
+    assert bubble_factor(base, 8) == pytest.approx((8 + 3) / 8)
+    inter = base.replace(pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2)
+    assert bubble_factor(inter, 8) == pytest.approx((8 + 1.5) / 8)
+    assert bubble_factor(base.replace(pipeline_schedule="zero_bubble"), 8) == pytest.approx((8 + 1) / 8)
+    assert bubble_factor(ParallelConfig(), 1) == 1.0
+
+
+def _cost(layout: dict[str, object], *, overlap: float = 1.0, nodes: int = 1):  # type: ignore[no-untyped-def]
+    hardware = load_profile("dgx-a100-80gb", nodes=nodes)
+    rates = replace(rates_for(hardware), overlap=overlap)
+    training = TrainingSettings(micro_batch_size=4, seq_len=2048, activation_checkpointing="none")
+    return estimate_step(ModelSpec.from_shape(MODEL_PRESETS["gpt3-1.3b"]), training, hardware,
+                         ParallelConfig.from_dict({"activation_checkpointing": "none", **layout}), rates=rates)
+
+
+def test_ddp_buckets_hide_under_backward_and_tp_does_not() -> None:
+    hidden = _cost({"data_parallel_size": 8})
+    waited = _cost({"data_parallel_size": 8}, overlap=0.0)
+    assert hidden.exposed_s["dp"] < waited.exposed_s["dp"] == pytest.approx(waited.comm_s["dp"])
+    assert hidden.exposed_s["dp"] > 0  # the last bucket is always waited for
+    tp = _cost({"data_parallel_size": 4, "tensor_parallel_size": 2})
+    assert tp.exposed_s["tp"] == pytest.approx(tp.comm_s["tp"])  # on the critical path
+    zero1 = _cost({"data_parallel_size": 8, "zero_stage": 1})
+    assert zero1.exposed_s["dp"] == pytest.approx(zero1.comm_s["dp"])  # flat shards after the backward
+
+
+def test_step_parts_and_mfu() -> None:
+    cost = _cost({"data_parallel_size": 8})
+    assert cost.step_s == pytest.approx(cost.compute_s + sum(cost.exposed_s.values()) + cost.overhead_s)
+    assert 0.3 < cost.mfu < 0.8
+    slower = _cost({"data_parallel_size": 16}, nodes=2)  # dp across nodes: the slower link
+    assert slower.comm_s["dp"] > cost.comm_s["dp"] and slower.links["dp"].startswith("inter-node")
+
+
+def test_published_configurations_are_reproduced() -> None:
+    """Megatron-LM's Table 1 rows within 20 %; torchtitan's Llama 3.1 8B rows are over-predicted by 22-26 % (their
+    H100s ran at a 500 W power limit, which the profile does not model): held to the band they are in, so a change
+    of the model that moves them shows."""
+    predictions = predict_all()
+    assert len(predictions) == len(PUBLISHED) >= 3
+    for p in predictions:
+        if p.row.source.startswith("Narayanan"):
+            assert 0.8 <= p.ratio <= 1.2, (p.row.name, p.ratio)
+        else:
+            assert 1.0 <= p.ratio <= 1.3, (p.row.name, p.ratio)
+    assert sum(0.8 <= p.ratio <= 1.2 for p in predictions) >= 3
+    assert "| Megatron-LM GPT 145.6B |" in format_table(predictions)
+    assert KERNELS["megatron-2021"].flash_attention is False
