@@ -1,8 +1,8 @@
 """One benchmark for every strategy: the library against the hand-written torch loop of the same technique and
 against Lightning's built-in strategies, on the same GPT, global batch and seed.
 
-    python benchmarks/bench.py                     # CPU: the full table (2, 4 and 8 gloo ranks), ~10-15 min here
-    python benchmarks/bench.py --quick             # a smaller GPT, fewer steps (CPU ~5 min; one 8-GPU node < 5 min)
+    python benchmarks/bench.py                     # CPU: the full table (2, 4 and 8 gloo ranks), ~20-25 min here
+    python benchmarks/bench.py --quick             # a smaller GPT, fewer steps (CPU ~6 min; one 8-GPU node < 5 min)
     python benchmarks/bench.py --device cuda       # NCCL on the GPUs present (cases needing more are skipped)
     python benchmarks/bench.py --device cuda --large   # a 3B GPT: most of an 80 GB GPU's memory under lp_ddp
     python benchmarks/bench.py --cases ddp,zero3 --reps 5
