@@ -34,8 +34,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import closing
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -213,12 +212,6 @@ def measure_elementwise(device: torch.device, sync: Callable[[], None]) -> float
     return sum(passes for _, passes in ops) * nbytes / seconds
 
 
-def _free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def measure_collectives(world: int, device: torch.device) -> dict[str, list[tuple[float, float]]]:
     """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size
     (point-to-point needs two ranks)."""
@@ -269,47 +262,33 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, device_type: str, queue: Any) -> None:
+def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None:
+    """One calibration rank: compute and memory measured by every rank at once (shared cores and memory as a run
+    sees them), then the collectives; rank 0 returns the figures."""
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, same calls
     device = torch.device(device_type, rank) if device_type != "cpu" else torch.device("cpu")
-    if device_type != "cpu":
-        torch.get_device_module(device_type).set_device(device)
-    backend = "gloo" if device_type == "cpu" else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        dist.barrier()
-        compute = measure_compute(device)  # every rank at once: shared cores and memory as a run sees them
-        dist.barrier()
-        collectives = measure_collectives(world, device)
-        if rank == 0:
-            queue.put({"compute": compute, "collectives": collectives})
-    finally:
-        dist.destroy_process_group()
+    dist.barrier()
+    compute = measure_compute(device)
+    dist.barrier()
+    collectives = measure_collectives(world, device)
+    return {"compute": compute, "collectives": collectives} if rank == 0 else None
 
 
 def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[str, Any]:
-    import multiprocessing as mp
+    """:func:`_rank_main` on ``ranks`` local processes (the multi-rank tests' launcher: a failing rank's traceback is
+    raised here and the other ranks are stopped; the whole run is bounded)."""
+    from lightning_parallel.parallel.local_ranks import run_distributed
 
-    ctx: Any = mp.get_context("fork" if device_type == "cpu" else "spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
     if progress:
-        progress(f"starting {ranks} {'gloo' if device_type == 'cpu' else 'nccl'} ranks on 127.0.0.1:{port} "
+        progress(f"starting {ranks} {'gloo' if device_type == 'cpu' else 'nccl'} ranks on 127.0.0.1 "
                  f"(matmul and bandwidth in every rank at once, then the collectives at {len(CALIBRATION_SIZES)} "
                  "sizes)")
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, device_type, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad or queue.empty():
-        raise RuntimeError(f"calibration ranks failed (exit codes {[p.exitcode for p in procs]}).")
-    result: dict[str, Any] = queue.get()
+    results = run_distributed(_rank_main, ranks, device_type, timeout_s=600, collective_timeout_s=120,
+                              start_method="fork" if device_type == "cpu" else "spawn",
+                              threads_per_rank=max(1, torch.get_num_threads()), device_type=device_type)
+    result: dict[str, Any] = results[0]
     return result
 
 

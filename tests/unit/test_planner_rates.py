@@ -146,3 +146,26 @@ def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
     assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
     assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
                for name, points in got.items() if name != "p2p")
+
+
+def test_a_failing_calibration_rank_is_reported_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 fails in its compute measurement: the parent raises its traceback and stops rank 0, which would
+    otherwise wait at the next barrier for the collective timeout (forked ranks inherit the patch)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from lightning_parallel.testing import DistributedTestError
+
+    cal = importlib.import_module("lightning_parallel.planner.calibrate")  # the package exports a function of the name
+
+    real = cal.measure_compute
+
+    def measure(device: object, **kwargs: object) -> object:
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 lost its device")
+        return real(device, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cal, "measure_compute", measure)
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed:.*rank 1 lost its device"):
+        cal._run_world(2, "cpu", None)
