@@ -61,7 +61,7 @@ class RunSummary(Callback):
         self._batches = 0
         self._samples = 0
         self._seq = 0
-        self._window: list[float] = []
+        self._batch_start: float | None = None
         self._train_s = 0.0
 
     @override
@@ -71,19 +71,19 @@ class RunSummary(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._window = [time.perf_counter()]
+        self._batch_start = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batches += 1
-        if self._batches <= WARMUP_BATCHES or not self._window:
+        if self._batches <= WARMUP_BATCHES or self._batch_start is None:
             return
         first = batch[0] if isinstance(batch, list | tuple) and batch else batch
         if isinstance(first, torch.Tensor) and first.dim() >= 1:
             self._samples += int(first.shape[0])
             self._seq = int(first.shape[1]) if first.dim() >= 2 else 0
-        self._train_s += time.perf_counter() - self._window[0]
+        self._train_s += time.perf_counter() - self._batch_start
 
     def mfu_text(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """``MFU 41.2% of the calibrated peak 0.2 TFLOP/s (...)``, or why it is not known."""
