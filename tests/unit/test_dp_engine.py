@@ -226,6 +226,38 @@ def test_parallel_apply_reraises_the_replica_error_with_its_index() -> None:
     assert any("replica 1" in note for note in getattr(info.value, "__notes__", ["replica 1"]))
 
 
+def test_thread_counts_are_set_when_the_pool_starts_never_while_a_replica_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.set_num_threads`` resizes process-wide pools: called by one replica thread while another runs kernels,
+    it is a race (a CI run crashed with SIGSEGV in a first step's embedding). Every thread's count is set when the
+    engine's pool starts, on the caller and on each worker, and no call happens inside a step."""
+    running = threading.Event()
+    calls: list[tuple[str, int, bool]] = []
+    real = torch.set_num_threads
+
+    def recording(count: int) -> None:
+        calls.append((threading.current_thread().name, count, running.is_set()))
+        real(count)
+
+    monkeypatch.setattr(torch, "set_num_threads", recording)
+    saved = torch.get_num_threads()
+    real(2)  # a count other than the engine's, so that the old code's per-step calls would show
+    engine = DataParallelEngine([CPU] * 3, cpu_threads=1)
+    try:
+        def work(i: int) -> int:
+            running.set()
+            return i + int(torch.ones(3).add(1).sum())
+
+        assert engine.apply(work, 3) == [6, 7, 8]
+        assert engine.apply(work, 3) == [6, 7, 8]
+    finally:
+        engine.close()
+        real(saved)
+    assert [(n, c) for n, c, during in calls if during] == []
+    names = [name for name, count, _ in calls if count == 1]
+    assert names[0] == threading.current_thread().name and len(set(names)) == 3  # the caller, then both workers
+
+
 def test_engine_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one device"):
         DataParallelEngine([])

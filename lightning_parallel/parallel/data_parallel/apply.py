@@ -2,9 +2,14 @@
 
 Replica 0 runs on the calling thread, replicas ``1..N-1`` on a thread pool. Autograd, inference mode and autocast
 are thread-local in PyTorch, so each worker re-enters the caller's grad mode, inference mode and autocast state
-(as torch's ``parallel_apply`` does), and, on an accelerator, the replica's device. On CPU every worker can be
-given its own intra-op thread count (``cpu_threads``) so that ``N`` replicas do not oversubscribe the cores. The
-threads share the GIL: PyTorch releases it inside kernels, so large operators overlap and Python overhead does not.
+(as torch's ``parallel_apply`` does), and, on an accelerator, the replica's device. The threads share the GIL:
+PyTorch releases it inside kernels, so large operators overlap and Python overhead does not.
+
+On CPU every replica thread can be given an intra-op thread count (``cpu_threads``) so that ``N`` replicas do not
+oversubscribe the cores. It is set once per thread, when the pool starts (:func:`start_workers`), while no replica
+runs: ``torch.set_num_threads`` also resizes process-wide pools (MKL's, the pthreadpool), and calling it from one
+thread while another runs kernels is a race (a CI run crashed with SIGSEGV in the first step's embedding when
+each replica thread set its count as it entered the step).
 
 Every replica runs to completion; the first failure (in replica order) is re-raised with a note naming the replica.
 No Lightning import here.
@@ -13,6 +18,7 @@ No Lightning import here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ThreadState", "parallel_apply"]
+__all__ = ["ThreadState", "parallel_apply", "start_workers"]
 
 T = TypeVar("T")
 
@@ -40,9 +46,7 @@ class ThreadState:
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
     @contextlib.contextmanager
-    def enter(self, device: torch.device, cpu_threads: int | None) -> Iterator[None]:
-        if cpu_threads is not None and torch.get_num_threads() != cpu_threads:
-            torch.set_num_threads(cpu_threads)
+    def enter(self, device: torch.device) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode(self.inference_mode))
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
@@ -54,6 +58,34 @@ class ThreadState:
             yield
 
 
+def _set_threads(count: int | None) -> None:
+    if count is not None:
+        torch.set_num_threads(count)
+        torch.ones(2).add_(1)  # the thread's first parallel kernel: torch's lazy per-thread set-up happens here
+
+
+def start_workers(workers: int, cpu_threads: int | None = None) -> ThreadPoolExecutor:
+    """A pool of ``workers`` started threads, each with ``cpu_threads`` intra-op threads (None: leave as is).
+
+    The calling thread's count is set first, then every worker's, one task per worker held at a barrier (the pool
+    starts threads lazily and reuses an idle one when it can), all before any replica runs. Callers then run their
+    replica 0 on the calling thread and the others on this pool (:func:`parallel_apply`).
+    """
+    if workers < 1:
+        raise ValueError(f"start_workers needs at least one worker, got {workers}.")
+    _set_threads(cpu_threads)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lp_dp")
+    started = threading.Barrier(workers, timeout=60)
+
+    def start() -> None:
+        started.wait()
+        _set_threads(cpu_threads)
+
+    for future in [pool.submit(start) for _ in range(workers)]:
+        future.result()
+    return pool
+
+
 def parallel_apply(fn: Callable[[int], T], devices: Sequence[torch.device], *,
                    executor: ThreadPoolExecutor | None = None, cpu_threads: int | None = None) -> list[T]:
     """``[fn(0), fn(1), ..., fn(N-1)]`` with ``fn(i)`` on ``devices[i]``, concurrently.
@@ -61,8 +93,9 @@ def parallel_apply(fn: Callable[[int], T], devices: Sequence[torch.device], *,
     Args:
         fn: the work of replica ``i`` (e.g. its ``training_step`` on its slice).
         devices: one device per replica.
-        executor: a pool with at least ``N - 1`` workers; a temporary one when None.
-        cpu_threads: intra-op threads of each replica thread on CPU (None: leave as is).
+        executor: a pool with at least ``N - 1`` workers, from :func:`start_workers`; a temporary one when None.
+        cpu_threads: intra-op threads per thread of the temporary pool (None: leave as is); a given ``executor``
+            keeps the counts it was started with.
     """
     n = len(devices)
     if n == 0:
@@ -70,13 +103,13 @@ def parallel_apply(fn: Callable[[int], T], devices: Sequence[torch.device], *,
     state = ThreadState.capture([d.type for d in devices])
 
     def run(i: int) -> T:
-        with state.enter(devices[i], cpu_threads if devices[i].type == "cpu" else None):
+        with state.enter(devices[i]):
             return fn(i)
 
     if n == 1:
         return [run(0)]
     own = executor is None
-    pool = executor or ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="lp_dp")
+    pool = executor or start_workers(n - 1, cpu_threads if devices[0].type == "cpu" else None)
     try:
         futures: list[Future[T]] = [pool.submit(run, i) for i in range(1, n)]
         results: list[Any] = [None] * n

@@ -30,7 +30,6 @@ No Lightning import here.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
@@ -40,7 +39,7 @@ from torch import nn
 
 from lightning_parallel.parallel.counters import CommCounter
 
-from .apply import parallel_apply
+from .apply import parallel_apply, start_workers
 from .gather import BackwardPlan, Reduction, gather
 from .replicate import replicate, replicate_leaves
 from .scatter import scatter
@@ -92,12 +91,8 @@ class DataParallelEngine:
 
     def _executor(self) -> ThreadPoolExecutor | None:
         if len(self.devices) > 1 and self._pool is None:
-            workers = len(self.devices) - 1
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lp_dp")
-            # start every worker now (the pool starts threads lazily and reuses an idle one when it can)
-            started = threading.Barrier(workers, timeout=60)
-            for future in [self._pool.submit(started.wait) for _ in range(workers)]:
-                future.result()
+            self._pool = start_workers(len(self.devices) - 1,
+                                       self.cpu_threads if self.devices[0].type == "cpu" else None)
         return self._pool
 
     def scatter(self, batch: Any) -> tuple[list[Any], list[int]]:
@@ -115,7 +110,7 @@ class DataParallelEngine:
 
     def apply(self, fn: Callable[[int], Any], replicas: int) -> list[Any]:
         """``fn(i)`` for each replica, in threads."""
-        return parallel_apply(fn, self.devices[:replicas], executor=self._executor(), cpu_threads=self.cpu_threads)
+        return parallel_apply(fn, self.devices[:replicas], executor=self._executor())
 
     def gather(self, outputs: Sequence[Any], sizes: Sequence[int], *, plan: BackwardPlan | None = None,
                force_reduce: bool = False, reduce_keys: tuple[str, ...] = ("loss",)) -> Any:
