@@ -7,9 +7,11 @@ PyTorch releases it inside kernels, so large operators overlap and Python overhe
 
 On CPU every replica thread can be given an intra-op thread count (``cpu_threads``) so that ``N`` replicas do not
 oversubscribe the cores. It is set once per thread, when the pool starts (:func:`start_workers`), while no replica
-runs: ``torch.set_num_threads`` also resizes process-wide pools (MKL's, the pthreadpool), and calling it from one
-thread while another runs kernels is a race (a CI run crashed with SIGSEGV in the first step's embedding when
-each replica thread set its count as it entered the step).
+runs, and each worker's first parallel kernel (torch's lazy per-thread set-up, which calls ``set_num_threads``
+again) runs then too. ``torch.set_num_threads`` also touches process-wide state (MKL's threads, the pthreadpool,
+oneDNN's computation cache): called from one thread while another runs kernels, it is a race. A CI run crashed with
+SIGSEGV in the first step's embedding, on both replica threads, when each thread set its count as it entered the
+step; this is the likely cause (not reproduced on demand).
 
 Every replica runs to completion; the first failure (in replica order) is re-raised with a note naming the replica.
 No Lightning import here.
@@ -59,21 +61,28 @@ class ThreadState:
 
 
 def _set_threads(count: int | None) -> None:
+    """Set this thread's intra-op count (None: leave it) and run torch's lazy per-thread set-up now.
+
+    A thread's first parallel kernel calls ``set_num_threads`` itself (with the process-wide count) when the count was
+    ever set; run here, while no replica runs, it cannot race with another thread's kernels."""
     if count is not None:
         torch.set_num_threads(count)
-        torch.ones(2).add_(1)  # the thread's first parallel kernel: torch's lazy per-thread set-up happens here
+    torch.get_num_threads()
+    torch.ones(1 << 16).add_(1)  # above the grain size: a parallel_for, whatever the count
 
 
 def start_workers(workers: int, cpu_threads: int | None = None) -> ThreadPoolExecutor:
     """A pool of ``workers`` started threads, each with ``cpu_threads`` intra-op threads (None: leave as is).
 
     The calling thread's count is set first, then every worker's, one task per worker held at a barrier (the pool
-    starts threads lazily and reuses an idle one when it can), all before any replica runs. Callers then run their
+    starts threads lazily and reuses an idle one when it can), all before any replica runs; each worker also runs
+    torch's lazy per-thread set-up then, even when its count is left as is. Callers then run their
     replica 0 on the calling thread and the others on this pool (:func:`parallel_apply`).
     """
     if workers < 1:
         raise ValueError(f"start_workers needs at least one worker, got {workers}.")
-    _set_threads(cpu_threads)
+    if cpu_threads is not None:
+        _set_threads(cpu_threads)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lp_dp")
     started = threading.Barrier(workers, timeout=60)
 
