@@ -13,7 +13,9 @@
   the link between nodes cannot be measured from one machine and keeps its profile or default figures;
 * the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
   eager op takes to dispatch (a tiny add);
-* the calibrated peak: the best matmul rate measured, what MFU is reported against.
+* the calibrated peak: the best matmul rate measured, what MFU is reported against;
+* on CPU, the cores this process may run on and the ranks measured at once, so that the step-time model can stretch a
+  layout whose ranks outnumber the cores (:meth:`~lightning_parallel.planner.rates.Rates.core_share`).
 
 The result is cached as JSON in ``$LIGHTNING_PARALLEL_CACHE`` (default ``~/.cache/lightning-parallel/``), one file
 per machine key (:func:`machine_key`: host, device, rank count, torch version). ``LIGHTNING_PARALLEL_CALIBRATION=none``
@@ -374,6 +376,14 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
     return rates
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _compute_lines(compute: dict[str, Any]) -> list[str]:
     lines = [f"matmul {d} {e}^3: {r / 1e9:,.1f} GFLOP/s" for d, t in compute["matmul"].items() for e, r in t.items()]
     return [*lines, f"memory bandwidth (64 MiB copy): {compute['memory_bandwidth'] / 1e9:,.1f} GB/s",
@@ -400,6 +410,8 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
         "host_overhead_ms": overhead * 1e3,
         "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
         "overlap": 0.0 if device_type == "cpu" else 1.0,
+        **({"cores": _cores()} if device_type == "cpu" else {}),
+        "calibrated_ranks": ranks,
         "attention_efficiency": 1.0 if device_type == "cpu" else 0.6,
         "source": f"calibrated {socket.gethostname()} {device_type} x{ranks} "
                   f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC",

@@ -26,7 +26,11 @@ chunks per stage:
   ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
 * the optimizer step on the device (memory-bound: parameters, gradients and states read and written), the
   framework's host overhead per step, and the eager ops' dispatch (``op_overhead_s`` per op, :data:`OPS_PER_LAYER`
-  per layer and micro-batch): on CPU it adds to the step, on GPUs only what the kernels do not cover.
+  per layer and micro-batch, :data:`ADAM_OPS_PER_TENSOR` per parameter tensor): on CPU it adds to the step, on GPUs
+  only what the kernels do not cover;
+* CPU ranks beyond the machine's cores share them: everything a rank does stretches by
+  :meth:`~lightning_parallel.planner.rates.Rates.core_share`, and a calibrated collective's latency follows the ring
+  of the group (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`).
 
 The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
 
@@ -66,11 +70,13 @@ from lightning_parallel.planner.rates import LinkRates, Rates
 from lightning_parallel.planner.settings import TrainingSettings
 
 __all__ = [
+    "ADAM_OPS_PER_TENSOR",
     "DDP_BUCKET_BYTES",
     "OPS_PER_LAYER",
     "OPS_PER_STEP",
     "RECOMPUTE_FLOPS",
     "RECOMPUTE_PARTS",
+    "TENSORS_PER_LAYER",
     "StageTimes",
     "StepCost",
     "axis_bytes_per_rank",
@@ -87,11 +93,18 @@ __all__ = [
 RECOMPUTE_FLOPS: dict[str, float] = {"none": 6.0, "selective": 6.0 * 1.03, "full": 8.0}
 """FLOPs per parameter and token when the model's shape is unknown: forward 2 + backward 4; full recompute repeats
 the forward (+2); selective recompute costs a few per cent (Korthikanti et al. 2022 measure 2-4 %)."""
-OPS_PER_LAYER = 60
-"""Eager ops one transformer layer dispatches per micro-batch, forward (about 20: norms, linears, head reshapes,
-attention, activation, adds) and backward (about twice that)."""
-OPS_PER_STEP = 30
-"""Ops per micro-batch outside the layers (embedding, head, loss and their gradients)."""
+OPS_PER_LAYER = 130
+"""Eager ops one transformer layer dispatches per micro-batch, forward and backward: 129 counted at the dispatcher
+(a ``TorchDispatchMode`` counter) on the library's GPT block, torch 2.13 (norms, linears, head reshapes, attention,
+activation, adds, and their gradients)."""
+OPS_PER_STEP = 40
+"""Ops per micro-batch outside the layers (embedding, head, loss and their gradients): 37 counted the same way."""
+ADAM_OPS_PER_TENSOR = 10
+"""Ops torch's per-tensor (``foreach=False``, its CPU default) AdamW step dispatches per parameter tensor: 10 counted
+the same way, after the first step."""
+TENSORS_PER_LAYER = 12
+"""Parameter tensors of a transformer layer with biases (two norms' weight and bias, four linears' weight and
+bias); 5 more outside the layers (embeddings, final norm, head)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """torch DDP's gradient bucket (``bucket_cap_mb=25``): the last one is all-reduced after the backward ends."""
 
@@ -395,12 +408,15 @@ def bubble_factor(layout: ParallelConfig, micro_batches: int) -> float:
     return (m + idle) / m
 
 
-def _send(link: LinkRates, collective: str, sent_bytes: float, calls: float) -> float:
-    """``calls x alpha + sent_bytes / beta``: ``sent_bytes`` is what one rank sends (the bus-bandwidth bytes)."""
+def _send(link: LinkRates, collective: str, sent_bytes: float, calls: float, *, rates: Rates | None = None,
+          ranks: int = 2) -> float:
+    """``calls x alpha + sent_bytes / beta``: ``sent_bytes`` is what one rank sends (the bus-bandwidth bytes); a
+    calibrated ``alpha`` is scaled to a ring of ``ranks`` (:meth:`Rates.ring_latency_scale`)."""
     if sent_bytes <= 0:
         return 0.0
     rate = link.collectives[collective]
-    return calls * rate.alpha + sent_bytes / rate.beta
+    scale = rates.ring_latency_scale(collective, ranks) if rates is not None else 1.0
+    return calls * rate.alpha * scale + sent_bytes / rate.beta
 
 
 def _link(rates: Rates, link_name: str) -> LinkRates:
@@ -440,7 +456,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     exposed: dict[str, float] = {}
     if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
         calls = (6 if layout.activation_checkpointing == "full" else 4) * layers * m
-        comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls)
+        comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
         exposed["tp"] = comm["tp"] * bubble
     if "pp" in traffic:
         v = layout.virtual_pipeline_stages
@@ -451,18 +467,22 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
         exposed["cp"] = max(comm["cp"] - rates.overlap * attention_s, 0.0)
     state = training.state_bytes
+    shard_size = layout.data_parallel_shard_size or dp * cp
+    group = {"dp": dp * cp, "dp_shard": shard_size, "dp_replicate": max(1, dp * cp // shard_size)}
     for axis in ("dp", "dp_shard", "dp_replicate"):
         if axis not in traffic:
             continue
         link = _link(rates, links[axis])
         if axis == "dp" and layout.zero == 0 and pp == 1:
             grad_bytes = local * state.grad
-            comm[axis] = _send(link, "all_reduce", traffic[axis], math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-            last = _send(link, "all_reduce", traffic[axis] * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1)), 1)
+            comm[axis] = _send(link, "all_reduce", traffic[axis], math.ceil(grad_bytes / DDP_BUCKET_BYTES),
+                               rates=rates, ranks=group[axis])
+            last = _send(link, "all_reduce", traffic[axis] * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1)), 1,
+                         rates=rates, ranks=group[axis])
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
             calls = 3 * (layers + 1) if (layout.zero == 3 or axis == "dp_shard") else 2
-            comm[axis] = _send(link, collective, traffic[axis], calls)
+            comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0
         exposed[axis] = _dp_exposed(axis, comm[axis], layout, stage, m, rates, last)
     offload = 0.0
@@ -475,8 +495,16 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     optimizer = 0.0 if layout.offload_device != "none" else (
         shard * (2 * state.param + state.grad + 2 * state.optimizer) / rates.memory_bandwidth)
     compute = m * stage.total * bubble
-    dispatch = m * (OPS_PER_LAYER * layers + OPS_PER_STEP) * rates.op_overhead_s
+    flat = layout.zero in (1, 2) and pp == 1  # the sharded optimizer steps one flat shard
+    tensors = 1 if flat else TENSORS_PER_LAYER * layers + 5
+    dispatch = (m * (OPS_PER_LAYER * layers + OPS_PER_STEP) + ADAM_OPS_PER_TENSOR * tensors) * rates.op_overhead_s
     launch = dispatch if rates.overlap == 0 else max(dispatch - compute, 0.0)  # GPUs run while the host enqueues
+    # CPU ranks beyond the machine's cores take turns on them: everything a rank does stretches alike
+    share = rates.core_share(min(dp * pp * tp * cp, hardware.gpus_per_node))
+    if share != 1.0:
+        compute *= share
+        comm = {k: v * share for k, v in comm.items()}
+        exposed = {k: v * share for k, v in exposed.items()}
     flops = 0.0
     if shape is not None:
         flops = model_flops_per_token(shape, seq=s) * b * s * m / (pp * tp * cp)
@@ -488,7 +516,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         tokens=dp * m * b * s,
         links=links,
         exposed_s=exposed,
-        overhead_s=optimizer + rates.host_overhead_s + launch,
+        overhead_s=(optimizer + rates.host_overhead_s + launch) * share,
         model_flops=flops,
         peak_flops=rates.peak(_dtype(training)),
         rates_source=rates.source,

@@ -45,7 +45,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
 """The four collectives each link is described by."""
 LINK_KINDS = ("intra_node", "inter_node")
 """Links a launch uses: between the devices of a node, and between nodes."""
-SHAPE_CLASSES: dict[str, tuple[int, ...]] = {"cpu": (256, 1024, 2048), "gpu": (256, 1024, 4096, 8192)}
+SHAPE_CLASSES: dict[str, tuple[int, ...]] = {"cpu": (128, 256, 1024, 2048), "gpu": (256, 1024, 4096, 8192)}
 """The GEMM edges (cube root of ``m n k``) calibration measures square matmuls at, on CPU and on accelerators."""
 
 LINK_BANDWIDTH: dict[str, float] = {
@@ -128,6 +128,12 @@ class Rates:
     (a copy's rate; fused GPU kernels come close to it, CPU ones reach a fraction)."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one eager op (Python, the dispatcher, a kernel launch); calibrated."""
+    cores: int = 0
+    """CPU cores the calibration ran on (0: not a CPU calibration): ranks beyond them share cores
+    (:meth:`core_share`)."""
+    calibrated_ranks: int = 0
+    """Ranks the calibration ran at once (0: a profile or the defaults): its compute rates are what each of them
+    reached, its collectives' latencies are of a ring of that many ranks."""
     overlap: float = 1.0
     """Share of overlappable communication (DDP buckets, FSDP prefetch) that hides under compute: 1 where a device
     computes while its links move data (GPUs, NCCL); 0 on CPU ranks, whose gloo transfers run on the same cores."""
@@ -155,6 +161,21 @@ class Rates:
         """Bytes/s of the memory-bound ops: :attr:`elementwise_bandwidth`, else :attr:`memory_bandwidth`."""
         return self.elementwise_bandwidth or self.memory_bandwidth
 
+    def core_share(self, ranks: int) -> float:
+        """How much slower each of ``ranks`` CPU ranks on one machine computes than the calibration's ranks did:
+        ``max(1, ranks / cores) / max(1, calibrated_ranks / cores)`` (ranks beyond the cores take turns on them);
+        1 for an accelerator, a profile or the defaults."""
+        if self.cores <= 0 or self.calibrated_ranks <= 0:
+            return 1.0
+        return max(1.0, ranks / self.cores) / max(1.0, self.calibrated_ranks / self.cores)
+
+    def ring_latency_scale(self, collective: str, ranks: int) -> float:
+        """A calibrated collective's latency for a group of ``ranks``: a ring's ``ranks - 1`` steps against the
+        calibration's (point-to-point: 1); 1 for a profile's or the defaults' figures, which are per collective."""
+        if collective == "p2p" or self.calibrated_ranks <= 1 or ranks <= 1:
+            return 1.0
+        return (ranks - 1) / (self.calibrated_ranks - 1)
+
     def peak(self, dtype: str) -> float:
         """The calibrated (or vendor) peak FLOP/s of ``dtype``."""
         return self.peak_flops.get(dtype, self.matmul_flops[dtype])
@@ -175,6 +196,8 @@ class Rates:
             "nvme_gbs": self.nvme_bandwidth / 1e9,
             "overlap": self.overlap,
             "op_overhead_us": self.op_overhead_s * 1e6,
+            **({"cores": self.cores} if self.cores else {}),
+            **({"calibrated_ranks": self.calibrated_ranks} if self.calibrated_ranks else {}),
             **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
             "source": self.source,
         }
@@ -182,7 +205,7 @@ class Rates:
 
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
          "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
-         "overlap", "elementwise_gbs", "op_overhead_us", "source"}
+         "overlap", "elementwise_gbs", "op_overhead_us", "cores", "calibrated_ranks", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -216,6 +239,9 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale
+    for key in ("cores", "calibrated_ranks"):
+        if key in data:
+            optional[key] = int(data[key])
     return Rates(
         matmul_flops=matmul,
         matmul_by_shape={d: {c: float(r) * 1e12 for c, r in t.items()}

@@ -169,3 +169,18 @@ def test_a_failing_calibration_rank_is_reported_not_waited_for(monkeypatch: pyte
     monkeypatch.setattr(cal, "measure_compute", measure)
     with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed:.*rank 1 lost its device"):
         cal._run_world(2, "cpu", None)
+
+
+def test_cpu_ranks_beyond_the_cores_share_them_and_rings_add_latency() -> None:
+    """A calibration of 2 ranks on 2 cores: 4 ranks compute at half the rate, 8 at a quarter; a ring's latency grows
+    with its ``ranks - 1`` steps; a profile (no calibration) scales nothing. Both survive the JSON round trip."""
+    links = {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}}
+    cpu = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "links": links,
+                           "cores": 2, "calibrated_ranks": 2})
+    assert [cpu.core_share(n) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]
+    assert cpu.ring_latency_scale("all_reduce", 4) == 3.0 and cpu.ring_latency_scale("p2p", 8) == 1.0
+    assert rates_from_dict(cpu.to_dict()).core_share(8) == 4.0
+    wide = rates_from_dict({**cpu.to_dict(), "calibrated_ranks": 4})  # calibrated already sharing 2 cores by 4
+    assert wide.core_share(8) == 2.0 and wide.core_share(2) == 0.5
+    profile = rates_for(load_profile("dgx-h100"))
+    assert profile.core_share(8) == 1.0 and profile.ring_latency_scale("all_reduce", 8) == 1.0

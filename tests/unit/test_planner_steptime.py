@@ -9,7 +9,7 @@ import pytest
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.planner.calibrate import rates_for
-from lightning_parallel.planner.cost import bubble_factor, estimate_step
+from lightning_parallel.planner.cost import StepCost, bubble_factor, estimate_step
 from lightning_parallel.planner.flops import KERNELS, layer_work, model_flops_per_token
 from lightning_parallel.planner.hardware import load_profile
 from lightning_parallel.planner.model import MODEL_PRESETS, ModelShape, ModelSpec
@@ -87,3 +87,27 @@ def test_published_configurations_are_reproduced() -> None:
     assert sum(0.8 <= p.ratio <= 1.2 for p in predictions) >= 3
     assert "| Megatron-LM GPT 145.6B |" in format_table(predictions)
     assert KERNELS["megatron-2021"].flash_attention is False
+
+
+def test_cpu_ranks_beyond_the_cores_stretch_the_step() -> None:
+    """On a CPU calibration of 2 ranks on 2 cores, a 4-rank layout's compute, collectives and overhead take twice
+    what they take with the cores to themselves (the same layout on a calibration of 4 cores)."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    def cost(cores: int) -> StepCost:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "op_overhead_us": 5,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": cores, "calibrated_ranks": 2, "overlap": 0.0})
+        hardware = make_hardware(gpus_per_node=4, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        shape = ModelShape(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+        layout = ParallelConfig.from_dict({"data_parallel_size": 2, "tensor_parallel_size": 2})
+        return estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
+
+    shared, alone = cost(2), cost(4)
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    assert shared.overhead_s == pytest.approx(2 * alone.overhead_s)
+    for axis in ("dp", "tp"):
+        assert shared.exposed_s[axis] == pytest.approx(2 * alone.exposed_s[axis])
+    assert shared.step_s == pytest.approx(2 * alone.step_s)
