@@ -46,8 +46,9 @@ def calibrated_peak(precision: str) -> tuple[float, str] | None:
 
 class RunSummary(Callback):
     """Prints one line when ``fit`` ends (rank 0): time, strategy and layout, steps, ``val_loss <first> -> <last>``,
-    achieved MFU, the checkpoint and the log folder. The validation losses are those of the real validation runs (not
-    the sanity check), averaged over the validation set and the dp ranks by the module's ``sync_dist`` logging.
+    the mean step time and tokens/s after the warm-up, achieved MFU, the checkpoint and the log folder. The
+    validation losses are those of the real validation runs (not the sanity check), averaged over the validation set
+    and the dp ranks by the module's ``sync_dist`` logging.
 
     MFU: model FLOPs per second of one device (:func:`model_flops_per_sample` x samples the dp replicas trained, over
     the training batches after :data:`WARMUP_BATCHES`, divided by their wall time and the world size) over the
@@ -85,6 +86,19 @@ class RunSummary(Callback):
             self._seq = int(first.shape[1]) if first.dim() >= 2 else 0
         self._train_s += time.perf_counter() - self._batch_start
 
+    def throughput_text(self, trainer: pl.Trainer) -> str:
+        """``step 123.4 ms, 8,192 tokens/s``: the mean training batch (forward, backward, optimizer step) after the
+        warm-up, and the tokens (samples without a sequence axis) all dp replicas trained per second; empty when too
+        few batches ran."""
+        counted = self._batches - WARMUP_BATCHES
+        if counted <= 0 or self._train_s <= 0 or self._samples == 0:
+            return ""
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+        replicas = int(kwargs.get("num_replicas", 1)) if isinstance(kwargs, dict) else 1
+        units = self._samples * replicas * (self._seq or 1)
+        return (f"step {self._train_s / counted * 1e3:,.1f} ms, {units / self._train_s:,.0f} "
+                f"{'tokens' if self._seq else 'samples'}/s")
+
     def mfu_text(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """``MFU 41.2% of the calibrated peak 0.2 TFLOP/s (...)``, or why it is not known."""
         if self._samples == 0 or self._train_s <= 0:
@@ -119,6 +133,9 @@ class RunSummary(Callback):
             parts.append(f"{self.monitor} {first:.4f} -> {last:.4f} ({trend}; {len(self.values)} validations)")
         else:
             parts.append(f"{self.monitor} not logged (no validation ran)")
+        throughput = self.throughput_text(trainer)
+        if throughput:
+            parts.append(throughput)
         if trainer.lightning_module is not None:
             parts.append(self.mfu_text(trainer, trainer.lightning_module))
         ckpt = trainer.checkpoint_callback

@@ -47,6 +47,7 @@ def test_mfu_against_the_cached_peak(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert summary._samples == 24
     summary._train_s = 1.0  # a known window
     achieved = model_flops_per_sample(module, 32) * 24 * 2 / 2  # two dp replicas, two devices
+    assert summary.throughput_text(_trainer()) == f"step 333.3 ms, {24 * 2 * 32:,} tokens/s"  # 3 batches in 1 s
     text = summary.mfu_text(_trainer(), module)
     assert "no calibration of this machine" in text  # conftest: LIGHTNING_PARALLEL_CALIBRATION=none
     monkeypatch.setenv("LIGHTNING_PARALLEL_CALIBRATION", "cached")
