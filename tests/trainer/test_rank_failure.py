@@ -10,7 +10,10 @@ test then
 * freezes rank 1 (``SIGSTOP``: alive but silent, as a node that dropped off the network): rank 0's collective
   times out after the collective timeout, and the watchdog names rank 1 from its stopped heartbeat.
 
-Both bound rank 0's exit generously (the machine is shared): 120 s, against a 20 s timeout.
+Both bound rank 0's exit generously (the machine is shared): 120 s, against a 20 s timeout. The two runs share one
+module fixture: the killed run starts once the frozen run's rank 1 is stopped, and ends within the frozen run's
+collective timeout (its rank 0 waits in a collective meanwhile, idle), so the suite does not wait out the timeout
+alone.
 """
 
 from __future__ import annotations
@@ -74,46 +77,108 @@ class PidFile(Callback):
             tmp.rename(self.folder / f"rank{trainer.global_rank}.pid")
 
 
-def _run_and_lose_rank_1(tmp_path: Path, sig: signal.Signals) -> tuple[int, float, str, int]:
-    """Start the 2-rank run, send ``sig`` to rank 1 once both ranks train; (rank 0's exit code, seconds from the
-    signal to rank 0's exit, rank 0's output, rank 1's pid)."""
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(folder=tmp_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "lightning_parallel", "fit", "--config", str(tmp_path / "recipe.yaml"),
-           "--trainer.strategy", "lightning_parallel.LPDDPStrategy",
-           "--trainer.strategy.init_args.timeout", TIMEOUT]
-    log = tmp_path / "rank0.log"
-    pid1 = 0
-    # output to a file, not a pipe: a frozen rank 1 inherits it and would hold a pipe open after rank 0 exits
-    with open(log, "w") as out:
-        rank0 = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+class _Run:
+    """One 2-rank run of the recipe in ``folder``, started at once (rank 0's output to ``rank0.log``)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "recipe.yaml").write_text(RECIPE.format(folder=folder))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+            env.pop(key, None)
+        cmd = [sys.executable, "-m", "lightning_parallel", "fit", "--config", str(folder / "recipe.yaml"),
+               "--trainer.strategy", "lightning_parallel.LPDDPStrategy",
+               "--trainer.strategy.init_args.timeout", TIMEOUT]
+        self.folder, self.log, self.pid1, self.lost_at = folder, folder / "rank0.log", 0, 0.0
+        # output to a file, not a pipe: a frozen rank 1 inherits it and would hold a pipe open after rank 0 exits
+        with open(self.log, "w") as out:
+            self.rank0 = subprocess.Popen(cmd, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def lose_rank_1(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to rank 1 once both ranks train."""
         deadline = time.monotonic() + 180
-        while not all((tmp_path / f"rank{r}.pid").is_file() for r in (0, 1)):
-            assert rank0.poll() is None, f"the run ended before training:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no training step after 180 s:\n{log.read_text()[-3000:]}"
+        while not all((self.folder / f"rank{r}.pid").is_file() for r in (0, 1)):
+            assert self.rank0.poll() is None, f"the run ended before training:\n{self.log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no training step after 180 s:\n{self.log.read_text()[-3000:]}"
             time.sleep(0.2)
-        pid1 = int((tmp_path / "rank1.pid").read_text())
-        os.kill(pid1, sig)
-        lost_at = time.monotonic()
+        self.pid1 = int((self.folder / "rank1.pid").read_text())
+        os.kill(self.pid1, sig)
+        self.lost_at = time.monotonic()
+
+    def finish(self, sig: signal.Signals) -> tuple[int, float, str, int]:
+        """Wait for rank 0's exit: (its exit code, seconds from the signal to its exit, its output, rank 1's pid)."""
         try:
-            code = rank0.wait(timeout=BOUND_S + 60)
+            code = self.rank0.wait(timeout=max(1.0, self.lost_at + BOUND_S + 60 - time.monotonic()))
         except subprocess.TimeoutExpired:
             code = None
-        elapsed = time.monotonic() - lost_at
+        elapsed = time.monotonic() - self.lost_at
         settle = time.monotonic() + 10  # rank 0's launcher kills the ranks it started when it fails
-        while code is not None and time.monotonic() < settle and process_alive(pid1):
+        while code is not None and time.monotonic() < settle and process_alive(self.pid1):
             time.sleep(0.2)
-        LEFT_BEHIND[sig] = pid1 if process_alive(pid1) else None
+        LEFT_BEHIND[sig] = self.pid1 if process_alive(self.pid1) else None
+        self.stop()
+        assert code is not None, (f"rank 0 still ran {BOUND_S + 60:.0f}s after rank 1 was lost:\n"
+                                  f"{self.log.read_text()[-3000:]}")
+        return code, elapsed, self.log.read_text(), self.pid1
+
+    def stop(self) -> None:
+        if self.rank0.poll() is None:
+            self.rank0.kill()
+        self.rank0.wait()
+        if self.pid1:
+            _end_process(self.pid1)
+
+
+_TESTS = {signal.SIGKILL: "test_rank_killed_mid_run_is_named_and_rank_0_stops",
+          signal.SIGSTOP: "test_rank_frozen_mid_run_is_named_after_the_collective_timeout"}
+
+
+@pytest.fixture(scope="module")
+def lost_rank_1(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[signal.Signals, tuple[int, float, str, int] | Exception]:
+    """Both runs, each rank 1 lost its way; the result (or the failure) of each for its test. The frozen run waits
+    out the collective timeout with rank 0 blocked in a collective and rank 1 stopped, the cores idle: the killed
+    run (its own world, store and ports) runs from start to end in that wait, rather than after it. Only the runs
+    of the tests selected are made."""
+    here = request.node.path
+    selected = {item.name.split("[")[0] for item in request.session.items if item.path == here}
+    wanted = [sig for sig, name in _TESTS.items() if name in selected]
+    results: dict[signal.Signals, tuple[int, float, str, int] | Exception] = {}
+    frozen = _Run(tmp_path_factory.mktemp("rank_frozen")) if signal.SIGSTOP in wanted else None
+    try:
+        if frozen is not None:
+            try:
+                frozen.lose_rank_1(signal.SIGSTOP)
+            except Exception as err:  # the frozen test reports it
+                results[signal.SIGSTOP] = err
+                frozen.stop()
+                frozen = None
+        if signal.SIGKILL in wanted:
+            killed = _Run(tmp_path_factory.mktemp("rank_killed"))
+            try:
+                killed.lose_rank_1(signal.SIGKILL)
+                results[signal.SIGKILL] = killed.finish(signal.SIGKILL)
+            except Exception as err:  # the killed test reports it
+                results[signal.SIGKILL] = err
+            finally:
+                killed.stop()
+        if frozen is not None:
+            try:
+                results[signal.SIGSTOP] = frozen.finish(signal.SIGSTOP)
+            except Exception as err:  # the frozen test reports it
+                results[signal.SIGSTOP] = err
     finally:
-        rank0.kill()
-        rank0.wait()
-        if pid1:
-            _end_process(pid1)
-    assert code is not None, f"rank 0 still ran {BOUND_S + 60:.0f}s after rank 1 was lost:\n{log.read_text()[-3000:]}"
-    return code, elapsed, log.read_text(), pid1
+        if frozen is not None:
+            frozen.stop()
+    return results
+
+
+def _outcome(results: dict[signal.Signals, tuple[int, float, str, int] | Exception],
+             sig: signal.Signals) -> tuple[int, float, str, int]:
+    result = results[sig]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 LEFT_BEHIND: dict[signal.Signals, int | None] = {}
@@ -134,8 +199,8 @@ def _message(output: str) -> str:
     return lines[0]
 
 
-def test_rank_killed_mid_run_is_named_and_rank_0_stops(tmp_path: Path) -> None:
-    code, elapsed, output, pid1 = _run_and_lose_rank_1(tmp_path, signal.SIGKILL)
+def test_rank_killed_mid_run_is_named_and_rank_0_stops(lost_rank_1: dict) -> None:
+    code, elapsed, output, pid1 = _outcome(lost_rank_1, signal.SIGKILL)
     line = _message(output)
     print(f"rank 1 (pid {pid1}) killed -> rank 0 exited with code {code} after {elapsed:.1f}s:\n{line}")
     assert code != 0
@@ -145,8 +210,8 @@ def test_rank_killed_mid_run_is_named_and_rank_0_stops(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # waits for the collective timeout: ~40 s
-def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(tmp_path: Path) -> None:
-    code, elapsed, output, pid1 = _run_and_lose_rank_1(tmp_path, signal.SIGSTOP)
+def test_rank_frozen_mid_run_is_named_after_the_collective_timeout(lost_rank_1: dict) -> None:
+    code, elapsed, output, pid1 = _outcome(lost_rank_1, signal.SIGSTOP)
     line = _message(output)
     print(f"rank 1 (pid {pid1}) frozen -> rank 0 exited with code {code} after {elapsed:.1f}s "
           f"(collective timeout {TIMEOUT}):\n{line}")
