@@ -165,7 +165,9 @@ def test_peer_monitoring_ends_the_rank_whose_watched_peer_went_silent() -> None:
     dog, _server, lost = _watchdog(rank=1, peer_timeout=0.5)  # rank 1 watches rank 2 (node 1)
     try:
         dog.begin()
-        time.sleep(2.0)  # rank 2 never beats
+        deadline = time.monotonic() + 10.0  # rank 2 never beats: reported after the 0.5 s peer timeout
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert lost, "the silent peer was not reported"
         line = lost[0]
         print(f"\n{line}")
