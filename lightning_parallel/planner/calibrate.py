@@ -114,21 +114,24 @@ def cached_rates(ranks: int | None = None) -> Rates | None:
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of ``t = alpha + x / beta`` over ``(x, t)`` points (``x``: the bus bytes ``f(n) S``); alpha
-    clamped at 0, beta at a positive value. Returns ``(alpha seconds, beta bytes/s)``."""
+    """Least squares of ``t = alpha + x / beta`` over ``(x, t)`` points (``x``: the bus bytes ``f(n) S``), in relative
+    error (weights ``1 / t^2``: the sizes span 4 KiB-16 MiB, and a plain fit lets the largest sizes' noise set the
+    latency); alpha clamped at 0, beta at a positive value. Returns ``(alpha seconds, beta bytes/s)``."""
     if len(points) < 2:
         raise ValueError(f"fit_alpha_beta needs two points or more, got {len(points)}.")
     xs, ts = [p[0] for p in points], [p[1] for p in points]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx else 0.0
+    ws = [1.0 / max(t, 1e-12) ** 2 for t in ts]
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sum(ws)
+    mt = sum(w * t for w, t in zip(ws, ts, strict=True)) / sum(ws)
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    slope = sum(w * (x - mx) * (t - mt) for w, (x, t) in zip(ws, points, strict=True)) / sxx if sxx else 0.0
     if slope <= 0:  # latency-bound at every size: bandwidth from the largest point
         slope = max(ts) / max(xs)
     alpha = max(mt - slope * mx, 0.0)
     return alpha, 1.0 / slope
 
 
-def _timed(fn: Callable[[], Any], *, sync: Callable[[], None], seconds: float = 0.15, min_reps: int = 3) -> float:
+def _timed(fn: Callable[[], Any], *, sync: Callable[[], None], seconds: float = 0.4, min_reps: int = 3) -> float:
     """Median seconds of one call of ``fn`` after a warm-up."""
     fn()
     sync()
@@ -248,7 +251,7 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     }
     if world > 1:
         calls["p2p"] = p2p
-    reps = 10 if size <= 2**20 else 4  # the same count on every rank: a collective called unevenly would hang
+    reps = 30 if size <= 2**20 else 8  # the same count on every rank: a collective called unevenly would hang
     out: dict[str, float] = {}
     for name, fn in calls.items():
         dist.barrier()
@@ -287,9 +290,12 @@ def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[
         progress(f"starting {ranks} {'gloo' if device_type == 'cpu' else 'nccl'} ranks on 127.0.0.1 "
                  f"(matmul and bandwidth in every rank at once, then the collectives at {len(CALIBRATION_SIZES)} "
                  "sizes)")
+    # CPU ranks share the cores out, as a run's ranks do: more threads than cores make OpenMP's threads wait on one
+    # another (a small GEMM measured 300x slower with 2 ranks x 2 threads on 2 cores)
+    threads = max(1, _cores() // ranks) if device_type == "cpu" else max(1, torch.get_num_threads())
     results = run_distributed(_rank_main, ranks, device_type, timeout_s=600, collective_timeout_s=120,
                               start_method="fork" if device_type == "cpu" else "spawn",
-                              threads_per_rank=max(1, torch.get_num_threads()), device_type=device_type)
+                              threads_per_rank=threads, device_type=device_type)
     result: dict[str, Any] = results[0]
     return result
 
