@@ -134,11 +134,12 @@ class AutoDecision:
             f"lp_auto: model {plan.model.name}: {self.model_note}",
             f"lp_auto: hardware {plan.hardware.describe()}",
             *(f"lp_auto:   {note}" for note in self.hardware_notes),
-            f"lp_auto: training {plan.training.precision}, {plan.training.optimizer}, micro-batch "
-            f"{plan.training.micro_batch_size}, sequence {plan.training.sequence_length(_block(plan.model))}; global "
-            f"batch = micro-batch x dp = {plan.training.micro_batch_size} x {self.layout.data_parallel_size} "
-            "(the data module's batch_size is per data-parallel rank: a layout with a smaller dp trains on a smaller "
-            "global batch)",
+            f"lp_auto: training {plan.training.precision}, {plan.training.optimizer}, batch "
+            f"{plan.training.micro_batch_size} per data-parallel rank"
+            f"{' (a pipeline splits it into micro-batches)' if plan.training.batch_per_replica else ''}, sequence "
+            f"{plan.training.sequence_length(_block(plan.model))}; global batch = batch x dp = "
+            f"{plan.training.micro_batch_size} x {self.layout.data_parallel_size} (the data module's batch_size is per "
+            "data-parallel rank: a layout with a smaller dp trains on a smaller global batch)",
             f"lp_auto: {_facts_text(plan)}",
             f"lp_auto: guide branch {plan.branch}: {_BRANCH_TEXT[plan.branch]}",
             *(f"lp_auto: passed over {line}" for line in self.passed_over),
@@ -298,6 +299,8 @@ def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | No
         precision=str(precision if precision is not None else "32-true"),  # type: ignore[arg-type]
         optimizer=options.optimizer,  # type: ignore[arg-type]
         micro_batch_size=options.micro_batch_size or micro_batch_size or 1,
+        # the data module's batch is per dp replica and step: a pipeline splits it (a given micro-batch is one)
+        batch_per_replica=None if options.micro_batch_size else micro_batch_size,
         seq_len=options.seq_len or seq_len,
         activation_checkpointing=options.activation_checkpointing,  # type: ignore[arg-type]
     )

@@ -280,6 +280,7 @@ def evaluate(
     takes the order :func:`choose_mesh_order` picks before its step is estimated (else its own order is kept).
     """
     world = hardware.world_size
+    training = training.for_pipeline(layout.pipeline_parallel_size)
     cross = cross_node_bytes_by_order(model, training, hardware, layout) if hardware.nodes > 1 else {}
     if choose_order and cross:
         order = choose_mesh_order(cross, hardware)

@@ -8,7 +8,7 @@ K = 8; plain SGD 0 -> K = 4. In fp32 there is no master copy: 4 + 4 + (8 | 4 | 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 __all__ = ["Checkpointing", "Optimizer", "Precision", "StateBytes", "TrainingSettings", "normalize_precision"]
@@ -76,6 +76,11 @@ class TrainingSettings:
     """auto (try all three), none, selective (recompute the attention core) or full (keep each block's input)."""
     num_micro_batches: int | None = None
     """Micro-batches per pipeline step (m); None = 4 x pipeline stages (bubble (p-1)/m below 25 %)."""
+    batch_per_replica: int | None = None
+    """The batch each dp replica reads per step, when a run fixes it (``lp_auto``: the data module's ``batch_size``):
+    a pipeline layout then splits it into ``m`` micro-batches of ``batch_per_replica / m`` sequences, as the run does
+    (``m``: its largest divisor from the stage count to 4 x stages; none: as without it), instead of taking
+    ``micro_batch_size`` per micro-batch."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -85,7 +90,7 @@ class TrainingSettings:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r}: use auto, none, selective or full."
             )
-        for key in ("micro_batch_size", "seq_len", "num_micro_batches"):
+        for key in ("micro_batch_size", "seq_len", "num_micro_batches", "batch_per_replica"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be a positive integer.")
@@ -123,7 +128,23 @@ class TrainingSettings:
         """m for a pipeline of pp stages (1 without a pipeline)."""
         if pp == 1:
             return 1
-        return self.num_micro_batches if self.num_micro_batches is not None else 4 * pp
+        if self.num_micro_batches is not None:
+            return self.num_micro_batches
+        if self.batch_per_replica is not None:
+            fitting = [d for d in range(pp, 4 * pp + 1) if self.batch_per_replica % d == 0]
+            if fitting:  # else no split keeps every stage busy: the micro-batch is taken as given
+                return max(fitting)
+        return 4 * pp
+
+    def for_pipeline(self, pp: int) -> TrainingSettings:
+        """The settings a layout of ``pp`` stages runs with: with :attr:`batch_per_replica` and ``pp > 1``,
+        micro-batches of ``batch_per_replica / m`` sequences and that ``m``; else these settings."""
+        if pp == 1 or self.batch_per_replica is None or self.num_micro_batches is not None:
+            return self
+        m = self.micro_batches(pp)
+        if self.batch_per_replica % m:
+            return self
+        return replace(self, micro_batch_size=max(1, self.batch_per_replica // m), num_micro_batches=m)
 
     def sequence_length(self, default: int) -> int:
         return self.seq_len if self.seq_len is not None else default

@@ -85,14 +85,17 @@ def test_lp_auto_refusals_start_nothing(capfd: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.timeout(900)  # the offload budget may wait for DeepSpeed's op build when it is not cached
-@pytest.mark.parametrize(("budget", "strategy", "layout"), [
-    ("1GB", "lp_ddp", "dp=2 x pp=1 x tp=1 = 2 ranks"),
-    ("14MB", "lp_tensor", "dp=1 x pp=1 x tp=2 = 2 ranks, recompute=full"),
-    ("12MB", "lp_zero_offload", "dp=2 x pp=1 x tp=1 = 2 ranks, zero=3, offload=cpu, recompute=full"),
+@pytest.mark.parametrize(("budget", "strategy", "layout", "extra"), [
+    ("1GB", "lp_ddp", "dp=2 x pp=1 x tp=1 = 2 ranks", ()),
+    # with 16 sequences per micro-batch given, no pipeline fits these budgets (the data module's 16 split into 8
+    # micro-batches of 2 would: tests/unit/test_auto_plan.py), and tensor parallelism, then offload, is the guide's
+    ("14MB", "lp_tensor", "dp=1 x pp=1 x tp=2 = 2 ranks, recompute=full", ("--planner.micro_batch_size", "16")),
+    ("12MB", "lp_zero_offload", "dp=2 x pp=1 x tp=1 = 2 ranks, zero=3, offload=cpu, recompute=full",
+     ("--planner.micro_batch_size", "16")),
 ])
 def test_lp_auto_other_budgets_train_and_measure_their_prediction(
-        budget: str, strategy: str, layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capfd: pytest.CaptureFixture[str]) -> None:
+        budget: str, strategy: str, layout: str, extra: tuple[str, ...], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """The quick-start budgets the tests above do not run (``tests/unit/test_auto_plan.py`` checks their choice
     without a process group): each trains under the layout lp_auto chose, and the model-state bytes a rank measures
     are the planner's prediction. Under offload the host part is; DeepSpeed keeps the parameters below its
@@ -101,7 +104,7 @@ def test_lp_auto_other_budgets_train_and_measure_their_prediction(
         pytest.importorskip("deepspeed")
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", QUICKSTART, "--trainer.strategy", "lp_auto", "--planner.gpu_memory", budget,
-            "--planner.start_method", "fork", "--planner.select", "guide", *SHORT]
+            "--planner.start_method", "fork", "--planner.select", "guide", *extra, *SHORT]
     assert main(args) == 0
     out = capfd.readouterr().out
     summary = _summary(out)

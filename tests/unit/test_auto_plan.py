@@ -33,8 +33,9 @@ def _decide(model: nn.Module, budget: str, *, devices: int = 2, **options: objec
 
 
 def test_budgets_drive_every_branch_on_the_quickstart_model() -> None:
-    """The quickstart GPT (0.87M parameters, fp32 AdamW, micro-batch 16 x 128 tokens) on 2 CPU ranks: each budget
-    takes another branch or family of the guide, and the chosen layout's estimate fits the budget."""
+    """The quickstart GPT (0.87M parameters, fp32 AdamW, micro-batch 16 x 128 tokens given as the micro-batch) on 2
+    CPU ranks: each budget takes another branch or family of the guide, and the chosen layout's estimate fits the
+    budget."""
     model = _quickstart_gpt()
     expected = {
         "1GB": ("one-node/fits", "lp_ddp", "dp=2 pp=1 tp=1 zero=0"),
@@ -43,7 +44,7 @@ def test_budgets_drive_every_branch_on_the_quickstart_model() -> None:
         "14MB": ("one-node/does-not-fit/nvlink", "lp_tensor", "dp=1 pp=1 tp=2 zero=0 recompute=full"),
     }
     for budget, (branch, strategy, layout) in expected.items():
-        decision = _decide(model, budget)
+        decision = _decide(model, budget, micro_batch_size=16)
         assert (decision.plan.branch, decision.strategy_name, decision.layout.describe()) == (branch, strategy,
                                                                                                layout), budget
         assert decision.chosen.memory.total <= decision.plan.hardware.gpu_memory
@@ -52,13 +53,30 @@ def test_budgets_drive_every_branch_on_the_quickstart_model() -> None:
         assert f"gpu_memory {budget[:-2]}.0 MB (given: --planner.gpu_memory)" in text or budget == "1GB"
     # 12MB: only offload fits; without DeepSpeed it is passed over with the reason and nothing else fits
     if HAS_DEEPSPEED:
-        decision = _decide(model, "12MB")
+        decision = _decide(model, "12MB", micro_batch_size=16)
         assert decision.strategy_name == "lp_zero_offload"
         assert decision.layout.describe() == "dp=2 pp=1 tp=1 zero=3 offload=cpu recompute=full"
         assert decision.predicted_states().host > 0 and decision.predicted_states().optimizer == 0
     else:
         with pytest.raises(NoLayoutFits, match="offload runs on DeepSpeed, which is not installed"):
-            _decide(model, "12MB")
+            _decide(model, "12MB", micro_batch_size=16)
+
+
+def test_a_pipeline_splits_the_data_modules_batch_as_the_run_does() -> None:
+    """Without a given micro-batch, the data module's 16 sequences per dp rank are what a pipeline splits into m
+    micro-batches (16 / 8 = 2 sequences each), as lp_pipeline runs them; so at 14 MB the pipeline fits where, with
+    16 sequences per micro-batch, only tensor parallelism did, and its activations are those of 2 sequences."""
+    model = _quickstart_gpt()
+    decision = _decide(model, "14MB")
+    assert (decision.strategy_name, decision.layout.describe()) == ("lp_pipeline",
+                                                                    "dp=1 pp=2 tp=1 zero=0 recompute=full")
+    assert decision.layout.num_micro_batches == 8
+    assert "batch 16 per data-parallel rank (a pipeline splits it into micro-batches)" in decision.text()
+    given = _decide(model, "14MB", micro_batch_size=16)  # a given micro-batch is one micro-batch
+    assert given.strategy_name == "lp_tensor"
+    pipeline = next(c for c in given.plan.candidates if c.layout.pipeline_parallel_size == 2
+                    and c.layout.activation_checkpointing == "full" and c.layout.zero == 0)
+    assert decision.chosen.memory.activations * 8 == pytest.approx(pipeline.memory.activations, rel=0.35)
 
 
 def test_simulated_nodes_with_slow_links_take_the_hybrid() -> None:

@@ -111,3 +111,17 @@ def test_cpu_ranks_beyond_the_cores_stretch_the_step() -> None:
     for axis in ("dp", "tp"):
         assert shared.exposed_s[axis] == pytest.approx(2 * alone.exposed_s[axis])
     assert shared.step_s == pytest.approx(2 * alone.step_s)
+
+
+def test_a_fixed_batch_per_replica_is_split_by_the_pipeline() -> None:
+    """lp_auto's data module batch (16 per dp rank) is split into m micro-batches by a pipeline, as the run does: the
+    largest divisor of 16 from the stage count to 4 x stages, micro-batches of 16 / m; without a pipeline, or when no
+    divisor keeps every stage busy, the settings stay as given."""
+    training = TrainingSettings(precision="fp32", micro_batch_size=16, batch_per_replica=16)
+    assert training.micro_batches(2) == 8 and training.for_pipeline(2).micro_batch_size == 2
+    assert training.for_pipeline(2).num_micro_batches == 8 and training.for_pipeline(1) is training
+    assert TrainingSettings(micro_batch_size=6, batch_per_replica=6).micro_batches(2) == 6  # 8 does not divide 6
+    odd = TrainingSettings(micro_batch_size=1, batch_per_replica=1)  # no split keeps 2 stages busy: as given
+    assert odd.micro_batches(2) == 8 and odd.for_pipeline(2) is odd
+    plain = TrainingSettings(micro_batch_size=16)  # the plan command's micro-batch: per micro-batch, 4 x stages
+    assert plain.micro_batches(2) == 8 and plain.for_pipeline(2) is plain
