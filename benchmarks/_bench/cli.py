@@ -37,8 +37,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     p.add_argument("--compile", action="store_true",
                    help="the library's runs compile each block (parallel.compile: true, inductor; the anchors and "
                         "Lightning's built-ins stay eager); --study compile times both")
-    p.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
-                   help="how the ranks of each run start (fork: cheap; this process never initializes CUDA)")
+    p.add_argument("--start-method", choices=["fork", "forkserver", "spawn"], default="fork",
+                   help="how the ranks of each run start (fork: cheap; this process never initializes CUDA; "
+                        "forkserver: forked from a clean server that imported torch and Lightning once, not from "
+                        "this process)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is ended")
     p.add_argument("--out", help="output folder (default benchmarks/<date>)")
     p.add_argument("--predict", action="store_true",

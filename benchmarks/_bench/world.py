@@ -110,6 +110,10 @@ def run_world(a: argparse.Namespace, case: Case, role: str, *, count: bool,
         job = {"args": a, "case": case, "role": role, "world": case.world, "folder": folder,
                "port": _free_port(), "count": count, "profile": profile}
         method = a.start_method
+        if method == "forkserver":  # the server imports these once; every rank forks from it, clean
+            import multiprocessing
+
+            multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lightning_parallel", "_bench.world"])
         try:
             mp.start_processes(_rank_main, args=(job,), nprocs=case.world, start_method=method, join=True)
         except Exception as err:
