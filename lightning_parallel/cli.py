@@ -11,11 +11,12 @@ fix (exit code 2). ``lightning-parallel plan ...`` is the layout planner (``--he
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -43,7 +44,7 @@ from lightning_parallel.strategies.base import LayoutStrategy
 AUTO_STRATEGY = "lp_auto"
 """The strategy name the CLI resolves with the planner (:mod:`lightning_parallel.auto`)."""
 
-__all__ = ["AUTO_STRATEGY", "LightningParallelCLI", "check_recipe", "main", "resolve_strategy", "takes_layout"]
+__all__ = ["AUTO_STRATEGY", "LightningParallelCLI", "check_recipe", "entry", "main", "resolve_strategy", "takes_layout"]
 
 _DESCRIPTION = (
     "lightning-parallel: train a LightningModule with DP, DDP, ZeRO (sharded DDP), ZeRO-offload, pipeline, tensor or "
@@ -692,6 +693,29 @@ def main(argv: list[str] | None = None) -> int:
         return _main(list(sys.argv[1:] if argv is None else argv))
     finally:
         remove_temporary_recipes()
+
+
+def entry() -> NoReturn:
+    """The ``lightning-parallel`` command and ``python -m lightning_parallel``: :func:`main`, then the process ends.
+
+    After a run that used ``torch.distributed``, the process ends without the interpreter's finalization: the
+    ``atexit`` handlers run (the process group is destroyed there, loggers finish), the streams are flushed, and
+    :func:`os._exit` returns the exit code. The finalization that is skipped tears down modules and daemon threads
+    while the backend's C++ threads may still be alive; it once aborted a finished run on a loaded machine
+    (``terminate called without an active exception``, SIGABRT, after ``Trainer.fit`` had ended and every checkpoint
+    had been written), turning a successful run into a failed job. A run that raised keeps Python's normal exit (the
+    traceback, exit code 1)."""
+    code = main()
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not (distributed.is_available() and distributed.is_initialized()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # Python's own exit path (no public name for it)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _main(args: list[str]) -> int:
