@@ -13,6 +13,11 @@
   the link between nodes cannot be measured from one machine and keeps its profile or default figures;
 * the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
   eager op takes to dispatch (a tiny add);
+* what one sharded unit costs a step beyond its arithmetic, over the same ranks (:func:`measure_frameworks`): an
+  FSDP2 unit (``fully_shard``: its all-gathers and reduce-scatter, hooks and bookkeeping) and a Megatron pair of
+  DTensor linears (column- then row-parallel: its all-reduces and DTensor dispatch), each the slope of a training
+  step's time between 1 and 5 tiny units, so that what the latency of one collective alone misses (the Python
+  around it, waiting for the other rank) is counted per unit;
 * the calibrated peak: the best matmul rate measured, what MFU is reported against;
 * on CPU, the cores this process may run on and the ranks measured at once, so that the step-time model can stretch a
   layout whose ranks outnumber the cores (:meth:`~lightning_parallel.planner.rates.Rates.core_share`).
@@ -55,6 +60,7 @@ __all__ = [
     "fit_alpha_beta",
     "format_rates",
     "machine_key",
+    "measure_frameworks",
     "rates_for",
 ]
 
@@ -267,6 +273,74 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     return out
 
 
+FRAMEWORK_UNITS = (1, 5)
+"""Tiny units in the two models of :func:`measure_frameworks` (the cost per unit is the slope between them)."""
+
+
+def _step_seconds(net: torch.nn.Module, x: torch.Tensor, sync: Callable[[], None], *, reps: int = 15) -> float:
+    """Median seconds of a training step (forward, backward, AdamW, zero_grad) of ``net`` on ``x``, every rank in
+    step (a barrier before each)."""
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(reps):
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
+    """Seconds per training step that one tiny sharded unit adds over ``world`` ranks (every rank calls this):
+
+    * ``fsdp_unit``: a ``Linear(16, 16)`` under ``fully_shard`` (FSDP2: all-gather in forward and in backward,
+      reduce-scatter of its gradient) -- what a ZeRO-3 / FSDP unit (a block, the embedding, the head) costs beyond
+      its arithmetic;
+    * ``tp_pair``: a column-parallel then a row-parallel ``Linear(16, 16)`` (DTensor: the all-reduce of the row
+      linear's output in forward and of the column linear's input gradient in backward) -- what each Megatron pair
+      of a tensor-parallel layer (attention, MLP) costs beyond its arithmetic.
+
+    Each is the slope between :data:`FRAMEWORK_UNITS` units (so the fixed cost of a step, the root unit and the loss
+    are left out); the tensors are tiny, so the figure is the collectives' latency as a real step meets it (with the
+    Python around them and the other rank's arrival), not their bandwidth."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    sync = _sync_for(device)
+    mesh = init_device_mesh(device.type, (world,))
+    x = torch.randn(4, 16, device=device)
+
+    def fsdp(units: int) -> float:
+        net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
+        for unit in net:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return _step_seconds(net, x, sync)
+
+    def tp(pairs: int) -> float:
+        net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(2 * pairs)]).to(device)
+        plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * pairs)}
+        parallelize_module(net, mesh, plan)  # type: ignore[arg-type]
+        return _step_seconds(net, x, sync)
+
+    lo, hi = FRAMEWORK_UNITS
+    return {name: max(0.0, (f(hi) - f(lo)) / (hi - lo)) for name, f in (("fsdp_unit", fsdp), ("tp_pair", tp))}
+
+
 def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None:
     """One calibration rank: compute and memory measured by every rank at once (shared cores and memory as a run
     sees them), then the collectives; rank 0 returns the figures."""
@@ -278,7 +352,9 @@ def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None
     compute = measure_compute(device)
     dist.barrier()
     collectives = measure_collectives(world, device)
-    return {"compute": compute, "collectives": collectives} if rank == 0 else None
+    dist.barrier()
+    frameworks = measure_frameworks(world, device)
+    return {"compute": compute, "collectives": collectives, "frameworks": frameworks} if rank == 0 else None
 
 
 def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[str, Any]:
@@ -300,8 +376,13 @@ def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[
     return result
 
 
-def measure_host_overhead(*, steps: int = 40) -> float:
-    """Seconds per training step of a Lightning ``fit`` of a one-layer model on CPU: the framework's own time."""
+def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
+    """Seconds per training step of a Lightning ``fit`` of a one-layer model on CPU: the framework's own time. With
+    ``ranks`` > 1, the library's ``lp_ddp`` over that many forked ranks (threads shared out over the cores), so that
+    a distributed step's fixed costs are in it: the gradient all-reduce and the logged value's all-reduce as a step
+    meets them (the other rank's arrival included), Lightning's distributed hooks."""
+    import tempfile
+
     import lightning.pytorch as pl
     from torch import nn
 
@@ -318,29 +399,51 @@ def measure_host_overhead(*, steps: int = 40) -> float:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    stamps: list[float] = []
+    folder = Path(tempfile.mkdtemp(prefix="lp-calibrate-"))
 
     class Clock(pl.Callback):
-        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-            stamps.append(time.perf_counter())
+        """Rank 0's step end times, written to a file (a forked rank's memory does not come back)."""
 
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2, 8)), batch_size=2)
-    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_rank == 0:
+                (folder / "stamps.json").write_text(json.dumps(self.stamps))
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2 * ranks, 8)),
+                                       batch_size=2)
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning",
+                                                   "lightning_parallel")]
     levels = [log.level for log in quiet]
+    threads, environ = torch.get_num_threads(), dict(os.environ)  # the launcher sets MASTER_PORT & co. here
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
+        if ranks > 1:
+            torch.set_num_threads(max(1, _cores() // ranks))  # the forked ranks' share of the cores
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+            trainer = pl.Trainer(accelerator="cpu", devices=ranks, max_steps=steps, logger=False,
+                                 strategy="lp_ddp_fork" if ranks > 1 else "auto",
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=[Clock()])
             trainer.fit(Tiny(), data)
+        stamps = json.loads((folder / "stamps.json").read_text())
     finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
+        for leftover in folder.iterdir():
+            leftover.unlink()
+        folder.rmdir()
     warm = stamps[steps // 4:]
-    return (warm[-1] - warm[0]) / (len(warm) - 1)
+    return float((warm[-1] - warm[0]) / (len(warm) - 1))
 
 
 def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = None,
@@ -354,12 +457,13 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
     base = default_rates(hardware) if hardware is not None else None
     if ranks > 1:
         world = _run_world(ranks, device_type, say)
-        compute, collectives = world["compute"], world["collectives"]
+        compute, collectives, frameworks = world["compute"], world["collectives"], world["frameworks"]
         for line in _compute_lines(compute):
             say(line)
     else:
         compute, collectives = measure_compute(torch.device(device_type, 0) if device_type != "cpu"
                                                else torch.device("cpu"), progress=say), {}
+        frameworks = {}
     links: dict[str, Any] = {}
     if collectives:
         links["intra_node"] = {}
@@ -369,9 +473,17 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
             say(f"{name} over {ranks} ranks: alpha {alpha * 1e6:,.1f} us, beta {beta / 1e9:,.2f} GB/s (bus)")
     else:
         say("collectives: one rank, nothing to measure (intra-node link from the defaults)")
+    for name, what in (("fsdp_unit", "an FSDP2 unit"), ("tp_pair", "a tensor-parallel pair of linears")):
+        if name in frameworks:
+            say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic")
     overhead = measure_host_overhead()
     say(f"host overhead per step (Lightning fit of a one-layer model): {overhead * 1e3:.2f} ms")
-    rates = _assemble(compute, links, overhead, device_type=device_type, ranks=ranks, base=base)
+    if ranks > 1 and device_type == "cpu":
+        frameworks["distributed_overhead"] = measure_host_overhead(ranks=ranks)
+        say(f"host overhead per step over {ranks} ranks (lp_ddp fit of a one-layer model): "
+            f"{frameworks['distributed_overhead'] * 1e3:.2f} ms")
+    rates = _assemble(compute, links, overhead, device_type=device_type, ranks=ranks, base=base,
+                      frameworks=frameworks)
     say(f"calibrated peak: {max(rates.peak_flops.values()) / 1e12:.4g} TFLOP/s; done in "
         f"{time.perf_counter() - t0:.1f} s")
     if save:
@@ -399,7 +511,7 @@ def _compute_lines(compute: dict[str, Any]) -> list[str]:
 
 
 def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *, device_type: str, ranks: int,
-              base: Rates | None) -> Rates:
+              base: Rates | None, frameworks: dict[str, float] | None = None) -> Rates:
     table: dict[str, dict[str, float]] = compute["matmul"]
     best = {d: max(t.values()) for d, t in table.items()}
     fallback = {c: {"alpha_us": 20.0, "beta_gbs": 1.0} for c in COLLECTIVES}
@@ -415,6 +527,7 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
                                  else links.get("intra_node", default_link))},
         "host_overhead_ms": overhead * 1e3,
         "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
+        **{f"{name}_ms": seconds * 1e3 for name, seconds in (frameworks or {}).items()},
         "overlap": 0.0 if device_type == "cpu" else 1.0,
         **({"cores": _cores()} if device_type == "cpu" else {}),
         "calibrated_ranks": ranks,
@@ -432,7 +545,12 @@ def format_rates(rates: Rates) -> str:
               for d, r in rates.matmul_flops.items()]
     lines.append(f"  memory bandwidth: {rates.memory_bandwidth / 1e9:,.1f} GB/s (elementwise ops "
                  f"{rates.elementwise_rate / 1e9:,.1f}); op dispatch {rates.op_overhead_s * 1e6:.1f} us; host overhead "
-                 f"{rates.host_overhead_s * 1e3:.2f} ms/step; overlap {rates.overlap:g}")
+                 f"{rates.host_overhead_s * 1e3:.2f} ms/step"
+                 + (f" ({rates.distributed_overhead_s * 1e3:.2f} over {rates.calibrated_ranks} ranks)"
+                    if rates.distributed_overhead_s else "") + f"; overlap {rates.overlap:g}")
+    if rates.fsdp_unit_s or rates.tp_pair_s:
+        lines.append(f"  per unit and step: FSDP2 unit {rates.fsdp_unit_s * 1e3:.2f} ms, tensor-parallel pair "
+                     f"{rates.tp_pair_s * 1e3:.2f} ms")
     for kind, link in rates.links.items():
         parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"
                           for c, r in link.collectives.items())

@@ -419,6 +419,12 @@ def _send(link: LinkRates, collective: str, sent_bytes: float, calls: float, *, 
     return calls * rate.alpha * scale + sent_bytes / rate.beta
 
 
+def _per_unit(rates: Rates, unit_s: float, units: float, collective: str, ranks: int) -> float:
+    """``units`` calibrated units (:attr:`Rates.fsdp_unit_s`, :attr:`Rates.tp_pair_s`) of ``unit_s`` each, scaled
+    from the calibration's ranks to a ring of ``ranks`` like the collectives' latency."""
+    return units * unit_s * rates.ring_latency_scale(collective, ranks)
+
+
 def _link(rates: Rates, link_name: str) -> LinkRates:
     return rates.links["inter_node" if link_name.startswith("inter-node") else "intra_node"]
 
@@ -456,7 +462,11 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     exposed: dict[str, float] = {}
     if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
         calls = (6 if layout.activation_checkpointing == "full" else 4) * layers * m
-        comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
+        if rates.tp_pair_s > 0:  # two all-reduces per Megatron pair (attention, MLP): the calibrated pair's cost
+            comm["tp"] = (_per_unit(rates, rates.tp_pair_s, calls / 2, "all_reduce", tp)
+                          + _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], 0))
+        else:
+            comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
         exposed["tp"] = comm["tp"] * bubble
     if "pp" in traffic:
         v = layout.virtual_pipeline_stages
@@ -481,8 +491,14 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                          rates=rates, ranks=group[axis])
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
-            calls = 3 * (layers + 1) if (layout.zero == 3 or axis == "dp_shard") else 2
-            comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
+            fsdp = layout.zero == 3 or axis == "dp_shard"
+            calls = 3 * (layers + 1) if fsdp else 2
+            if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
+                units = layers + (3 if pp == 1 else 2)
+                comm[axis] = (_per_unit(rates, rates.fsdp_unit_s, units, "all_gather", group[axis])
+                              + _send(link, collective, traffic[axis], 0))
+            else:
+                comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0
         exposed[axis] = _dp_exposed(axis, comm[axis], layout, stage, m, rates, last)
     offload = 0.0
@@ -516,7 +532,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         tokens=dp * m * b * s,
         links=links,
         exposed_s=exposed,
-        overhead_s=(optimizer + rates.host_overhead_s + launch) * share,
+        overhead_s=(optimizer + rates.host_overhead(dp * pp * tp * cp) + launch) * share,
         model_flops=flops,
         peak_flops=rates.peak(_dtype(training)),
         rates_source=rates.source,

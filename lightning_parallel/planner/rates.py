@@ -128,6 +128,18 @@ class Rates:
     (a copy's rate; fused GPU kernels come close to it, CPU ones reach a fraction)."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one eager op (Python, the dispatcher, a kernel launch); calibrated."""
+    distributed_overhead_s: float = 0.0
+    """Framework time per step of a data-parallel fit over :attr:`calibrated_ranks` ranks (the library's ``lp_ddp``,
+    a one-layer model: Lightning's loop, the gradient and logged-value all-reduces as a step meets them);
+    calibrated on CPU. Used for layouts of more than one rank; 0: :attr:`host_overhead_s`."""
+    fsdp_unit_s: float = 0.0
+    """Seconds one FSDP2 unit adds to a training step beyond its arithmetic and its bytes (its gathers' and
+    reduce-scatter's latency as a step meets them, hooks, bookkeeping), over :attr:`calibrated_ranks` ranks;
+    calibrated. 0: unknown, the collectives' latencies alone (``alpha`` per call) are counted."""
+    tp_pair_s: float = 0.0
+    """Seconds one Megatron pair of DTensor linears (column- then row-parallel) adds to a training step beyond its
+    arithmetic and its bytes (two all-reduces' latency as a step meets them, DTensor dispatch); calibrated. 0:
+    unknown, ``alpha`` per all-reduce."""
     cores: int = 0
     """CPU cores the calibration ran on (0: not a CPU calibration): ranks beyond them share cores
     (:meth:`core_share`)."""
@@ -160,6 +172,11 @@ class Rates:
     def elementwise_rate(self) -> float:
         """Bytes/s of the memory-bound ops: :attr:`elementwise_bandwidth`, else :attr:`memory_bandwidth`."""
         return self.elementwise_bandwidth or self.memory_bandwidth
+
+    def host_overhead(self, ranks: int) -> float:
+        """Framework seconds per step of a run of ``ranks`` ranks: :attr:`distributed_overhead_s` when more than one
+        and calibrated, else :attr:`host_overhead_s`."""
+        return self.distributed_overhead_s if ranks > 1 and self.distributed_overhead_s > 0 else self.host_overhead_s
 
     def core_share(self, ranks: int) -> float:
         """How much slower each of ``ranks`` CPU ranks on one machine computes than the calibration's ranks did:
@@ -196,6 +213,9 @@ class Rates:
             "nvme_gbs": self.nvme_bandwidth / 1e9,
             "overlap": self.overlap,
             "op_overhead_us": self.op_overhead_s * 1e6,
+            **({"distributed_overhead_ms": self.distributed_overhead_s * 1e3} if self.distributed_overhead_s else {}),
+            **({"fsdp_unit_ms": self.fsdp_unit_s * 1e3} if self.fsdp_unit_s else {}),
+            **({"tp_pair_ms": self.tp_pair_s * 1e3} if self.tp_pair_s else {}),
             **({"cores": self.cores} if self.cores else {}),
             **({"calibrated_ranks": self.calibrated_ranks} if self.calibrated_ranks else {}),
             **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
@@ -205,7 +225,8 @@ class Rates:
 
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
          "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
-         "overlap", "elementwise_gbs", "op_overhead_us", "cores", "calibrated_ranks", "source"}
+         "overlap", "elementwise_gbs", "op_overhead_us", "distributed_overhead_ms", "fsdp_unit_ms", "tp_pair_ms",
+         "cores", "calibrated_ranks", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -235,7 +256,9 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
     scaled = {"host_overhead_ms": ("host_overhead_s", 1e-3), "host_link_gbs": ("host_link_bandwidth", 1e9),
               "nvme_gbs": ("nvme_bandwidth", 1e9), "attention_efficiency": ("attention_efficiency", 1.0),
               "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0), "overlap": ("overlap", 1.0),
-              "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6)}
+              "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6),
+              "fsdp_unit_ms": ("fsdp_unit_s", 1e-3), "tp_pair_ms": ("tp_pair_s", 1e-3),
+              "distributed_overhead_ms": ("distributed_overhead_s", 1e-3)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale

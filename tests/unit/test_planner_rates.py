@@ -67,6 +67,10 @@ def test_rates_round_trip_and_bad_keys() -> None:
         for name, rate in link.collectives.items():
             assert again.links[kind].collectives[name].alpha == pytest.approx(rate.alpha)
             assert again.links[kind].collectives[name].beta == pytest.approx(rate.beta)
+    units = rates_from_dict({**rates.to_dict(), "fsdp_unit_ms": 3.5, "tp_pair_ms": 1.25})
+    assert (units.fsdp_unit_s, units.tp_pair_s) == pytest.approx((3.5e-3, 1.25e-3))
+    assert (rates_from_dict(units.to_dict()).fsdp_unit_s, rates_from_dict(units.to_dict()).tp_pair_s) == (
+        units.fsdp_unit_s, units.tp_pair_s)
     with pytest.raises(ValueError, match="unknown keys"):
         rates_from_dict({**rates.to_dict(), "matmul_tflop": {}})
     with pytest.raises(ValueError, match="collectives"):
@@ -132,17 +136,20 @@ def test_calibrate_one_rank_measures_and_caches(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
-    """A one-rank gloo group in this process: every size of every collective (no point-to-point) gets a time."""
+    """A one-rank gloo group in this process: every size of every collective (no point-to-point) gets a time, and
+    the FSDP2 unit and the tensor-parallel pair each get a cost per step."""
     import torch
     import torch.distributed as dist
 
-    from lightning_parallel.planner.calibrate import CALIBRATION_SIZES, measure_collectives
+    from lightning_parallel.planner.calibrate import CALIBRATION_SIZES, measure_collectives, measure_frameworks
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         got = measure_collectives(1, torch.device("cpu"))
+        units = measure_frameworks(1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+    assert set(units) == {"fsdp_unit", "tp_pair"} and all(0 <= s < 1 for s in units.values())
     assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
     assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
                for name, points in got.items() if name != "p2p")

@@ -125,3 +125,53 @@ def test_a_fixed_batch_per_replica_is_split_by_the_pipeline() -> None:
     assert odd.micro_batches(2) == 8 and odd.for_pipeline(2) is odd
     plain = TrainingSettings(micro_batch_size=16)  # the plan command's micro-batch: per micro-batch, 4 x stages
     assert plain.micro_batches(2) == 8 and plain.for_pipeline(2) is plain
+
+
+def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> None:
+    """With a calibration's cost per FSDP2 unit and per tensor-parallel pair, a ZeRO-3 step counts one unit per
+    block, the embedding, the head and the root, and a tp step one pair per all-reduce pair (attention and MLP, in
+    forward and backward: ``calls / 2``), in place of ``alpha`` per collective; the bytes still go at ``beta``."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    def cost(layout: dict[str, object], **unit_ms: float) -> StepCost:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": 2, "calibrated_ranks": 2, "overlap": 0.0, **unit_ms})
+        hardware = make_hardware(gpus_per_node=2, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        shape = ModelShape(n_layer=3, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+        return estimate_step(ModelSpec.from_shape(shape), training, hardware, ParallelConfig.from_dict(layout),
+                             rates=rates)
+
+    zero3 = {"data_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "none"}
+    alpha, unit = cost(zero3), cost(zero3, fsdp_unit_ms=2.0)
+    assert unit.comm_s["dp"] == pytest.approx(alpha.comm_s["dp"] - 3 * (3 + 1) * 100e-6 + (3 + 3) * 2e-3)
+    tp2 = {"data_parallel_size": 1, "tensor_parallel_size": 2, "activation_checkpointing": "none"}
+    alpha, pair = cost(tp2), cost(tp2, tp_pair_ms=1.5)
+    assert pair.comm_s["tp"] == pytest.approx(alpha.comm_s["tp"] - 4 * 3 * 100e-6 + 2 * 3 * 1.5e-3)
+    assert cost(zero3, tp_pair_ms=1.5).comm_s == cost(zero3).comm_s  # each figure moves only its own axis
+
+
+def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
+    """A calibration's distributed step overhead (its lp_ddp fit over 2 ranks) replaces the one-process overhead in
+    every layout of more than one rank, stretched like the rest when ranks outnumber the cores; one rank keeps the
+    one-process figure."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    def overhead(layout: dict[str, object], **extra: float) -> float:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "host_overhead_ms": 0.5,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": 2, "calibrated_ranks": 2, "overlap": 0.0, **extra})
+        hardware = make_hardware(gpus_per_node=4, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        shape = ModelShape(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=32, activation_checkpointing="none")
+        cost = estimate_step(ModelSpec.from_shape(shape), training, hardware,
+                             ParallelConfig.from_dict({"activation_checkpointing": "none", **layout}), rates=rates)
+        return cost.overhead_s
+
+    one, two, four = ({"data_parallel_size": n} for n in (1, 2, 4))
+    assert overhead(two, distributed_overhead_ms=3.0) - overhead(two) == pytest.approx(2.5e-3)
+    assert overhead(four, distributed_overhead_ms=3.0) - overhead(four) == pytest.approx(2 * 2.5e-3)  # 4 ranks, 2 cores
+    assert overhead(one, distributed_overhead_ms=3.0) == overhead(one)
