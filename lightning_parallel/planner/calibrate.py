@@ -277,15 +277,20 @@ FRAMEWORK_UNITS = (1, 5)
 """Tiny units in the two models of :func:`measure_frameworks` (the cost per unit is the slope between them)."""
 
 
-def _step_seconds(net: torch.nn.Module, x: torch.Tensor, sync: Callable[[], None], *, reps: int = 15) -> float:
-    """Median seconds of a training step (forward, backward, AdamW, zero_grad) of ``net`` on ``x``, every rank in
-    step (a barrier before each)."""
+def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
+                  run: Callable[[], None] | None = None) -> float:
+    """Median seconds of a training step of ``net`` (forward and backward on ``x``, or ``run()``; then AdamW and
+    zero_grad), every rank in step (a barrier before each)."""
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
     def step() -> None:
-        net(x).sum().backward()
+        if run is not None:
+            run()
+        else:
+            assert x is not None
+            net(x).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -310,11 +315,16 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
       its arithmetic;
     * ``tp_pair``: a column-parallel then a row-parallel ``Linear(16, 16)`` (DTensor: the all-reduce of the row
       linear's output in forward and of the column linear's input gradient in backward) -- what each Megatron pair
-      of a tensor-parallel layer (attention, MLP) costs beyond its arithmetic.
+      of a tensor-parallel layer (attention, MLP) costs beyond its arithmetic;
+    * ``pp_micro_batch`` (more than one rank): a micro-batch more through a 1F1B pipeline of one ``Linear(16, 16)``
+      stage per rank (torch's pipelining runtime, as ``lp_pipeline`` runs it: its sends and receives of activations
+      and gradients, the schedule's Python) -- what each micro-batch of a pipeline costs beyond its arithmetic.
 
-    Each is the slope between :data:`FRAMEWORK_UNITS` units (so the fixed cost of a step, the root unit and the loss
-    are left out); the tensors are tiny, so the figure is the collectives' latency as a real step meets it (with the
-    Python around them and the other rank's arrival), not their bandwidth."""
+    Each is the slope between :data:`FRAMEWORK_UNITS` units (micro-batches: ``world`` and 4 more), so the fixed
+    cost of a step, the root unit, the loss and the pipeline's fill and drain are left out; the tensors are tiny, so
+    the figure is the collectives' latency as a real step meets it (with the Python around them and the other
+    rank's arrival), not their bandwidth."""
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -337,8 +347,31 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         parallelize_module(net, mesh, plan)  # type: ignore[arg-type]
         return _step_seconds(net, x, sync)
 
+    def pipeline(micro_batches: int) -> float:  # one stage per rank, 1F1B over the world
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        rank = dist.get_rank()
+        net = nn.Linear(16, 16).to(device)
+        stage = PipelineStage(net, rank, world, device)
+        schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: (out - target).pow(2).mean())
+        inputs = torch.randn(4 * micro_batches, 16, device=device)
+        target = torch.zeros(4 * micro_batches, 16, device=device)
+
+        def run() -> None:
+            if rank == 0:
+                schedule.step(inputs)
+            elif rank == world - 1:
+                schedule.step(target=target)
+            else:
+                schedule.step()
+
+        return _step_seconds(net, None, sync, run=run)
+
     lo, hi = FRAMEWORK_UNITS
-    return {name: max(0.0, (f(hi) - f(lo)) / (hi - lo)) for name, f in (("fsdp_unit", fsdp), ("tp_pair", tp))}
+    spans = [("fsdp_unit", fsdp, lo, hi), ("tp_pair", tp, lo, hi)]
+    if world > 1:  # a schedule needs at least a micro-batch per stage
+        spans.append(("pp_micro_batch", pipeline, world, world + hi - lo))
+    return {name: max(0.0, (f(b) - f(a)) / (b - a)) for name, f, a, b in spans}
 
 
 def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None:
@@ -473,7 +506,8 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
             say(f"{name} over {ranks} ranks: alpha {alpha * 1e6:,.1f} us, beta {beta / 1e9:,.2f} GB/s (bus)")
     else:
         say("collectives: one rank, nothing to measure (intra-node link from the defaults)")
-    for name, what in (("fsdp_unit", "an FSDP2 unit"), ("tp_pair", "a tensor-parallel pair of linears")):
+    for name, what in (("fsdp_unit", "an FSDP2 unit"), ("tp_pair", "a tensor-parallel pair of linears"),
+                       ("pp_micro_batch", "a pipeline micro-batch")):
         if name in frameworks:
             say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic")
     overhead = measure_host_overhead()
@@ -548,9 +582,9 @@ def format_rates(rates: Rates) -> str:
                  f"{rates.host_overhead_s * 1e3:.2f} ms/step"
                  + (f" ({rates.distributed_overhead_s * 1e3:.2f} over {rates.calibrated_ranks} ranks)"
                     if rates.distributed_overhead_s else "") + f"; overlap {rates.overlap:g}")
-    if rates.fsdp_unit_s or rates.tp_pair_s:
+    if rates.fsdp_unit_s or rates.tp_pair_s or rates.pp_micro_batch_s:
         lines.append(f"  per unit and step: FSDP2 unit {rates.fsdp_unit_s * 1e3:.2f} ms, tensor-parallel pair "
-                     f"{rates.tp_pair_s * 1e3:.2f} ms")
+                     f"{rates.tp_pair_s * 1e3:.2f} ms, pipeline micro-batch {rates.pp_micro_batch_s * 1e3:.2f} ms")
     for kind, link in rates.links.items():
         parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"
                           for c, r in link.collectives.items())

@@ -470,7 +470,11 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         exposed["tp"] = comm["tp"] * bubble
     if "pp" in traffic:
         v = layout.virtual_pipeline_stages
-        comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
+        if rates.pp_micro_batch_s > 0:  # the calibrated cost of a micro-batch through the runtime, per chunk
+            comm["pp"] = (m * v * rates.pp_micro_batch_s
+                          + _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 0))
+        else:
+            comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
         exposed["pp"] = comm["pp"] * bubble
     if "cp" in traffic:
         comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
@@ -492,10 +496,13 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
             fsdp = layout.zero == 3 or axis == "dp_shard"
-            calls = 3 * (layers + 1) if fsdp else 2
+            # per FSDP unit: two all-gathers and a reduce-scatter over the shard group; under HSDP one all-reduce
+            # of the unit's gradient shard over the replicas
+            per_unit = 1 if axis == "dp_replicate" else 3
+            calls = per_unit * (layers + 1) if fsdp else 2
             if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
                 units = layers + (3 if pp == 1 else 2)
-                comm[axis] = (_per_unit(rates, rates.fsdp_unit_s, units, "all_gather", group[axis])
+                comm[axis] = (_per_unit(rates, rates.fsdp_unit_s * per_unit / 3, units, "all_gather", group[axis])
                               + _send(link, collective, traffic[axis], 0))
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])

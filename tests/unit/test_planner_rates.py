@@ -149,7 +149,7 @@ def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
         units = measure_frameworks(1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    assert set(units) == {"fsdp_unit", "tp_pair"} and all(0 <= s < 1 for s in units.values())
+    assert set(units) == {"fsdp_unit", "tp_pair"} and all(0 <= s < 1 for s in units.values())  # no pipeline of 1
     assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
     assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
                for name, points in got.items() if name != "p2p")

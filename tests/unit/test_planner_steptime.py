@@ -128,9 +128,10 @@ def test_a_fixed_batch_per_replica_is_split_by_the_pipeline() -> None:
 
 
 def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> None:
-    """With a calibration's cost per FSDP2 unit and per tensor-parallel pair, a ZeRO-3 step counts one unit per
-    block, the embedding, the head and the root, and a tp step one pair per all-reduce pair (attention and MLP, in
-    forward and backward: ``calls / 2``), in place of ``alpha`` per collective; the bytes still go at ``beta``."""
+    """With a calibration's cost per FSDP2 unit, per tensor-parallel pair and per pipeline micro-batch, a ZeRO-3 step
+    counts one unit per block, the embedding, the head and the root, a tp step one pair per all-reduce pair
+    (attention and MLP, in forward and backward: ``calls / 2``), a pipeline one per micro-batch, in place of
+    ``alpha`` per collective or transfer; the bytes still go at ``beta``."""
     from lightning_parallel.planner.hardware import make_hardware
     from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
 
@@ -147,10 +148,17 @@ def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> No
     zero3 = {"data_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "none"}
     alpha, unit = cost(zero3), cost(zero3, fsdp_unit_ms=2.0)
     assert unit.comm_s["dp"] == pytest.approx(alpha.comm_s["dp"] - 3 * (3 + 1) * 100e-6 + (3 + 3) * 2e-3)
+    hsdp = {"data_parallel_size": 2, "zero_stage": 3, "data_parallel_shard_size": 1, "activation_checkpointing": "none"}
+    alpha, unit = cost(hsdp), cost(hsdp, fsdp_unit_ms=3.0)  # one all-reduce per unit over the replicas: a third
+    assert unit.comm_s["dp_replicate"] == pytest.approx(alpha.comm_s["dp_replicate"] - (3 + 1) * 100e-6 + 6 * 1e-3)
     tp2 = {"data_parallel_size": 1, "tensor_parallel_size": 2, "activation_checkpointing": "none"}
     alpha, pair = cost(tp2), cost(tp2, tp_pair_ms=1.5)
     assert pair.comm_s["tp"] == pytest.approx(alpha.comm_s["tp"] - 4 * 3 * 100e-6 + 2 * 3 * 1.5e-3)
     assert cost(zero3, tp_pair_ms=1.5).comm_s == cost(zero3).comm_s  # each figure moves only its own axis
+    pp2 = {"data_parallel_size": 1, "pipeline_parallel_size": 2, "activation_checkpointing": "none"}
+    alpha, micro = cost(pp2), cost(pp2, pp_micro_batch_ms=0.5)
+    m = TrainingSettings(micro_batch_size=2).micro_batches(2)  # the planner's default for 2 stages
+    assert micro.comm_s["pp"] == pytest.approx(alpha.comm_s["pp"] - 2 * m * 100e-6 + m * 0.5e-3)
 
 
 def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
