@@ -318,7 +318,10 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
       of a tensor-parallel layer (attention, MLP) costs beyond its arithmetic;
     * ``pp_micro_batch`` (more than one rank): a micro-batch more through a 1F1B pipeline of one ``Linear(16, 16)``
       stage per rank (torch's pipelining runtime, as ``lp_pipeline`` runs it: its sends and receives of activations
-      and gradients, the schedule's Python) -- what each micro-batch of a pipeline costs beyond its arithmetic.
+      and gradients, the schedule's Python) -- what each micro-batch of a pipeline costs beyond its arithmetic;
+    * ``cp_layer`` (more than one rank): one more layer's ring attention over the ranks (the library's
+      ``ring_attention``: ``n - 1`` k/v blocks along the ring in forward, blocks and gradients in backward, its
+      Python) on a tiny sequence -- what context parallelism costs per layer beyond its arithmetic.
 
     Each is the slope between :data:`FRAMEWORK_UNITS` units (micro-batches: ``world`` and 4 more), so the fixed
     cost of a step, the root unit, the loss and the pipeline's fill and drain are left out; the tensors are tiny, so
@@ -367,10 +370,25 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
 
         return _step_seconds(net, None, sync, run=run)
 
+    def ring(layers: int) -> float:  # the library's ring attention over the world, once per layer
+        from lightning_parallel.parallel.context_parallel.ring import ring_attention
+
+        net = nn.Linear(16, 16).to(device)
+        group = dist.group.WORLD
+        assert group is not None
+
+        def run() -> None:
+            h = net(x).reshape(1, 1, 4, 16)
+            for _ in range(layers):
+                h = ring_attention(h, h, h, group=group)
+            h.sum().backward()
+
+        return _step_seconds(net, None, sync, run=run)
+
     lo, hi = FRAMEWORK_UNITS
     spans = [("fsdp_unit", fsdp, lo, hi), ("tp_pair", tp, lo, hi)]
     if world > 1:  # a schedule needs at least a micro-batch per stage
-        spans.append(("pp_micro_batch", pipeline, world, world + hi - lo))
+        spans += [("pp_micro_batch", pipeline, world, world + hi - lo), ("cp_layer", ring, lo, hi)]
     return {name: max(0.0, (f(b) - f(a)) / (b - a)) for name, f, a, b in spans}
 
 
@@ -507,7 +525,7 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
     else:
         say("collectives: one rank, nothing to measure (intra-node link from the defaults)")
     for name, what in (("fsdp_unit", "an FSDP2 unit"), ("tp_pair", "a tensor-parallel pair of linears"),
-                       ("pp_micro_batch", "a pipeline micro-batch")):
+                       ("pp_micro_batch", "a pipeline micro-batch"), ("cp_layer", "a layer's ring attention")):
         if name in frameworks:
             say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic")
     overhead = measure_host_overhead()
@@ -582,9 +600,10 @@ def format_rates(rates: Rates) -> str:
                  f"{rates.host_overhead_s * 1e3:.2f} ms/step"
                  + (f" ({rates.distributed_overhead_s * 1e3:.2f} over {rates.calibrated_ranks} ranks)"
                     if rates.distributed_overhead_s else "") + f"; overlap {rates.overlap:g}")
-    if rates.fsdp_unit_s or rates.tp_pair_s or rates.pp_micro_batch_s:
+    if rates.fsdp_unit_s or rates.tp_pair_s or rates.pp_micro_batch_s or rates.cp_layer_s:
         lines.append(f"  per unit and step: FSDP2 unit {rates.fsdp_unit_s * 1e3:.2f} ms, tensor-parallel pair "
-                     f"{rates.tp_pair_s * 1e3:.2f} ms, pipeline micro-batch {rates.pp_micro_batch_s * 1e3:.2f} ms")
+                     f"{rates.tp_pair_s * 1e3:.2f} ms, pipeline micro-batch {rates.pp_micro_batch_s * 1e3:.2f} ms, "
+                     f"ring-attention layer {rates.cp_layer_s * 1e3:.2f} ms")
     for kind, link in rates.links.items():
         parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"
                           for c, r in link.collectives.items())

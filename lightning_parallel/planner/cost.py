@@ -477,7 +477,12 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
         exposed["pp"] = comm["pp"] * bubble
     if "cp" in traffic:
-        comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
+        if rates.cp_layer_s > 0:  # the calibrated ring of the calibration's ranks, stretched to cp - 1 hops
+            hops = (cp - 1) / max(rates.calibrated_ranks - 1, 1)
+            comm["cp"] = (layers * m * rates.cp_layer_s * hops
+                          + _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 0))
+        else:
+            comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
         attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
         exposed["cp"] = max(comm["cp"] - rates.overlap * attention_s, 0.0)
     state = training.state_bytes

@@ -140,6 +140,10 @@ class Rates:
     """Seconds one more micro-batch adds to a step of a 1F1B pipeline of one tiny stage per calibration rank
     (torch's pipelining runtime: its sends and receives, the schedule's Python) beyond its arithmetic and bytes;
     calibrated. 0: unknown, ``alpha`` per point-to-point transfer."""
+    cp_layer_s: float = 0.0
+    """Seconds one layer's ring attention over the calibration's ranks adds to a step (its transfers along the ring
+    in forward and backward, its Python) beyond the attention's arithmetic and bytes; calibrated. 0: unknown,
+    ``alpha`` per transfer."""
     tp_pair_s: float = 0.0
     """Seconds one Megatron pair of DTensor linears (column- then row-parallel) adds to a training step beyond its
     arithmetic and its bytes (two all-reduces' latency as a step meets them, DTensor dispatch); calibrated. 0:
@@ -221,6 +225,7 @@ class Rates:
             **({"fsdp_unit_ms": self.fsdp_unit_s * 1e3} if self.fsdp_unit_s else {}),
             **({"tp_pair_ms": self.tp_pair_s * 1e3} if self.tp_pair_s else {}),
             **({"pp_micro_batch_ms": self.pp_micro_batch_s * 1e3} if self.pp_micro_batch_s else {}),
+            **({"cp_layer_ms": self.cp_layer_s * 1e3} if self.cp_layer_s else {}),
             **({"cores": self.cores} if self.cores else {}),
             **({"calibrated_ranks": self.calibrated_ranks} if self.calibrated_ranks else {}),
             **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
@@ -231,7 +236,7 @@ class Rates:
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
          "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
          "overlap", "elementwise_gbs", "op_overhead_us", "distributed_overhead_ms", "fsdp_unit_ms", "tp_pair_ms",
-         "pp_micro_batch_ms", "cores", "calibrated_ranks", "source"}
+         "pp_micro_batch_ms", "cp_layer_ms", "cores", "calibrated_ranks", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -264,7 +269,7 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
               "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6),
               "fsdp_unit_ms": ("fsdp_unit_s", 1e-3), "tp_pair_ms": ("tp_pair_s", 1e-3),
               "distributed_overhead_ms": ("distributed_overhead_s", 1e-3),
-              "pp_micro_batch_ms": ("pp_micro_batch_s", 1e-3)}
+              "pp_micro_batch_ms": ("pp_micro_batch_s", 1e-3), "cp_layer_ms": ("cp_layer_s", 1e-3)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale

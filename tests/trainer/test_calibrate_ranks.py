@@ -1,6 +1,6 @@
 """``calibrate(ranks=2)`` end to end: two forked gloo ranks measure compute, the collectives and the cost of an
-FSDP2 unit, of a tensor-parallel pair and of a pipeline micro-batch, then ``lp_ddp`` forks two ranks for the
-distributed step overhead."""
+FSDP2 unit, of a tensor-parallel pair, of a pipeline micro-batch and of a layer's ring attention, then ``lp_ddp``
+forks two ranks for the distributed step overhead."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ def test_two_rank_calibration_measures_units_and_the_distributed_overhead(monkey
     rates = calibrate(ranks=2, progress=lines.append)
     said = "\n".join(lines)
     for line in ("all_reduce over 2 ranks", "an FSDP2 unit over 2 ranks", "a tensor-parallel pair of linears over 2",
-                 "a pipeline micro-batch over 2 ranks", "host overhead per step over 2 ranks (lp_ddp"):
+                 "a pipeline micro-batch over 2 ranks", "a layer's ring attention over 2 ranks",
+                 "host overhead per step over 2 ranks (lp_ddp"):
         assert line in said, said
     assert rates.calibrated_ranks == 2 and rates.cores >= 1
     assert 0 < rates.fsdp_unit_s < 1 and 0 < rates.tp_pair_s < 1 and 0 < rates.pp_micro_batch_s < 1
+    assert 0 < rates.cp_layer_s < 1
     assert 0 < rates.host_overhead_s < rates.distributed_overhead_s < 1  # a distributed step has collectives too
     assert rates.host_overhead(1) == rates.host_overhead_s and rates.host_overhead(4) == rates.distributed_overhead_s
     again = cached_rates(2)

@@ -128,10 +128,11 @@ def test_a_fixed_batch_per_replica_is_split_by_the_pipeline() -> None:
 
 
 def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> None:
-    """With a calibration's cost per FSDP2 unit, per tensor-parallel pair and per pipeline micro-batch, a ZeRO-3 step
-    counts one unit per block, the embedding, the head and the root, a tp step one pair per all-reduce pair
-    (attention and MLP, in forward and backward: ``calls / 2``), a pipeline one per micro-batch, in place of
-    ``alpha`` per collective or transfer; the bytes still go at ``beta``."""
+    """With a calibration's cost per FSDP2 unit, per tensor-parallel pair, per pipeline micro-batch and per layer of
+    ring attention, a ZeRO-3 step counts one unit per block, the embedding, the head and the root, a tp step one
+    pair per all-reduce pair (attention and MLP, in forward and backward: ``calls / 2``), a pipeline one per
+    micro-batch, context parallelism one per layer, in place of ``alpha`` per collective or transfer; the bytes
+    still go at ``beta``."""
     from lightning_parallel.planner.hardware import make_hardware
     from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
 
@@ -159,6 +160,9 @@ def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> No
     alpha, micro = cost(pp2), cost(pp2, pp_micro_batch_ms=0.5)
     m = TrainingSettings(micro_batch_size=2).micro_batches(2)  # the planner's default for 2 stages
     assert micro.comm_s["pp"] == pytest.approx(alpha.comm_s["pp"] - 2 * m * 100e-6 + m * 0.5e-3)
+    cp2 = {"data_parallel_size": 1, "context_parallel_size": 2, "activation_checkpointing": "none"}
+    alpha, ring = cost(cp2), cost(cp2, cp_layer_ms=2.0)  # a layer's ring attention, 3 layers
+    assert ring.comm_s["cp"] == pytest.approx(alpha.comm_s["cp"] - 2 * 3 * 100e-6 + 3 * 2e-3)
 
 
 def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
