@@ -187,7 +187,10 @@ def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettin
     return TrainingSettings(
         precision=args.precision or hints.get("precision", "bf16-mixed"),
         optimizer=args.optimizer,
-        micro_batch_size=_first_given(args.micro_batch_size, hints.get("micro_batch_size"), 1),
+        micro_batch_size=_first_given(args.micro_batch_size, hints.get("batch_per_replica"), 1),
+        # a recipe's data batch is per dp rank and step, and a pipeline splits it (as lp_auto plans it); a given
+        # --micro-batch-size is the micro-batch itself
+        batch_per_replica=hints.get("batch_per_replica") if args.micro_batch_size is None else None,
         seq_len=_first_given(args.seq_len, hints.get("seq_len")),
         activation_checkpointing=args.activation_checkpointing,
         num_micro_batches=args.micro_batches,

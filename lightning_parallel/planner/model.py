@@ -197,9 +197,10 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     """Read a recipe's model section (GPT init args) and the hints the planner uses from the rest of it.
 
     The recipe is read as the CLI reads it: its ``defaults`` fragments merged in and its ``${...}`` interpolations
-    resolved. Returns the shape and ``{"micro_batch_size", "seq_len", "precision", "trainer"}`` where the recipe sets
-    them (``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the hardware is found for when no
-    ``--hardware``/``--gpu-memory`` is given).
+    resolved. Returns the shape and ``{"batch_per_replica", "seq_len", "precision", "trainer"}`` where the recipe sets
+    them (``batch_per_replica``: the data module's ``batch_size``, sequences per data-parallel rank and step, which a
+    pipeline splits into micro-batches; ``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the
+    hardware is found for when no ``--hardware``/``--gpu-memory`` is given).
     """
     file = Path(path)
     if not file.is_file():
@@ -227,7 +228,7 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     hints: dict[str, Any] = {}
     data_args = (data.get("data") or {}).get("init_args") or {}
     if "batch_size" in data_args:
-        hints["micro_batch_size"] = int(data_args["batch_size"])
+        hints["batch_per_replica"] = int(data_args["batch_size"])
     hints["seq_len"] = int(data_args.get("block_size", shape.block_size))
     trainer = data.get("trainer") or {}
     precision = trainer.get("precision")

@@ -47,7 +47,8 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     layout, hw, training = chosen.layout, plan.hardware, plan.training
     check_model_compat(layout, n_layer=shape.n_layer, n_head=shape.n_head, vocab_size=shape.vocab_size)
     seq_len = training.sequence_length(shape.block_size)
-    batch = training.micro_batch_size * training.micro_batches(layout.pipeline_parallel_size)
+    run = training.for_pipeline(layout.pipeline_parallel_size)  # a batch per replica split as the run splits it
+    batch = run.micro_batch_size * run.micro_batches(layout.pipeline_parallel_size)
     single = chosen.strategy == "single_device"
     # One device: Lightning's own strategy, no parallel section -- unless activations are recomputed, which takes a
     # layout: lp_ddp on one process does that (no collective moves anything with one rank).

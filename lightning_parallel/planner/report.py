@@ -305,6 +305,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "optimizer": plan.training.optimizer,
             "state_bytes_per_param": vars(plan.training.state_bytes),
             "micro_batch_size": plan.training.micro_batch_size,
+            "batch_per_replica": plan.training.batch_per_replica,
             "activation_checkpointing": plan.training.activation_checkpointing,
         },
         "hardware": vars(plan.hardware),

@@ -262,3 +262,24 @@ def test_when_nothing_fits_the_fix_names_only_what_was_not_given() -> None:
     fix = plan.reason.split("Fix: ")[1]
     for offered in ("activation checkpointing", "a smaller micro-batch (now 8)", "NVMe", "--reserved-memory"):
         assert offered in fix, fix
+
+
+def test_a_recipes_batch_is_per_replica_and_a_pipeline_splits_it(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --recipe``: the data module's ``batch_size`` is sequences per data-parallel rank and step, as
+    ``fit`` runs it; a pipeline layout splits it into micro-batches (before, it was read as the micro-batch: a
+    pipeline of m micro-batches was planned with m times the run's tokens). ``--micro-batch-size`` gives the
+    micro-batch itself."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"class_path": "lightning_parallel.models.GPT",
+                  "init_args": {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256}},
+        "data": {"class_path": "lightning_parallel.data.TextDataModule", "init_args": {"batch_size": 16}}}))
+    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--json"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["batch_per_replica"], training["micro_batch_size"]) == (16, 16)
+    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--micro-batch-size", "4", "--json"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["batch_per_replica"], training["micro_batch_size"]) == (None, 4)
+    split = TrainingSettings(micro_batch_size=16, batch_per_replica=16).for_pipeline(2)
+    assert split.micro_batch_size * split.micro_batches(2) == 16 and split.micro_batches(2) > 1
