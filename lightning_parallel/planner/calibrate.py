@@ -13,11 +13,11 @@
   the link between nodes cannot be measured from one machine and keeps its profile or default figures;
 * the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
   eager op takes to dispatch (a tiny add);
-* what one sharded unit costs a step beyond its arithmetic, over the same ranks (:func:`measure_frameworks`): an
-  FSDP2 unit (``fully_shard``: its all-gathers and reduce-scatter, hooks and bookkeeping) and a Megatron pair of
-  DTensor linears (column- then row-parallel: its all-reduces and DTensor dispatch), each the slope of a training
-  step's time between 1 and 5 tiny units, so that what the latency of one collective alone misses (the Python
-  around it, waiting for the other rank) is counted per unit;
+* what one unit of each parallel technique costs a step beyond its arithmetic, over the same ranks
+  (:func:`measure_frameworks`): an FSDP2 unit, a Megatron pair of DTensor linears, a pipeline micro-batch and a
+  layer's ring attention, each the slope of a training step's time over a few tiny units, so that what the latency
+  of one collective alone misses (the Python around it, waiting for the other rank) is counted per unit; and, on
+  CPU, an ``lp_ddp`` fit's step time over the ranks (the distributed host overhead);
 * the calibrated peak: the best matmul rate measured, what MFU is reported against;
 * on CPU, the cores this process may run on and the ranks measured at once, so that the step-time model can stretch a
   layout whose ranks outnumber the cores (:meth:`~lightning_parallel.planner.rates.Rates.core_share`).
@@ -274,7 +274,8 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
 
 
 FRAMEWORK_UNITS = (1, 5)
-"""Tiny units in the two models of :func:`measure_frameworks` (the cost per unit is the slope between them)."""
+"""Tiny units in the two runs of each measurement of :func:`measure_frameworks` (the cost per unit is the slope
+between them; a pipeline starts from one micro-batch per stage)."""
 
 
 def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
@@ -432,6 +433,7 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
     ``ranks`` > 1, the library's ``lp_ddp`` over that many forked ranks (threads shared out over the cores), so that
     a distributed step's fixed costs are in it: the gradient all-reduce and the logged value's all-reduce as a step
     meets them (the other rank's arrival included), Lightning's distributed hooks."""
+    import contextlib
     import tempfile
 
     import lightning.pytorch as pl
@@ -450,12 +452,12 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    folder = Path(tempfile.mkdtemp(prefix="lp-calibrate-"))
 
     class Clock(pl.Callback):
         """Rank 0's step end times, written to a file (a forked rank's memory does not come back)."""
 
-        def __init__(self) -> None:
+        def __init__(self, path: Path) -> None:
+            self.path = path
             self.stamps: list[float] = []
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -463,7 +465,7 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
 
         def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_rank == 0:
-                (folder / "stamps.json").write_text(json.dumps(self.stamps))
+                self.path.write_text(json.dumps(self.stamps))
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2 * ranks, 8)),
                                        batch_size=2)
@@ -471,9 +473,11 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
                                                    "lightning_parallel")]
     levels = [log.level for log in quiet]
     threads, environ = torch.get_num_threads(), dict(os.environ)  # the launcher sets MASTER_PORT & co. here
+    stack = contextlib.ExitStack()
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="lp-calibrate-"))
         if ranks > 1:
             torch.set_num_threads(max(1, _cores() // ranks))  # the forked ranks' share of the cores
         with warnings.catch_warnings():
@@ -481,18 +485,16 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
             trainer = pl.Trainer(accelerator="cpu", devices=ranks, max_steps=steps, logger=False,
                                  strategy="lp_ddp_fork" if ranks > 1 else "auto",
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 callbacks=[Clock()])
+                                 callbacks=[Clock(Path(folder) / "stamps.json")])
             trainer.fit(Tiny(), data)
-        stamps = json.loads((folder / "stamps.json").read_text())
+        stamps = json.loads((Path(folder) / "stamps.json").read_text())
     finally:
         torch.set_num_threads(threads)
         os.environ.clear()
         os.environ.update(environ)
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
-        for leftover in folder.iterdir():
-            leftover.unlink()
-        folder.rmdir()
+        stack.close()
     warm = stamps[steps // 4:]
     return float((warm[-1] - warm[0]) / (len(warm) - 1))
 

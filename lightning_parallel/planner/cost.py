@@ -419,10 +419,11 @@ def _send(link: LinkRates, collective: str, sent_bytes: float, calls: float, *, 
     return calls * rate.alpha * scale + sent_bytes / rate.beta
 
 
-def _per_unit(rates: Rates, unit_s: float, units: float, collective: str, ranks: int) -> float:
-    """``units`` calibrated units (:attr:`Rates.fsdp_unit_s`, :attr:`Rates.tp_pair_s`) of ``unit_s`` each, scaled
-    from the calibration's ranks to a ring of ``ranks`` like the collectives' latency."""
-    return units * unit_s * rates.ring_latency_scale(collective, ranks)
+def _per_unit(link: LinkRates, collective: str, sent_bytes: float, seconds: float) -> float:
+    """A calibrated per-unit cost in place of ``calls x alpha`` (:attr:`Rates.fsdp_unit_s`, :attr:`Rates.tp_pair_s`,
+    :attr:`Rates.pp_micro_batch_s`, :attr:`Rates.cp_layer_s`: ``seconds`` is units x cost, scaled by the caller to
+    the group): ``seconds + sent_bytes / beta``."""
+    return seconds + _send(link, collective, sent_bytes, 0)
 
 
 def _link(rates: Rates, link_name: str) -> LinkRates:
@@ -463,24 +464,23 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
         calls = (6 if layout.activation_checkpointing == "full" else 4) * layers * m
         if rates.tp_pair_s > 0:  # two all-reduces per Megatron pair (attention, MLP): the calibrated pair's cost
-            comm["tp"] = (_per_unit(rates, rates.tp_pair_s, calls / 2, "all_reduce", tp)
-                          + _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], 0))
+            comm["tp"] = _per_unit(_link(rates, links["tp"]), "all_reduce", traffic["tp"],
+                                   calls / 2 * rates.tp_pair_s * rates.ring_latency_scale("all_reduce", tp))
         else:
             comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
         exposed["tp"] = comm["tp"] * bubble
     if "pp" in traffic:
         v = layout.virtual_pipeline_stages
         if rates.pp_micro_batch_s > 0:  # the calibrated cost of a micro-batch through the runtime, per chunk
-            comm["pp"] = (m * v * rates.pp_micro_batch_s
-                          + _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 0))
+            comm["pp"] = _per_unit(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, m * v * rates.pp_micro_batch_s)
         else:
             comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
         exposed["pp"] = comm["pp"] * bubble
     if "cp" in traffic:
         if rates.cp_layer_s > 0:  # the calibrated ring of the calibration's ranks, stretched to cp - 1 hops
             hops = (cp - 1) / max(rates.calibrated_ranks - 1, 1)
-            comm["cp"] = (layers * m * rates.cp_layer_s * hops
-                          + _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 0))
+            comm["cp"] = _per_unit(_link(rates, links["cp"]), "p2p", traffic["cp"],
+                                   layers * m * rates.cp_layer_s * hops)
         else:
             comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
         attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
@@ -507,8 +507,8 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             calls = per_unit * (layers + 1) if fsdp else 2
             if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
                 units = layers + (3 if pp == 1 else 2)
-                comm[axis] = (_per_unit(rates, rates.fsdp_unit_s * per_unit / 3, units, "all_gather", group[axis])
-                              + _send(link, collective, traffic[axis], 0))
+                unit_s = rates.fsdp_unit_s * per_unit / 3 * rates.ring_latency_scale("all_gather", group[axis])
+                comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0
