@@ -179,10 +179,11 @@ def profile(a: argparse.Namespace, case: Case) -> None:
 def overhead(a: argparse.Namespace, cases: list[Case], folder: Path, command: str) -> int:
     """``--overhead``: each variant of each case run once more with three times the timed steps, in three windows
     (plain, torch.profiler, cProfile), and its step split by who spends it (``_bench.overhead``); the tables are
-    printed and written to ``overhead.md``."""
+    printed and written to ``overhead.md``, rank 0's cProfile statistics of each variant to ``CASE_ROLE.pstats``."""
     from _bench.overhead import overhead_table
 
-    a = argparse.Namespace(**{**vars(a), "steps": 3 * a.steps})
+    folder.mkdir(parents=True, exist_ok=True)
+    a = argparse.Namespace(**{**vars(a), "steps": 3 * a.steps, "pstats_dir": str(folder)})
     texts: list[str] = []
     for case in cases:
         why = available(a, case)
@@ -197,7 +198,6 @@ def overhead(a: argparse.Namespace, cases: list[Case], folder: Path, command: st
             runs[role] = {"error": res["error"]} if "error" in res else res["ranks"][0]["profile"]
         texts.append(overhead_table(a, case.name, runs))
         print(texts[-1] + "\n", flush=True)
-    folder.mkdir(parents=True, exist_ok=True)
     (folder / "overhead.md").write_text(f"`{command}`\n\n" + "\n\n".join(texts) + "\n")
     print(f"[bench] wrote {folder / 'overhead.md'}")
     return 0

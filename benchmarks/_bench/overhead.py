@@ -50,22 +50,26 @@ def categorize(filename: str) -> str | None:
 
 
 def python_split(profiler: Any, steps: int, top_share: float = 0.01) -> dict[str, Any]:
-    """Self time by category (ms per step) of a cProfile ``profiler`` run over ``steps`` steps, and the library's
-    functions over ``top_share`` of the library's time: ``[file:line(name), self ms, cumulative ms, calls]``."""
+    """Self time by category (ms per step) of a cProfile ``profiler`` run over ``steps`` steps, Python function calls
+    by category per step (``calls``: exact, unlike the times, so a few more calls per step show in any run), and the
+    library's functions over ``top_share`` of the library's time: ``[file:line(name), self ms, cumulative ms,
+    calls]``."""
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     ms: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    counts: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
     library: list[tuple[str, float, float, float]] = []
     for (filename, line, name), (_, calls, self_s, cum_s, _callers) in stats.items():
         category = categorize(filename)
         if category is None:
             continue
         ms[category] += self_s * 1e3 / steps
+        counts[category] += calls / steps
         if category == "library":
             short = filename.replace("\\", "/").split("/lightning_parallel/", 1)[-1]
             library.append((f"{short}:{line}({name})", self_s * 1e3 / steps, cum_s * 1e3 / steps, calls / steps))
     total = ms["library"] or 1.0
     library = sorted((f for f in library if f[1] >= top_share * total), key=lambda f: -f[1])
-    return {"python_ms": ms, "library_functions": library}
+    return {"python_ms": ms, "calls": counts, "library_functions": library}
 
 
 def _scaled(plain_ms: float, breakdown: dict[str, float], python: dict[str, Any]) -> dict[str, float]:
@@ -94,6 +98,15 @@ def overhead_table(a: argparse.Namespace, case_name: str, runs: dict[str, dict[s
         lines.append(f"| {role} | {sp['step']:.1f} | {sp['compute']:.1f} | {sp['collectives']:.1f} | "
                      f"{sp['library']:.2f} | {sp['lightning']:.2f} | {sp['torch']:.2f} | {sp['model']:.2f} | "
                      f"{sp['other']:.2f} | {sp['rest']:.1f} |")
+    calls = {role: run["python"].get("calls") for role, run in runs.items() if "error" not in run}
+    if all(calls.values()):
+        lines += ["", "Python function calls per step (cProfile's count: exact, the same in every run of the same "
+                  "code, so a few calls more per step show where the times above are noise):", "",
+                  "| variant | library | Lightning | torch | model + loop | other | all |",
+                  "|---|---|---|---|---|---|---|"]
+        for role, c in calls.items():
+            counts = " | ".join(f"{c[k]:,.0f}" for k in CATEGORIES)
+            lines.append(f"| {role} | {counts} | {sum(c.values()):,.0f} |")
     ours = runs.get("ours", {})
     functions = ours.get("python", {}).get("library_functions", [])
     if functions:

@@ -132,6 +132,9 @@ class Timer:
         if kind == "python":
             from .overhead import python_split
 
+            folder = getattr(self.ctx.a, "pstats_dir", None)
+            if folder is not None:  # --overhead keeps rank 0's statistics: `python -m pstats` diffs them
+                self._python.dump_stats(f"{folder}/{self.ctx.case.name}_{self.ctx.role}.pstats")
             self.profile["python"] = {"steps": n, "wall_ms": wall * 1e3 / n, **python_split(self._python, n)}
             self._python = None
             return

@@ -66,6 +66,8 @@ class TrainStep:
         """The replicas' group: ``dp``, or ``dp_cp`` with context parallelism."""
         self.accumulating = False
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
+        self._dtensor_params: tuple[nn.Module, list[tuple[nn.Module, str, Tensor]]] | None = None
+        """The model of the last step and where its DTensor parameters live (:meth:`_distributed_parameters`)."""
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of ``axis``, or None when the axis has one rank (nothing to reduce over)."""
@@ -125,7 +127,7 @@ class TrainStep:
         if self.dims.tp > 1:
             from lightning_parallel.parallel.tensor.sync import settle_gradients
 
-            settle_gradients(model.parameters())  # sequence-parallel partial gradients summed over tp
+            settle_gradients(self._distributed_parameters(model))  # sequence-parallel partial gradients over tp
         if self.plan.sync == "allreduce" and self.dims.replicas > 1:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
@@ -134,6 +136,20 @@ class TrainStep:
             raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
             if isinstance(raw, ZeroOptimizer):
                 raw.reduce_gradients()
+
+    def _distributed_parameters(self, model: nn.Module) -> list[Tensor]:
+        """``model``'s DTensor parameters, found on the first step of each model (walking the module tree every
+        step cost a few hundred Python calls); a parameter replaced since (another tensor object) finds them again."""
+        from torch.distributed.tensor import DTensor
+
+        cached = self._dtensor_params
+        if cached is not None and cached[0] is model and all(
+                module._parameters.get(name) is p for module, name, p in cached[1]):
+            return [p for _, _, p in cached[1]]
+        where: list[tuple[nn.Module, str, Tensor]] = [(module, name, p) for module in model.modules()
+                 for name, p in module._parameters.items() if p is not None and isinstance(p, DTensor)]
+        self._dtensor_params = (model, where)
+        return [p for _, _, p in where]
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:

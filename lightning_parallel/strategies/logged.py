@@ -68,7 +68,8 @@ class GlobalBatchLogs:
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             fx = None
             if isinstance(value, Tensor) and value.is_floating_point():
-                bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments
+                # keywords only (the usual call): read them; positional options: bind them to log's signature
+                bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments if args else kwargs
                 if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
                     fx, value = bound.get("reduce_fx", "mean"), _plain(value)
             calls.append((name, value, args, kwargs, fx))
