@@ -72,6 +72,7 @@ from lightning_parallel.planner.settings import TrainingSettings
 __all__ = [
     "ADAM_OPS_PER_TENSOR",
     "DDP_BUCKET_BYTES",
+    "DDP_FIRST_BUCKET_BYTES",
     "OPS_PER_LAYER",
     "OPS_PER_STEP",
     "RECOMPUTE_FLOPS",
@@ -84,6 +85,7 @@ __all__ = [
     "bubble_factor",
     "cross_node_bytes",
     "cross_node_bytes_by_order",
+    "ddp_bucket_bytes",
     "estimate_step",
     "layout_dims",
     "stage_times",
@@ -106,7 +108,21 @@ TENSORS_PER_LAYER = 12
 """Parameter tensors of a transformer layer with biases (two norms' weight and bias, four linears' weight and
 bias); 5 more outside the layers (embeddings, final norm, head)."""
 DDP_BUCKET_BYTES = 25 * 2**20
-"""torch DDP's gradient bucket (``bucket_cap_mb=25``): the last one is all-reduced after the backward ends."""
+"""torch DDP's gradient bucket (``bucket_cap_mb`` left to torch: 25 MB after a first bucket of
+:data:`DDP_FIRST_BUCKET_BYTES`); the last one is all-reduced after the backward ends."""
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""torch DDP's first bucket under its default bucketing (the last layers' gradients, ready first)."""
+
+
+def ddp_bucket_bytes(grad_bytes: float) -> list[float]:
+    """The bytes of each DDP bucket in the order they are all-reduced, as torch's default bucketing fills them: a
+    first bucket of :data:`DDP_FIRST_BUCKET_BYTES`, then :data:`DDP_BUCKET_BYTES` each, the last one the rest."""
+    buckets = [min(grad_bytes, float(DDP_FIRST_BUCKET_BYTES))]
+    rest = grad_bytes - buckets[0]
+    while rest > 0:
+        buckets.append(min(rest, float(DDP_BUCKET_BYTES)))
+        rest -= buckets[-1]
+    return buckets
 
 
 @dataclass(frozen=True)
@@ -493,10 +509,9 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             continue
         link = _link(rates, links[axis])
         if axis == "dp" and layout.zero == 0 and pp == 1:
-            grad_bytes = local * state.grad
-            comm[axis] = _send(link, "all_reduce", traffic[axis], math.ceil(grad_bytes / DDP_BUCKET_BYTES),
-                               rates=rates, ranks=group[axis])
-            last = _send(link, "all_reduce", traffic[axis] * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1)), 1,
+            buckets = ddp_bucket_bytes(local * state.grad)
+            comm[axis] = _send(link, "all_reduce", traffic[axis], len(buckets), rates=rates, ranks=group[axis])
+            last = _send(link, "all_reduce", traffic[axis] * buckets[-1] / max(sum(buckets), 1.0), 1,
                          rates=rates, ranks=group[axis])
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"

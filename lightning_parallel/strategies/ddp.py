@@ -35,7 +35,9 @@ class LPDDPStrategy(LayoutStrategy):
 
     Args:
         parallel: the layout; ``lp_ddp`` runs pure data-parallel layouts (pp = tp = 1, zero_stage = 0).
-        bucket_cap_mb: DDP gradient bucket size (MB); bigger buckets mean fewer, larger all-reduces.
+        bucket_cap_mb: DDP gradient bucket size (MB); bigger buckets mean fewer, larger all-reduces. None (the
+            default): torch's own bucketing, a 1 MB first bucket (the last layers' gradients, all-reduced while the
+            backward goes on) then 25 MB buckets; a number makes every bucket that size, the first included.
         gradient_as_bucket_view: gradients are views into the buckets (saves one gradient copy of memory).
         static_graph: the set of used parameters never changes between steps (lets DDP skip bookkeeping).
         find_unused_parameters: tolerate parameters that receive no gradient in a step.
@@ -53,7 +55,7 @@ class LPDDPStrategy(LayoutStrategy):
         self,
         parallel: ParallelConfig | dict[str, Any] | None = None,
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -64,11 +66,11 @@ class LPDDPStrategy(LayoutStrategy):
     ) -> None:
         if comm_hook not in ("none", "fp16", "bf16", "powersgd", "count"):
             raise ValueError(f"comm_hook={comm_hook!r} is not one of ['none', 'fp16', 'bf16', 'powersgd', 'count'].")
-        if bucket_cap_mb <= 0:
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0.")
         super().__init__(parallel, **kwargs)
         self._ddp_kwargs: dict[str, Any] = {
-            "bucket_cap_mb": bucket_cap_mb,
+            **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}),
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
             "find_unused_parameters": find_unused_parameters,
