@@ -66,7 +66,7 @@ class TrainStep:
         """The replicas' group: ``dp``, or ``dp_cp`` with context parallelism."""
         self.accumulating = False
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
-        self._dtensor_params: tuple[nn.Module, list[tuple[nn.Module, str, Tensor]]] | None = None
+        self._dtensor_params: tuple[nn.Module, list[tuple[nn.Module, str]]] | None = None
         """The model of the last step and where its DTensor parameters live (:meth:`_distributed_parameters`)."""
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
@@ -138,18 +138,15 @@ class TrainStep:
                 raw.reduce_gradients()
 
     def _distributed_parameters(self, model: nn.Module) -> list[Tensor]:
-        """``model``'s DTensor parameters, found on the first step of each model (walking the module tree every
-        step cost a few hundred Python calls); a parameter replaced since (another tensor object) finds them again."""
+        """``model``'s DTensor parameters, read each step from where the first step of this model found them
+        (walking the module tree every step cost a few hundred Python calls); a parameter replaced since is read
+        as it is now."""
         from torch.distributed.tensor import DTensor
 
-        cached = self._dtensor_params
-        if cached is not None and cached[0] is model and all(
-                module._parameters.get(name) is p for module, name, p in cached[1]):
-            return [p for _, _, p in cached[1]]
-        where: list[tuple[nn.Module, str, Tensor]] = [(module, name, p) for module in model.modules()
-                 for name, p in module._parameters.items() if p is not None and isinstance(p, DTensor)]
-        self._dtensor_params = (model, where)
-        return [p for _, _, p in where]
+        if self._dtensor_params is None or self._dtensor_params[0] is not model:
+            self._dtensor_params = (model, [(module, name) for module in model.modules()
+                                            for name, p in module._parameters.items() if isinstance(p, DTensor)])
+        return [p for module, name in self._dtensor_params[1] if (p := module._parameters.get(name)) is not None]
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
