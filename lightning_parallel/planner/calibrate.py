@@ -13,6 +13,9 @@
   the link between nodes cannot be measured from one machine and keeps its profile or default figures;
 * the framework's host overhead per step: a Lightning ``fit`` of a one-layer model, its step time; and the time one
   eager op takes to dispatch (a tiny add);
+* the optimizer step (torch's AdamW as a run calls it): its cost per parameter tensor (many small tensors), per
+  ``DTensor`` parameter (FSDP2 and tensor-parallel parameters, whose every op goes through DTensor's dispatch) and
+  its bytes/s over the parameter, gradient and moments (one large tensor);
 * what one unit of each parallel technique costs a step beyond its arithmetic, over the same ranks
   (:func:`measure_frameworks`): an FSDP2 unit, a Megatron pair of DTensor linears, a pipeline micro-batch and a
   layer's ring attention, each the slope of a training step's time over a few tiny units, so that what the latency
@@ -51,7 +54,9 @@ import torch
 from lightning_parallel.planner.rates import COLLECTIVES, SHAPE_CLASSES, Rates, default_rates, rates_from_dict
 
 __all__ = [
+    "ADAMW_BYTES_FP32",
     "CALIBRATION_SIZES",
+    "OPTIMIZER_TENSORS",
     "cache_dir",
     "cache_path",
     "cached_rates",
@@ -60,7 +65,9 @@ __all__ = [
     "fit_alpha_beta",
     "format_rates",
     "machine_key",
+    "measure_collective_busy",
     "measure_frameworks",
+    "measure_optimizer",
     "rates_for",
 ]
 
@@ -190,8 +197,40 @@ def measure_compute(device: torch.device, *, progress: Progress | None = None) -
     per_op = _timed(partial(_tiny_chain, device), sync=sync) / (3 * _CHAIN)
     if progress:
         progress(f"one eager op dispatched: {per_op * 1e6:,.1f} us")
+    per_tensor, optimizer = measure_optimizer(device, sync)
+    if progress:
+        progress(f"optimizer step (AdamW): {per_tensor * 1e6:,.1f} us per tensor + {optimizer / 1e9:,.1f} GB/s")
     return {"matmul": table, "memory_bandwidth": bandwidth, "elementwise_bandwidth": elementwise,
-            "op_overhead": per_op}
+            "op_overhead": per_op, "optimizer_tensor": per_tensor, "optimizer_bandwidth": optimizer}
+
+
+OPTIMIZER_TENSORS = 64
+"""Small parameter tensors the optimizer calibration steps at once (the per-tensor cost is their step over them)."""
+ADAMW_BYTES_FP32 = 28
+"""Bytes an fp32 AdamW step reads and writes per parameter: the parameter (read, write), its gradient (read), the
+two moments (read, write each)."""
+
+
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """torch's AdamW over ``params``, its gradients set to ones and its state made (one step), as a run's step meets
+    it."""
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    return opt
+
+
+def measure_optimizer(device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """torch's AdamW step (its default implementation on ``device``): seconds per parameter tensor (the step over
+    :data:`OPTIMIZER_TENSORS` 16-element tensors, per tensor) and bytes/s over a 2M-element tensor's
+    :data:`ADAMW_BYTES_FP32` bytes per parameter (its per-tensor cost taken out)."""
+    small = [torch.zeros(16, device=device, requires_grad=True) for _ in range(OPTIMIZER_TENSORS)]
+    per_tensor = _timed(_adamw(small).step, sync=sync) / OPTIMIZER_TENSORS
+    n = 2**21
+    big = [torch.zeros(n, device=device, requires_grad=True)]
+    seconds = max(_timed(_adamw(big).step, sync=sync) - per_tensor, 1e-9)
+    return per_tensor, ADAMW_BYTES_FP32 * n / seconds
 
 
 _CHAIN = 50
@@ -231,6 +270,31 @@ def measure_collectives(world: int, device: torch.device) -> dict[str, list[tupl
         for name, seconds in _time_size(size, world, device).items():
             out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), seconds))
     return out
+
+
+def measure_collective_busy(world: int, device: torch.device, *, size: int = 2**20, reps: int = 20) -> float:
+    """The share of a collective's wall time its process spends on the CPU (every thread: gloo's copies and sockets),
+    over all-reduces, reduce-scatters and all-gathers of ``size`` bytes: what of a collective stretches when CPU ranks
+    outnumber the cores (the rest is waiting)."""
+    import torch.distributed as dist
+
+    sync = _sync_for(device)
+    whole = torch.ones(size // 4, device=device)
+    part = torch.empty(size // 4 // world, device=device)
+    calls = [lambda: dist.all_reduce(whole), lambda: dist.reduce_scatter_tensor(part, whole),
+             lambda: dist.all_gather_into_tensor(whole, part)]
+    dist.barrier()
+    wall = cpu = 0.0
+    for fn in calls:
+        fn()
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(reps):
+            fn()
+        sync()
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+    return min(cpu / wall, 1.0) if wall > 0 else 1.0
 
 
 def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
@@ -278,38 +342,46 @@ FRAMEWORK_UNITS = (1, 5)
 between them; a pipeline starts from one micro-batch per stage)."""
 
 
+FRAMEWORK_REPEATS = 3
+"""Times each slope of :func:`measure_frameworks` is measured (its median is kept)."""
+
+
 def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
-                  run: Callable[[], None] | None = None) -> float:
-    """Median seconds of a training step of ``net`` (forward and backward on ``x``, or ``run()``; then AdamW and
-    zero_grad), every rank in step (a barrier before each)."""
+                  run: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median seconds of the forward and backward of a training step of ``net`` (on ``x``, or ``run()``), every rank
+    in step (a barrier before each); AdamW and zero_grad follow, untimed (the optimizer step is calibrated on its
+    own, per tensor: :func:`measure_optimizer`). Returns the medians of the wall time and of the process's CPU time
+    (every thread: the collectives' too)."""
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
-    def step() -> None:
+    def forward_backward() -> None:
         if run is not None:
             run()
         else:
             assert x is not None
             net(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(reps):
+    times, cpu = [], []
+    for i in range(3 + reps):
         sync()
         dist.barrier()
-        t0 = time.perf_counter()
-        step()
+        t0, c0 = time.perf_counter(), time.process_time()
+        forward_backward()
         sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        if i >= 3:  # after the warm-up steps
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
-    """Seconds per training step that one tiny sharded unit adds over ``world`` ranks (every rank calls this):
+    """Seconds per training step that one tiny sharded unit adds over ``world`` ranks (every rank calls this), and
+    the optimizer step's cost per ``DTensor`` parameter (``optimizer_dtensor``: torch's AdamW over
+    :data:`OPTIMIZER_TENSORS` 16-element shards of parameters sharded over the world, per tensor):
 
     * ``fsdp_unit``: a ``Linear(16, 16)`` under ``fully_shard`` (FSDP2: all-gather in forward and in backward,
       reduce-scatter of its gradient) -- what a ZeRO-3 / FSDP unit (a block, the embedding, the head) costs beyond
@@ -338,20 +410,20 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
     mesh = init_device_mesh(device.type, (world,))
     x = torch.randn(4, 16, device=device)
 
-    def fsdp(units: int) -> float:
+    def fsdp(units: int) -> tuple[float, float]:
         net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
         for unit in net:
             fully_shard(unit, mesh=mesh)
         fully_shard(net, mesh=mesh)
         return _step_seconds(net, x, sync)
 
-    def tp(pairs: int) -> float:
+    def tp(pairs: int) -> tuple[float, float]:
         net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(2 * pairs)]).to(device)
         plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * pairs)}
         parallelize_module(net, mesh, plan)  # type: ignore[arg-type]
         return _step_seconds(net, x, sync)
 
-    def pipeline(micro_batches: int) -> float:  # one stage per rank, 1F1B over the world
+    def pipeline(micro_batches: int) -> tuple[float, float]:  # one stage per rank, 1F1B over the world
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         rank = dist.get_rank()
@@ -371,7 +443,7 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
 
         return _step_seconds(net, None, sync, run=run)
 
-    def ring(layers: int) -> float:  # the library's ring attention over the world, once per layer
+    def ring(layers: int) -> tuple[float, float]:  # the library's ring attention over the world, once per layer
         from lightning_parallel.parallel.context_parallel.ring import ring_attention
 
         net = nn.Linear(16, 16).to(device)
@@ -386,11 +458,27 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
 
         return _step_seconds(net, None, sync, run=run)
 
+    def dtensor_optimizer() -> float:  # AdamW over DTensor parameters sharded over the world, per tensor
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        params = [nn.Parameter(distribute_tensor(torch.zeros(16 * world, device=device), mesh, [Shard(0)]))
+                  for _ in range(OPTIMIZER_TENSORS)]
+        return _timed(_adamw(list(params)).step, sync=sync) / OPTIMIZER_TENSORS
+
     lo, hi = FRAMEWORK_UNITS
+    out = {"optimizer_dtensor": dtensor_optimizer()}
     spans = [("fsdp_unit", fsdp, lo, hi), ("tp_pair", tp, lo, hi)]
     if world > 1:  # a schedule needs at least a micro-batch per stage
         spans += [("pp_micro_batch", pipeline, world, world + hi - lo), ("cp_layer", ring, lo, hi)]
-    return {name: max(0.0, (f(b) - f(a)) / (b - a)) for name, f, a, b in spans}
+    for name, f, a, b in spans:  # the median of a few slopes: one pair of runs can meet a busy moment
+        walls, cpus = [], []
+        for _ in range(FRAMEWORK_REPEATS):
+            (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
+            walls.append((wall_b - wall_a) / (b - a))
+            cpus.append((cpu_b - cpu_a) / (b - a))
+        out[name] = max(0.0, statistics.median(walls))
+        out[f"{name}_cpu"] = min(max(0.0, statistics.median(cpus)), out[name])
+    return out
 
 
 def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None:
@@ -406,6 +494,7 @@ def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None
     collectives = measure_collectives(world, device)
     dist.barrier()
     frameworks = measure_frameworks(world, device)
+    frameworks["collectives_cpu"] = measure_collective_busy(world, device)
     return {"compute": compute, "collectives": collectives, "frameworks": frameworks} if rank == 0 else None
 
 
@@ -526,10 +615,17 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
             say(f"{name} over {ranks} ranks: alpha {alpha * 1e6:,.1f} us, beta {beta / 1e9:,.2f} GB/s (bus)")
     else:
         say("collectives: one rank, nothing to measure (intra-node link from the defaults)")
+    if "optimizer_dtensor" in frameworks:
+        say(f"optimizer step (AdamW) over DTensor parameters: {frameworks['optimizer_dtensor'] * 1e6:,.1f} us per "
+            "tensor")
+    if "collectives_cpu" in frameworks:
+        say(f"collectives over {ranks} ranks: {frameworks['collectives_cpu']:.0%} of their time on the CPU")
     for name, what in (("fsdp_unit", "an FSDP2 unit"), ("tp_pair", "a tensor-parallel pair of linears"),
                        ("pp_micro_batch", "a pipeline micro-batch"), ("cp_layer", "a layer's ring attention")):
         if name in frameworks:
-            say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic")
+            busy = frameworks.get(f"{name}_cpu", 0.0) / frameworks[name] if frameworks[name] > 0 else 1.0
+            say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic "
+                f"({min(busy, 1.0):.0%} on the CPU)")
     overhead = measure_host_overhead()
     say(f"host overhead per step (Lightning fit of a one-layer model): {overhead * 1e3:.2f} ms")
     if ranks > 1 and device_type == "cpu":
@@ -561,7 +657,9 @@ def _compute_lines(compute: dict[str, Any]) -> list[str]:
     return [*lines, f"memory bandwidth (64 MiB copy): {compute['memory_bandwidth'] / 1e9:,.1f} GB/s",
             f"elementwise ops (GELU forward + backward, LayerNorm, add): "
             f"{compute.get('elementwise_bandwidth', 0.0) / 1e9:,.1f} GB/s",
-            f"one eager op dispatched: {compute.get('op_overhead', 0.0) * 1e6:,.1f} us"]
+            f"one eager op dispatched: {compute.get('op_overhead', 0.0) * 1e6:,.1f} us",
+            f"optimizer step (AdamW): {compute.get('optimizer_tensor', 0.0) * 1e6:,.1f} us per tensor + "
+            f"{compute.get('optimizer_bandwidth', 0.0) / 1e9:,.1f} GB/s"]
 
 
 def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *, device_type: str, ranks: int,
@@ -581,7 +679,13 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
                                  else links.get("intra_node", default_link))},
         "host_overhead_ms": overhead * 1e3,
         "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
-        **{f"{name}_ms": seconds * 1e3 for name, seconds in (frameworks or {}).items()},
+        **{f"{name}_ms": seconds * 1e3 for name, seconds in (frameworks or {}).items()
+           if name != "optimizer_dtensor" and not name.endswith("_cpu")},
+        **({"busy": _busy(frameworks)} if device_type == "cpu" and frameworks else {}),
+        **({"optimizer_dtensor_us": frameworks["optimizer_dtensor"] * 1e6}
+           if frameworks and "optimizer_dtensor" in frameworks else {}),
+        **({"optimizer_tensor_us": compute["optimizer_tensor"] * 1e6,
+            "optimizer_gbs": compute["optimizer_bandwidth"] / 1e9} if "optimizer_tensor" in compute else {}),
         "overlap": 0.0 if device_type == "cpu" else 1.0,
         **({"cores": _cores()} if device_type == "cpu" else {}),
         "calibrated_ranks": ranks,
@@ -590,6 +694,16 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
                   f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC",
     }
     return rates_from_dict(data)
+
+
+def _busy(frameworks: dict[str, float]) -> dict[str, float]:
+    """CPU time over wall time of each calibrated unit cost (``<unit>_cpu`` against ``<unit>``), and of the
+    collectives (``collectives_cpu``, a share already)."""
+    out = {name: min(frameworks[f"{name}_cpu"] / seconds, 1.0) if seconds > 0 else 1.0
+           for name, seconds in frameworks.items() if f"{name}_cpu" in frameworks}
+    if "collectives_cpu" in frameworks:
+        out["collectives"] = frameworks["collectives_cpu"]
+    return out
 
 
 def format_rates(rates: Rates) -> str:
@@ -602,10 +716,17 @@ def format_rates(rates: Rates) -> str:
                  f"{rates.host_overhead_s * 1e3:.2f} ms/step"
                  + (f" ({rates.distributed_overhead_s * 1e3:.2f} over {rates.calibrated_ranks} ranks)"
                     if rates.distributed_overhead_s else "") + f"; overlap {rates.overlap:g}")
+    if rates.optimizer_tensor_s or rates.optimizer_bandwidth:
+        lines.append(f"  optimizer step: {rates.optimizer_tensor_s * 1e6:.1f} us per tensor"
+                     + (f" ({rates.optimizer_dtensor_s * 1e6:.1f} per DTensor)" if rates.optimizer_dtensor_s else "")
+                     + f" + {rates.optimizer_rate / 1e9:,.1f} GB/s")
     if rates.fsdp_unit_s or rates.tp_pair_s or rates.pp_micro_batch_s or rates.cp_layer_s:
         lines.append(f"  per unit and step: FSDP2 unit {rates.fsdp_unit_s * 1e3:.2f} ms, tensor-parallel pair "
                      f"{rates.tp_pair_s * 1e3:.2f} ms, pipeline micro-batch {rates.pp_micro_batch_s * 1e3:.2f} ms, "
                      f"ring-attention layer {rates.cp_layer_s * 1e3:.2f} ms")
+    if rates.busy:
+        lines.append("  on the CPU (share of the wall time; the rest waits): "
+                     + ", ".join(f"{name} {share:.0%}" for name, share in rates.busy.items()))
     for kind, link in rates.links.items():
         parts = ", ".join(f"{c} {r.alpha * 1e6:,.0f} us + {r.beta / 1e9:,.2f} GB/s"
                           for c, r in link.collectives.items())

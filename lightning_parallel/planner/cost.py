@@ -15,6 +15,9 @@ chunks per stage:
   ``bytes`` per rank as below; what is exposed:
 
   - tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (6 with full recomputation): on the critical path;
+    with a calibrated pair of DTensor linears (:attr:`Rates.tp_pair_s`), half of it per linear of the stage
+    (:attr:`ModelShape.block_linears` per block -- q, k, v, out, the MLP's -- and the embedding's and head's) in
+    place of the all-reduces' latency: each linear pays DTensor's dispatch in forward and backward;
   - pp: one activation forward and one gradient backward per micro-batch and boundary: on the critical path;
   - dp, DDP: ``2 g P (N_d - 1) / N_d`` in 25 MB buckets under the last micro-batch's backward; exposed: what does not
     fit under it (``overlap`` of the rates) and the last bucket;
@@ -24,13 +27,17 @@ chunks per stage:
   - cp (ring attention): under the attention core it overlaps;
 * offload: 16-bit gradients out and weights back over the host link, the host optimizer at
   ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
-* the optimizer step on the device (memory-bound: parameters, gradients and states read and written), the
-  framework's host overhead per step, and the eager ops' dispatch (``op_overhead_s`` per op, :data:`OPS_PER_LAYER`
-  per layer and micro-batch, :data:`ADAM_OPS_PER_TENSOR` per parameter tensor): on CPU it adds to the step, on GPUs
+* the optimizer step on the device: parameters, gradients and states read and written at the calibrated optimizer
+  rate, plus its calibrated cost per parameter tensor (higher per ``DTensor``: FSDP2 and tensor-parallel parameters;
+  one flat shard under ZeRO-1/2); the framework's host overhead per step, and the eager ops' dispatch
+  (``op_overhead_s`` per op, :data:`OPS_PER_LAYER` per layer and micro-batch; :data:`ADAM_OPS_PER_TENSOR` per
+  parameter tensor where the optimizer's per-tensor cost is not calibrated): on CPU it adds to the step, on GPUs
   only what the kernels do not cover;
-* CPU ranks beyond the machine's cores share them: everything a rank does stretches by
-  :meth:`~lightning_parallel.planner.rates.Rates.core_share`, and a calibrated collective's latency follows the ring
-  of the group (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`).
+* CPU ranks beyond the machine's cores share them: the step is the longer of the step as calibrated and a rank's
+  CPU work (compute, overheads, and the calibrated CPU share of each axis's costs, :attr:`Rates.busy`) stretched by
+  :meth:`~lightning_parallel.planner.rates.Rates.core_share` -- while one rank waits at a collective, another
+  computes -- every part scaled alike; a calibrated collective's latency follows the ring of the group
+  (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`).
 
 The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
 
@@ -65,7 +72,7 @@ from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.flops import Kernels, head_work, layer_work, model_flops_per_token
 from lightning_parallel.planner.hardware import Hardware
 from lightning_parallel.planner.memory import reshards
-from lightning_parallel.planner.model import ModelSpec
+from lightning_parallel.planner.model import ModelShape, ModelSpec
 from lightning_parallel.planner.rates import LinkRates, Rates
 from lightning_parallel.planner.settings import TrainingSettings
 
@@ -478,10 +485,13 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
     if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
-        calls = (6 if layout.activation_checkpointing == "full" else 4) * layers * m
-        if rates.tp_pair_s > 0:  # two all-reduces per Megatron pair (attention, MLP): the calibrated pair's cost
+        passes = 1.5 if layout.activation_checkpointing == "full" else 1.0  # a recomputed forward: half again
+        calls = 4 * passes * layers * m
+        if rates.tp_pair_s > 0:  # the calibrated cost of a column + row pair of DTensor linears, per two linears
+            linears = (shape.block_linears if shape is not None else 4) * layers + (2 if pp == 1 else 1)
             comm["tp"] = _per_unit(_link(rates, links["tp"]), "all_reduce", traffic["tp"],
-                                   calls / 2 * rates.tp_pair_s * rates.ring_latency_scale("all_reduce", tp))
+                                   linears / 2 * passes * m * rates.tp_pair_s
+                                   * rates.ring_latency_scale("all_reduce", tp))
         else:
             comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
         exposed["tp"] = comm["tp"] * bubble
@@ -534,17 +544,20 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                    + traffic["host_optimizer"] / rates.host_optimizer_params_per_s
                    + traffic.get("nvme", 0.0) / rates.nvme_bandwidth)
         comm["offload"] = exposed["offload"] = offload
-    shard = local / (dp * cp) if layout.zero >= 1 else local
-    optimizer = 0.0 if layout.offload_device != "none" else (
-        shard * (2 * state.param + state.grad + 2 * state.optimizer) / rates.memory_bandwidth)
     compute = m * stage.total * bubble
-    flat = layout.zero in (1, 2) and pp == 1  # the sharded optimizer steps one flat shard
-    tensors = 1 if flat else TENSORS_PER_LAYER * layers + 5
-    dispatch = (m * (OPS_PER_LAYER * layers + OPS_PER_STEP) + ADAM_OPS_PER_TENSOR * tensors) * rates.op_overhead_s
+    sharded = local / shard_size if layout.zero >= 1 else local  # HSDP: sharded over its shard groups only
+    optimizer, adam_ops = _optimizer_step(sharded, layout, layers, rates, state.param, state.grad, state.optimizer,
+                                          shape)
+    dispatch = (m * (OPS_PER_LAYER * layers + OPS_PER_STEP) + adam_ops) * rates.op_overhead_s
     launch = dispatch if rates.overlap == 0 else max(dispatch - compute, 0.0)  # GPUs run while the host enqueues
-    # CPU ranks beyond the machine's cores take turns on them: everything a rank does stretches alike
+    overhead = optimizer + rates.host_overhead(dp * pp * tp * cp) + launch
+    # CPU ranks beyond the machine's cores take turns on them: a rank's CPU work stretches by the share, its waits
+    # do not; the step is the longer of the two (all ranks' CPU work over the cores, or the step as calibrated)
     share = rates.core_share(min(dp * pp * tp * cp, hardware.gpus_per_node))
     if share != 1.0:
+        wall = compute + sum(exposed.values()) + overhead
+        busy = compute + overhead + sum(v * rates.busy_share(_busy_part(k, layout, rates)) for k, v in exposed.items())
+        share = max(1.0, share * busy / wall) if wall > 0 else share
         compute *= share
         comm = {k: v * share for k, v in comm.items()}
         exposed = {k: v * share for k, v in exposed.items()}
@@ -559,11 +572,51 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         tokens=dp * m * b * s,
         links=links,
         exposed_s=exposed,
-        overhead_s=(optimizer + rates.host_overhead(dp * pp * tp * cp) + launch) * share,
+        overhead_s=overhead * share,
         model_flops=flops,
         peak_flops=rates.peak(_dtype(training)),
         rates_source=rates.source,
     )
+
+
+def _busy_part(axis: str, layout: ParallelConfig, rates: Rates) -> str:
+    """The calibrated cost an axis's time is mostly made of, whose CPU share (:attr:`Rates.busy`) it takes."""
+    unit = {"tp": ("tp_pair", rates.tp_pair_s), "pp": ("pp_micro_batch", rates.pp_micro_batch_s),
+            "cp": ("cp_layer", rates.cp_layer_s)}.get(axis)
+    fsdp = layout.zero == 3 or axis in DP_PARTS or (layout.pipeline_parallel_size > 1 and layout.zero >= 2)
+    if unit is None and axis.startswith("dp") and fsdp:
+        unit = ("fsdp_unit", rates.fsdp_unit_s)
+    if axis == "offload":
+        return "offload"
+    return unit[0] if unit is not None and unit[1] > 0 else "collectives"
+
+
+def _optimizer_step(shard: float, layout: ParallelConfig, layers: int, rates: Rates, param: float, grad: float,
+                    moments: float, shape: ModelShape | None) -> tuple[float, int]:
+    """Seconds of the device's optimizer step, and the eager ops to count at ``op_overhead_s`` when no per-tensor cost
+    is calibrated: ``shard`` parameters' bytes (``2 P + G + 2 K`` each) at :attr:`Rates.optimizer_rate`, plus (CPU:
+    in series; GPUs: under the kernels) the calibrated cost per parameter tensor -- one flat shard under ZeRO-1/2
+    without a pipeline, else the stage's blocks' and edges' tensors (:attr:`ModelShape.block_tensors`; a bare
+    parameter count: :data:`TENSORS_PER_LAYER` per layer and 5 more), each a ``DTensor`` under FSDP2 (ZeRO-3, ZeRO-2
+    in a pipeline) and tensor parallelism. An offloaded optimizer runs on the host (counted with offload)."""
+    if layout.offload_device != "none":
+        return 0.0, 0
+    memory = shard * (2 * param + grad + 2 * moments) / rates.optimizer_rate
+    flat = layout.zero in (1, 2) and layout.pipeline_parallel_size == 1  # the sharded optimizer steps one flat shard
+    if shape is None:
+        tensors = TENSORS_PER_LAYER * layers + 5
+    else:  # the busiest stage: the blocks and the larger of the embedding's and the head's tensors
+        pp = layout.pipeline_parallel_size
+        edges = shape.edge_tensors() if pp == 1 else max(shape.edge_tensors(last=False),
+                                                         shape.edge_tensors(first=False))
+        tensors = shape.block_tensors * layers + edges
+    tensors = 1 if flat else tensors
+    dtensors = not flat and (layout.zero >= 2 or layout.tensor_parallel_size > 1)
+    per_tensor = (rates.optimizer_dtensor_s or rates.optimizer_tensor_s) if dtensors else rates.optimizer_tensor_s
+    if per_tensor <= 0:
+        return memory, ADAM_OPS_PER_TENSOR * tensors
+    host = tensors * per_tensor
+    return (memory + host if rates.overlap == 0 else max(memory, host)), 0
 
 
 def _attention_share(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, rates: Rates) -> float:

@@ -91,6 +91,29 @@ class ModelShape:
         split_biases = h + (kv if self.key_bias else 0) + kv + mlp_in  # q, (k,) v and fc_in: column-parallel
         return matrices + split_biases // tp + 6 * h  # out_proj, fc_out biases and the LayerNorms stay whole
 
+    @property
+    def block_linears(self) -> int:
+        """Linear layers of one block: q, k, v, out and the MLP's two (three gated); each is a DTensor module under
+        tensor parallelism."""
+        return 4 + (3 if self.gated_mlp else 2)
+
+    @property
+    def block_tensors(self) -> int:
+        """Parameter tensors of one block (what a per-tensor optimizer steps one by one): q, k, v, out and the MLP's
+        two (three gated) matrices, their biases (k's only with ``key_bias``), two norms' weights (and biases): 15
+        for :class:`lightning_parallel.models.GPT`, 9 for Llama."""
+        matrices = self.block_linears
+        if not self.bias:
+            return matrices + 2
+        return 2 * matrices - (0 if self.key_bias else 1) + 4
+
+    def edge_tensors(self, *, first: bool = True, last: bool = True) -> int:
+        """Parameter tensors outside the blocks on a stage holding the embedding (``first``) and/or the head
+        (``last``): token and position tables, the final norm's weight (and bias), the head's weight unless tied."""
+        embedding = 1 + (1 if self.learned_positions else 0)
+        head = (2 if self.bias else 1) + (0 if self.tie_embeddings and first else 1)
+        return (embedding if first else 0) + (head if last else 0)
+
     def embedding_params(self, tp: int = 1) -> int:
         """Token table (vocab-parallel: / tp) and position table (replicated)."""
         positions = self.block_size * self.n_embd if self.learned_positions else 0

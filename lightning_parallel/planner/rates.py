@@ -128,6 +128,17 @@ class Rates:
     (a copy's rate; fused GPU kernels come close to it, CPU ones reach a fraction)."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one eager op (Python, the dispatcher, a kernel launch); calibrated."""
+    optimizer_bandwidth: float | None = None
+    """Bytes/s the optimizer step reaches over the parameter, gradient and state bytes it reads and writes (AdamW:
+    ``2 P + G + 2 K`` per parameter); calibrated (torch's AdamW on one large tensor). None: :attr:`memory_bandwidth`
+    (a fused or multi-tensor kernel's rate)."""
+    optimizer_tensor_s: float = 0.0
+    """Host seconds the optimizer step spends per parameter tensor beyond its bytes (torch's per-tensor AdamW: about
+    ten eager ops each); calibrated. 0: :data:`~lightning_parallel.planner.cost.ADAM_OPS_PER_TENSOR` ops at
+    :attr:`op_overhead_s`."""
+    optimizer_dtensor_s: float = 0.0
+    """The same per ``DTensor`` parameter (FSDP2 shards, tensor-parallel weights: every op of the step goes through
+    DTensor's sharding propagation); calibrated. 0: :attr:`optimizer_tensor_s`."""
     distributed_overhead_s: float = 0.0
     """Framework time per step of a data-parallel fit over :attr:`calibrated_ranks` ranks (the library's ``lp_ddp``,
     a one-layer model: Lightning's loop, the gradient and logged-value all-reduces as a step meets them);
@@ -148,6 +159,10 @@ class Rates:
     """Seconds one Megatron pair of DTensor linears (column- then row-parallel) adds to a training step beyond its
     arithmetic and its bytes (two all-reduces' latency as a step meets them, DTensor dispatch); calibrated. 0:
     unknown, ``alpha`` per all-reduce."""
+    busy: Mapping[str, float] = field(default_factory=dict)
+    """Share of each calibrated cost a rank spends on its CPU (CPU time over wall time; the rest it waits for other
+    ranks or the network): ``fsdp_unit``, ``tp_pair``, ``pp_micro_batch``, ``cp_layer``, ``collectives``; measured on
+    CPU. When ranks outnumber the cores, only that share competes for them (:meth:`Rates.busy_share`)."""
     cores: int = 0
     """CPU cores the calibration ran on (0: not a CPU calibration): ranks beyond them share cores
     (:meth:`core_share`)."""
@@ -177,6 +192,11 @@ class Rates:
         return points[-1][1]
 
     @property
+    def optimizer_rate(self) -> float:
+        """Bytes/s of the optimizer step: :attr:`optimizer_bandwidth`, else :attr:`memory_bandwidth`."""
+        return self.optimizer_bandwidth or self.memory_bandwidth
+
+    @property
     def elementwise_rate(self) -> float:
         """Bytes/s of the memory-bound ops: :attr:`elementwise_bandwidth`, else :attr:`memory_bandwidth`."""
         return self.elementwise_bandwidth or self.memory_bandwidth
@@ -193,6 +213,10 @@ class Rates:
         if self.cores <= 0 or self.calibrated_ranks <= 0:
             return 1.0
         return max(1.0, ranks / self.cores) / max(1.0, self.calibrated_ranks / self.cores)
+
+    def busy_share(self, part: str) -> float:
+        """The share of ``part``'s time on the CPU (:attr:`busy`); 1 when not measured."""
+        return self.busy.get(part, 1.0)
 
     def ring_latency_scale(self, collective: str, ranks: int) -> float:
         """A calibrated collective's latency for a group of ``ranks``: a ring's ``ranks - 1`` steps against the
@@ -221,11 +245,15 @@ class Rates:
             "nvme_gbs": self.nvme_bandwidth / 1e9,
             "overlap": self.overlap,
             "op_overhead_us": self.op_overhead_s * 1e6,
+            **({"optimizer_gbs": self.optimizer_bandwidth / 1e9} if self.optimizer_bandwidth else {}),
+            **({"optimizer_tensor_us": self.optimizer_tensor_s * 1e6} if self.optimizer_tensor_s else {}),
+            **({"optimizer_dtensor_us": self.optimizer_dtensor_s * 1e6} if self.optimizer_dtensor_s else {}),
             **({"distributed_overhead_ms": self.distributed_overhead_s * 1e3} if self.distributed_overhead_s else {}),
             **({"fsdp_unit_ms": self.fsdp_unit_s * 1e3} if self.fsdp_unit_s else {}),
             **({"tp_pair_ms": self.tp_pair_s * 1e3} if self.tp_pair_s else {}),
             **({"pp_micro_batch_ms": self.pp_micro_batch_s * 1e3} if self.pp_micro_batch_s else {}),
             **({"cp_layer_ms": self.cp_layer_s * 1e3} if self.cp_layer_s else {}),
+            **({"busy": dict(self.busy)} if self.busy else {}),
             **({"cores": self.cores} if self.cores else {}),
             **({"calibrated_ranks": self.calibrated_ranks} if self.calibrated_ranks else {}),
             **({"elementwise_gbs": self.elementwise_bandwidth / 1e9} if self.elementwise_bandwidth else {}),
@@ -236,7 +264,8 @@ class Rates:
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
          "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
          "overlap", "elementwise_gbs", "op_overhead_us", "distributed_overhead_ms", "fsdp_unit_ms", "tp_pair_ms",
-         "pp_micro_batch_ms", "cp_layer_ms", "cores", "calibrated_ranks", "source"}
+         "pp_micro_batch_ms", "cp_layer_ms", "cores", "calibrated_ranks", "optimizer_gbs", "optimizer_tensor_us",
+         "optimizer_dtensor_us", "busy", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -269,13 +298,21 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
               "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6),
               "fsdp_unit_ms": ("fsdp_unit_s", 1e-3), "tp_pair_ms": ("tp_pair_s", 1e-3),
               "distributed_overhead_ms": ("distributed_overhead_s", 1e-3),
-              "pp_micro_batch_ms": ("pp_micro_batch_s", 1e-3), "cp_layer_ms": ("cp_layer_s", 1e-3)}
+              "pp_micro_batch_ms": ("pp_micro_batch_s", 1e-3), "cp_layer_ms": ("cp_layer_s", 1e-3),
+              "optimizer_gbs": ("optimizer_bandwidth", 1e9), "optimizer_tensor_us": ("optimizer_tensor_s", 1e-6),
+              "optimizer_dtensor_us": ("optimizer_dtensor_s", 1e-6)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale
     for key in ("cores", "calibrated_ranks"):
         if key in data:
             optional[key] = int(data[key])
+    if data.get("busy"):
+        busy = {str(k): float(v) for k, v in data["busy"].items()}
+        bad = {k: v for k, v in busy.items() if not 0.0 <= v <= 1.0}
+        if bad:
+            raise ValueError(f"rates.busy {bad}: each share of time on the CPU must be within [0, 1].")
+        optional["busy"] = busy
     return Rates(
         matmul_flops=matmul,
         matmul_by_shape={d: {c: float(r) * 1e12 for c, r in t.items()}

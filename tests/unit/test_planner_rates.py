@@ -67,6 +67,18 @@ def test_rates_round_trip_and_bad_keys() -> None:
         for name, rate in link.collectives.items():
             assert again.links[kind].collectives[name].alpha == pytest.approx(rate.alpha)
             assert again.links[kind].collectives[name].beta == pytest.approx(rate.beta)
+    optimizer = rates_from_dict({**rates.to_dict(), "optimizer_gbs": 8, "optimizer_tensor_us": 20,
+                                 "optimizer_dtensor_us": 90})
+    assert (optimizer.optimizer_rate, optimizer.optimizer_tensor_s, optimizer.optimizer_dtensor_s) == pytest.approx(
+        (8e9, 20e-6, 90e-6))
+    again = rates_from_dict({**optimizer.to_dict(), "busy": {"fsdp_unit": 0.5, "collectives": 0.75}})
+    assert (again.optimizer_rate, again.optimizer_tensor_s, again.optimizer_dtensor_s) == pytest.approx(
+        (8e9, 20e-6, 90e-6))
+    assert rates_from_dict(again.to_dict()).busy == {"fsdp_unit": 0.5, "collectives": 0.75}
+    assert again.busy_share("fsdp_unit") == 0.5 and again.busy_share("tp_pair") == 1.0  # not measured: all CPU
+    with pytest.raises(ValueError, match="busy"):
+        rates_from_dict({**rates.to_dict(), "busy": {"tp_pair": 1.5}})
+    assert rates.optimizer_rate == rates.memory_bandwidth  # not calibrated: the memory bandwidth
     units = rates_from_dict({**rates.to_dict(), "fsdp_unit_ms": 3.5, "tp_pair_ms": 1.25})
     assert (units.fsdp_unit_s, units.tp_pair_s) == pytest.approx((3.5e-3, 1.25e-3))
     assert (rates_from_dict(units.to_dict()).fsdp_unit_s, rates_from_dict(units.to_dict()).tp_pair_s) == (
@@ -132,6 +144,8 @@ def test_calibrate_one_rank_measures_and_caches(monkeypatch: pytest.MonkeyPatch,
     assert rates.source.startswith("calibrated") and rates.overlap == 0.0
     assert rates.peak("fp32") == max(rates.matmul_by_shape["fp32"].values()) > 0
     assert 0 < rates.host_overhead_s < 1 and rates.memory_bandwidth > 1e8
+    assert 0 < rates.optimizer_tensor_s < 1e-2 and rates.optimizer_rate > 1e8 and rates.optimizer_dtensor_s == 0
+    assert any(line.startswith("optimizer step (AdamW):") for line in lines)
     assert cached_rates(1) is not None and cached_rates(1).source == rates.source  # type: ignore[union-attr]
 
 
@@ -149,7 +163,10 @@ def test_collectives_are_timed_inside_a_process_group(tmp_path: Path) -> None:
         units = measure_frameworks(1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    assert set(units) == {"fsdp_unit", "tp_pair"} and all(0 <= s < 1 for s in units.values())  # no pipeline of 1
+    # no pipeline, no ring of one rank; each unit's wall and CPU time (the CPU share of it)
+    assert set(units) == {"fsdp_unit", "tp_pair", "fsdp_unit_cpu", "tp_pair_cpu", "optimizer_dtensor"}
+    assert all(0 <= s < 1 for s in units.values()) and units["optimizer_dtensor"] > 0
+    assert units["fsdp_unit_cpu"] <= units["fsdp_unit"] and units["tp_pair_cpu"] <= units["tp_pair"]
     assert set(got) == {"all_reduce", "reduce_scatter", "all_gather", "p2p"} and got["p2p"] == []
     assert all(len(points) == len(CALIBRATION_SIZES) and all(t > 0 for _, t in points)
                for name, points in got.items() if name != "p2p")

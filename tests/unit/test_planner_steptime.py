@@ -129,8 +129,8 @@ def test_a_fixed_batch_per_replica_is_split_by_the_pipeline() -> None:
 
 def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> None:
     """With a calibration's cost per FSDP2 unit, per tensor-parallel pair, per pipeline micro-batch and per layer of
-    ring attention, a ZeRO-3 step counts one unit per block, the embedding, the head and the root, a tp step one
-    pair per all-reduce pair (attention and MLP, in forward and backward: ``calls / 2``), a pipeline one per
+    ring attention, a ZeRO-3 step counts one unit per block, the embedding, the head and the root, a tp step half a
+    pair per DTensor linear (a pair is a column and a row linear), a pipeline one per
     micro-batch, context parallelism one per layer, in place of ``alpha`` per collective or transfer; the bytes
     still go at ``beta``."""
     from lightning_parallel.planner.hardware import make_hardware
@@ -154,7 +154,8 @@ def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> No
     assert unit.comm_s["dp_replicate"] == pytest.approx(alpha.comm_s["dp_replicate"] - (3 + 1) * 100e-6 + 6 * 1e-3)
     tp2 = {"data_parallel_size": 1, "tensor_parallel_size": 2, "activation_checkpointing": "none"}
     alpha, pair = cost(tp2), cost(tp2, tp_pair_ms=1.5)
-    assert pair.comm_s["tp"] == pytest.approx(alpha.comm_s["tp"] - 4 * 3 * 100e-6 + 2 * 3 * 1.5e-3)
+    # half a pair per DTensor linear: 6 per GPT block (q, k, v, out, the MLP's two), the embedding and the head
+    assert pair.comm_s["tp"] == pytest.approx(alpha.comm_s["tp"] - 4 * 3 * 100e-6 + (6 * 3 + 2) / 2 * 1.5e-3)
     assert cost(zero3, tp_pair_ms=1.5).comm_s == cost(zero3).comm_s  # each figure moves only its own axis
     pp2 = {"data_parallel_size": 1, "pipeline_parallel_size": 2, "activation_checkpointing": "none"}
     alpha, micro = cost(pp2), cost(pp2, pp_micro_batch_ms=0.5)
@@ -187,3 +188,68 @@ def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
     assert overhead(two, distributed_overhead_ms=3.0) - overhead(two) == pytest.approx(2.5e-3)
     assert overhead(four, distributed_overhead_ms=3.0) - overhead(four) == pytest.approx(2 * 2.5e-3)  # 4 ranks, 2 cores
     assert overhead(one, distributed_overhead_ms=3.0) == overhead(one)
+
+
+def test_the_optimizer_step_counts_bytes_and_tensors() -> None:
+    """A calibrated optimizer: ``2 P + G + 2 K`` bytes per parameter of the rank's shard at the optimizer rate, plus
+    the cost per parameter tensor -- the model's 35 tensors (GPT: 15 per block, 5 outside), one flat shard under
+    ZeRO-1/2, DTensor parameters (ZeRO-3, tensor parallelism) at the DTensor figure; on CPU in series with the rest.
+    Without a per-tensor figure, the ops are counted at the dispatch cost as before."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    shape = ModelShape(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+    assert shape.block_tensors == 15 and shape.edge_tensors() == 5
+    assert shape.edge_tensors(first=False) == 3 and shape.edge_tensors(last=False) == 2
+    llama = ModelShape(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, gated_mlp=True, bias=False,
+                       learned_positions=False)
+    assert llama.block_tensors == 9 and llama.edge_tensors() == 3  # 7 matrices and 2 norms; embedding, norm, head
+
+    def overhead(layout: dict[str, object], **extra: float) -> float:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "host_overhead_ms": 0.5,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": 2, "calibrated_ranks": 2, "overlap": 0.0, **extra})
+        hardware = make_hardware(gpus_per_node=2, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+        cost = estimate_step(ModelSpec.from_shape(shape), training, hardware,
+                             ParallelConfig.from_dict({"activation_checkpointing": "none", **layout}), rates=rates)
+        return cost.overhead_s
+
+    calibrated = {"optimizer_gbs": 5.0, "optimizer_tensor_us": 20.0, "optimizer_dtensor_us": 100.0}
+    params = shape.total_params()
+    ddp, zero1, zero3 = ({"data_parallel_size": 2, "zero_stage": z} for z in (0, 1, 3))
+    tp = {"data_parallel_size": 1, "tensor_parallel_size": 2}
+    base = overhead(ddp)  # memory bandwidth 10 GB/s, 10 ops per tensor at no dispatch cost
+    assert overhead(ddp, **calibrated) - base == pytest.approx(params * 28 / 5e9 - params * 28 / 10e9 + 35 * 20e-6)
+    assert overhead(zero1, **calibrated) - overhead(zero1) == pytest.approx(params / 2 * 28 * (1 / 5e9 - 1 / 10e9)
+                                                                          + 20e-6)
+    assert overhead(zero3, **calibrated) - overhead(zero3) == pytest.approx(params / 2 * 28 * (1 / 5e9 - 1 / 10e9)
+                                                                          + 35 * 100e-6)
+    assert overhead(tp, **calibrated) > overhead(tp, optimizer_gbs=5.0, optimizer_tensor_us=20.0) + 35 * 70e-6
+    assert overhead(ddp, op_overhead_us=2.0) - base == pytest.approx(35 * 10 * 2e-6 + (130 * 2 + 40) * 2e-6)
+
+
+def test_ranks_beyond_the_cores_stretch_only_their_cpu_work() -> None:
+    """Four CPU ranks on a 2-core calibration: with every calibrated cost all CPU (no ``busy`` measured) the step
+    doubles; when the FSDP2 units are half waiting, the step is the longer of the calibrated step and twice the
+    CPU work -- less than double, never less than the step unstretched."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    def step(cores: int, **extra: object) -> float:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "fsdp_unit_ms": 5.0,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": cores, "calibrated_ranks": 2, "overlap": 0.0, **extra})
+        hardware = make_hardware(gpus_per_node=4, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        shape = ModelShape(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+        layout = ParallelConfig.from_dict({"data_parallel_size": 4, "zero_stage": 3,
+                                           "activation_checkpointing": "none"})
+        return estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates).step_s
+
+    alone, shared = step(4), step(2)
+    assert shared == pytest.approx(2 * alone)
+    half = step(2, busy={"fsdp_unit": 0.5})
+    assert alone < half < shared
+    assert step(4, busy={"fsdp_unit": 0.5}) == pytest.approx(alone)  # cores enough: nothing stretches
+    assert step(2, busy={"fsdp_unit": 0.0}) >= alone
