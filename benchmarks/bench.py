@@ -13,6 +13,7 @@ against Lightning's built-in strategies, on the same GPT, global batch and seed.
     python benchmarks/bench.py --study bubble      # one of the studies below instead of the table
     python benchmarks/bench.py --study compile --quick   # parallel.compile on/off under every strategy
     python benchmarks/bench.py --quick --predict   # the planner's predicted step of each case next to the measured
+    python benchmarks/bench.py --quick --predict --calibrate-each   # also with a calibration just before each case
 
 **Cases** (``--cases``; the anchors are written with torch only, no framework):
 
@@ -219,14 +220,31 @@ def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]
 
 
 
-def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
-    """``--predict``: the planner's step of each case against the library's measured one (``_bench.predict``)."""
-    from _bench.predict import prediction_table, predictions, rates_here
+def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], case_rates: dict[str, Any]) -> str:
+    """``--predict``: the planner's step of each case against the library's measured one (``_bench.predict``); with
+    ``--calibrate-each``, also with the rates calibrated just before each case (``case_rates``)."""
+    from _bench.predict import predict_case, prediction_table, predictions, rates_here
 
     measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
     cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
     source = rates_here(a, max((c.world for c in cases), default=1)).source
-    return "## Predicted against measured\n\n" + prediction_table(predictions(a, cases), measured, source=source)
+    text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases), measured, source=source)
+    if case_rates:
+        fresh = {c.name: cost.step_s for c in cases if c.name in case_rates
+                 and (cost := predict_case(a, c, case_rates[c.name])) is not None}
+        text += ("\n\n### With a calibration just before each case\n\n"
+                 + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
+    return text
+
+
+def _calibrate_for(a: argparse.Namespace, case: Case) -> Any:
+    """``--calibrate-each``: this machine's rates measured now (two ranks, as ``plan --calibrate``; not cached)."""
+    from lightning_parallel.planner.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    rates = calibrate(ranks=2, save=False)
+    print(f"[bench] {case.name}: calibrated in {time.perf_counter() - t0:.1f} s ({rates.source})", flush=True)
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
+    case_rates: dict[str, Any] = {}
     for case in expand(a.cases, a.dp):
         key = case.name
         why = available(a, case)
@@ -270,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         if "lightning" in a.roles and missing is not None and lightning_name(case, a.device) is not None:
             skipped[f"{key} (Lightning)"] = missing
             print(f"[bench] {key}: Lightning's built-in skipped ({missing})", flush=True)
+        if a.calibrate_each and case.key != "dp":  # lp_dp has no planner layout
+            case_rates[key] = _calibrate_for(a, case)
         reps: list[dict[str, dict[str, Any]]] = []
         for rep in range(a.reps):
             results: dict[str, dict[str, Any]] = {}
@@ -295,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
               f"`{command}` took {elapsed:.0f} s.")
     text = markdown(a, rows, header, skipped)
     if a.predict:
-        text += "\n\n" + _predicted_section(a, rows)
+        text += "\n\n" + _predicted_section(a, rows, case_rates)
     (folder / "results.md").write_text(text)
     (folder / "results.json").write_text(json.dumps({
         "machine": machine, "date": date, "header": header, "args": vars(a),

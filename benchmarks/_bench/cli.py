@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                    help="after the table: the planner's predicted step of each case next to the measured one, the "
                         "ratio and the ranking comparison (rates: this machine's cached calibration, else defaults; "
                         "`lightning-parallel plan --calibrate` first)")
+    p.add_argument("--calibrate-each", action="store_true",
+                   help="with --predict: also calibrate this machine just before each case's repetitions (not "
+                        "cached; ~10 s each on CPU) and predict the case with those rates as well, so that the "
+                        "machine's drift between one calibration and a case measured minutes later is left out")
     p.add_argument("--profile", metavar="CASE", help="profile the library and its anchor on CASE; no table")
     p.add_argument("--overhead", metavar="CASE[,CASE...]",
                    help="where a step's time goes for each variant of CASE (all: every case): compute / collectives / "
@@ -96,6 +100,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
         bad = [c for c in a.overhead if c not in CASES]
         if bad:
             p.error(f"--overhead {','.join(bad)}: unknown; the cases are {', '.join(CASES)} (or all).")
+    if a.calibrate_each and not a.predict:
+        p.error("--calibrate-each goes with --predict (it calibrates for the predictions).")
     if a.reps < 3 and a.profile is None:
         p.error(f"--reps {a.reps}: at least 3 (the table reports medians of interleaved repetitions).")
     if a.profile is not None and a.profile not in CASES:
