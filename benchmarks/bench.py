@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "results.json").write_text(json.dumps({
         "machine": machine, "date": date, "header": header, "args": vars(a),
         "rows": [{k: v for k, v in r.items() if k != "error_full"} for r in rows], "skipped": skipped,
+        **({"case_rates": {k: r.to_dict() for k, r in case_rates.items()}} if case_rates else {}),
         "seconds": elapsed}, indent=1, default=str))
     written = plots(a, rows, folder)
     print(f"\n{text}")

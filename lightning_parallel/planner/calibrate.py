@@ -73,6 +73,8 @@ __all__ = [
 
 CALIBRATION_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 """Buffer sizes (bytes) each collective is timed at."""
+COLLECTIVE_REPEATS = 3
+"""Sweeps of every size :func:`measure_collectives` makes (the median time of each collective and size is kept)."""
 _BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
 
@@ -265,10 +267,14 @@ def measure_elementwise(device: torch.device, sync: Callable[[], None]) -> float
 def measure_collectives(world: int, device: torch.device) -> dict[str, list[tuple[float, float]]]:
     """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size
     (point-to-point needs two ranks)."""
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(COLLECTIVE_REPEATS):  # sweeps of every size, each time's median kept: a busy moment hits one sweep
+        for size in CALIBRATION_SIZES:
+            for name, seconds in _time_size(size, world, device).items():
+                times.setdefault((name, size), []).append(seconds)
     out: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
-    for size in CALIBRATION_SIZES:
-        for name, seconds in _time_size(size, world, device).items():
-            out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), seconds))
+    for (name, size), seconds in times.items():
+        out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), statistics.median(seconds)))
     return out
 
 
@@ -321,7 +327,7 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     }
     if world > 1:
         calls["p2p"] = p2p
-    reps = 30 if size <= 2**20 else 8  # the same count on every rank: a collective called unevenly would hang
+    reps = 12 if size <= 2**20 else 4  # the same count on every rank: a collective called unevenly would hang
     out: dict[str, float] = {}
     for name, fn in calls.items():
         dist.barrier()

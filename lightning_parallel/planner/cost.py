@@ -534,6 +534,9 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                 units = layers + (3 if pp == 1 else 2)
                 unit_s = rates.fsdp_unit_s * per_unit / 3 * rates.ring_latency_scale("all_gather", group[axis])
                 comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
+            elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each, half the bytes
+                comm[axis] = sum(_send(link, c, traffic[axis] / 2, 1, rates=rates, ranks=group[axis])
+                                 for c in ("reduce_scatter", "all_gather"))
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0

@@ -253,3 +253,25 @@ def test_ranks_beyond_the_cores_stretch_only_their_cpu_work() -> None:
     assert alone < half < shared
     assert step(4, busy={"fsdp_unit": 0.5}) == pytest.approx(alone)  # cores enough: nothing stretches
     assert step(2, busy={"fsdp_unit": 0.0}) >= alone
+
+
+def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
+    """ZeRO-1/2's flat shards: the gradient's reduce-scatter and the parameters' all-gather, half the dp bytes each,
+    each at its own calibrated latency and bandwidth."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import rates_from_dict
+
+    links = {"all_reduce": {"alpha_us": 100, "beta_gbs": 1}, "reduce_scatter": {"alpha_us": 2000, "beta_gbs": 0.5},
+             "all_gather": {"alpha_us": 100, "beta_gbs": 2}, "p2p": {"alpha_us": 10, "beta_gbs": 5}}
+    rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "links": {"intra_node": links},
+                             "cores": 2, "calibrated_ranks": 2, "overlap": 0.0})
+    hardware = make_hardware(gpus_per_node=2, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+    shape = ModelShape(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+    training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+    for zero in (1, 2):
+        layout = ParallelConfig.from_dict({"data_parallel_size": 2, "zero_stage": zero,
+                                           "activation_checkpointing": "none"})
+        cost = estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
+        sent = 4 * shape.total_params() / 2  # fp32 gradient (N-1)/N, then the parameters (N-1)/N, N = 2
+        assert cost.comm_s["dp"] == pytest.approx(2000e-6 + sent / 0.5e9 + 100e-6 + sent / 2e9)
+        assert cost.exposed_s["dp"] == cost.comm_s["dp"]  # after the backward: nothing hides it
