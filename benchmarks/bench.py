@@ -238,11 +238,12 @@ def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], case_r
 
 
 def _calibrate_for(a: argparse.Namespace, case: Case) -> Any:
-    """``--calibrate-each``: this machine's rates measured now (two ranks, as ``plan --calibrate``; not cached)."""
+    """``--calibrate-each``: this machine's rates measured now (two ranks, one measurement where ``plan --calibrate``
+    keeps the median of three; not cached)."""
     from lightning_parallel.planner.calibrate import calibrate
 
     t0 = time.perf_counter()
-    rates = calibrate(ranks=2, save=False)
+    rates = calibrate(ranks=2, save=False, repeats=1)
     print(f"[bench] {case.name}: calibrated in {time.perf_counter() - t0:.1f} s ({rates.source})", flush=True)
     return rates
 

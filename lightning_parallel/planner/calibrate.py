@@ -1,6 +1,7 @@
 """Calibration: measure this machine's rates (:class:`~lightning_parallel.planner.rates.Rates`) and cache them.
 
-``lightning-parallel plan --calibrate`` (and ``lp_auto`` with ``--planner.calibration now``) runs it once per machine:
+``lightning-parallel plan --calibrate`` (and ``lp_auto`` with ``--planner.calibration now``) runs it once per machine,
+measuring everything :data:`CALIBRATION_REPEATS` times and keeping the median of each figure:
 
 * matmul throughput of square GEMMs at a few edges (:data:`~lightning_parallel.planner.rates.SHAPE_CLASSES`), by dtype
   (fp32 and bf16; fp16 too on accelerators), inside every rank at once, so that ranks sharing cores or a memory
@@ -55,6 +56,7 @@ from lightning_parallel.planner.rates import COLLECTIVES, SHAPE_CLASSES, Rates, 
 
 __all__ = [
     "ADAMW_BYTES_FP32",
+    "CALIBRATION_REPEATS",
     "CALIBRATION_SIZES",
     "OPTIMIZER_TENSORS",
     "cache_dir",
@@ -273,8 +275,8 @@ def measure_collectives(world: int, device: torch.device) -> dict[str, list[tupl
             for name, seconds in _time_size(size, world, device).items():
                 times.setdefault((name, size), []).append(seconds)
     out: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
-    for (name, size), seconds in times.items():
-        out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), statistics.median(seconds)))
+    for (name, size), samples in times.items():
+        out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), statistics.median(samples)))
     return out
 
 
@@ -595,23 +597,27 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
 
 
 def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = None,
-              hardware: Any = None) -> Rates:
-    """Measure this machine over ``ranks`` processes (1: in this process, no collectives) and cache the result."""
+              hardware: Any = None, repeats: int | None = None) -> Rates:
+    """Measure this machine over ``ranks`` processes (1: in this process, no collectives) ``repeats`` times (default
+    :data:`CALIBRATION_REPEATS`), keep the median of every figure, and cache the result."""
     device_type = _device_type()
     if device_type == "cuda":
         ranks = min(ranks, torch.cuda.device_count())
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
     base = default_rates(hardware) if hardware is not None else None
-    if ranks > 1:
-        world = _run_world(ranks, device_type, say)
-        compute, collectives, frameworks = world["compute"], world["collectives"], world["frameworks"]
-        for line in _compute_lines(compute):
-            say(line)
-    else:
-        compute, collectives = measure_compute(torch.device(device_type, 0) if device_type != "cpu"
-                                               else torch.device("cpu"), progress=say), {}
-        frameworks = {}
+    repeats = CALIBRATION_REPEATS if repeats is None else repeats
+    if repeats < 1:
+        raise ValueError(f"calibrate(repeats={repeats}): at least 1.")
+    runs = []
+    for i in range(repeats):
+        runs.append(_measure_once(ranks, device_type, say if i == 0 else None))
+        if repeats > 1:
+            say(f"measurement {i + 1} of {repeats} done ({time.perf_counter() - t0:.1f} s); the median of each "
+                "figure is kept")
+    compute, collectives, frameworks, overhead = _median_of(runs)
+    for line in _compute_lines(compute):
+        say(line)
     links: dict[str, Any] = {}
     if collectives:
         links["intra_node"] = {}
@@ -632,10 +638,8 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
             busy = frameworks.get(f"{name}_cpu", 0.0) / frameworks[name] if frameworks[name] > 0 else 1.0
             say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic "
                 f"({min(busy, 1.0):.0%} on the CPU)")
-    overhead = measure_host_overhead()
     say(f"host overhead per step (Lightning fit of a one-layer model): {overhead * 1e3:.2f} ms")
-    if ranks > 1 and device_type == "cpu":
-        frameworks["distributed_overhead"] = measure_host_overhead(ranks=ranks)
+    if "distributed_overhead" in frameworks:
         say(f"host overhead per step over {ranks} ranks (lp_ddp fit of a one-layer model): "
             f"{frameworks['distributed_overhead'] * 1e3:.2f} ms")
     rates = _assemble(compute, links, overhead, device_type=device_type, ranks=ranks, base=base,
@@ -648,6 +652,46 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
         path.write_text(json.dumps({"key": machine_key(ranks), "rates": rates.to_dict()}, indent=1))
         say(f"cached in {path}")
     return rates
+
+
+CALIBRATION_REPEATS = 3
+"""Whole measurements a calibration makes; the median of each figure is kept (on a shared machine the same figure
+was seen to vary 2x between two calibrations a minute apart)."""
+
+
+def _measure_once(ranks: int, device_type: str, say: Progress | None) -> tuple[dict[str, Any], dict[str, Any],
+                                                                                  dict[str, float], float]:
+    """One measurement of everything: compute, collectives and unit costs over ``ranks`` ranks, the host overheads."""
+    if ranks > 1:
+        world = _run_world(ranks, device_type, say)
+        compute, collectives, frameworks = world["compute"], world["collectives"], world["frameworks"]
+    else:
+        compute, collectives = measure_compute(torch.device(device_type, 0) if device_type != "cpu"
+                                               else torch.device("cpu"), progress=say), {}
+        frameworks = {}
+    overhead = measure_host_overhead()
+    if ranks > 1 and device_type == "cpu":
+        frameworks["distributed_overhead"] = measure_host_overhead(ranks=ranks)
+    return compute, collectives, frameworks, overhead
+
+
+def _median_tree(values: list[Any]) -> Any:
+    """The element-wise median of equally shaped figures: numbers, dicts of them, lists of ``(x, seconds)`` points
+    (the median of the seconds)."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([v[k] for v in values]) for k in first if all(k in v for v in values)}
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (list, tuple)):
+        return [(point[0], statistics.median(v[i][1] for v in values)) for i, point in enumerate(first)]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(values)
+    return first
+
+
+def _median_of(runs: list[tuple[dict[str, Any], dict[str, Any], dict[str, float], float]]) -> tuple[
+        dict[str, Any], dict[str, Any], dict[str, float], float]:
+    compute, collectives, frameworks, overhead = (_median_tree([run[i] for run in runs]) for i in range(4))
+    return compute, collectives, frameworks, overhead
 
 
 def _cores() -> int:

@@ -138,7 +138,8 @@ def test_calibrate_one_rank_measures_and_caches(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setenv("LIGHTNING_PARALLEL_CACHE", str(tmp_path))
     lines: list[str] = []
-    rates = calibrate(ranks=1, progress=lines.append)
+    rates = calibrate(ranks=1, progress=lines.append, repeats=2)
+    assert "measurement 2 of 2 done" in " ".join(lines)
     assert any(line.startswith("matmul fp32 1024x1024x1024") for line in lines)
     assert any("host overhead per step" in line for line in lines) and any("cached in" in line for line in lines)
     assert rates.source.startswith("calibrated") and rates.overlap == 0.0
@@ -208,3 +209,15 @@ def test_cpu_ranks_beyond_the_cores_share_them_and_rings_add_latency() -> None:
     assert wide.core_share(8) == 2.0 and wide.core_share(2) == 0.5
     profile = rates_for(load_profile("dgx-h100"))
     assert profile.core_share(8) == 1.0 and profile.ring_latency_scale("all_reduce", 8) == 1.0
+
+
+def test_a_calibration_keeps_the_median_of_its_measurements() -> None:
+    """Each figure of several whole measurements, nested dicts and ``(bytes, seconds)`` points alike, is their
+    median; what is not a number is the first measurement's."""
+    from lightning_parallel.planner.calibrate import _median_tree
+
+    runs = [{"matmul": {"fp32": {"128": 1.0}}, "points": [(4.0, 0.3), (8.0, 0.5)], "n": 1, "tag": "a"},
+            {"matmul": {"fp32": {"128": 9.0}}, "points": [(4.0, 0.1), (8.0, 0.7)], "n": 5, "tag": "b"},
+            {"matmul": {"fp32": {"128": 2.0}}, "points": [(4.0, 0.2), (8.0, 0.6)], "n": 3, "tag": "c"}]
+    assert _median_tree(runs) == {"matmul": {"fp32": {"128": 2.0}}, "points": [(4.0, 0.2), (8.0, 0.6)], "n": 3,
+                                  "tag": "a"}
