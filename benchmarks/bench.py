@@ -234,6 +234,13 @@ def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], case_r
                  and (cost := predict_case(a, c, case_rates[c.name])) is not None}
         text += ("\n\n### With a calibration just before each case\n\n"
                  + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
+        if len(case_rates) >= 3:  # the calibrations' noise averaged out: the median of every figure
+            from lightning_parallel.planner.calibrate import median_rates
+
+            middle = median_rates(list(case_rates.values()))
+            central = {c.name: cost.step_s for c in cases if (cost := predict_case(a, c, middle)) is not None}
+            text += ("\n\n### With the median of those calibrations\n\n"
+                     + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations"))
     return text
 
 

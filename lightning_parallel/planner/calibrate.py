@@ -70,6 +70,7 @@ __all__ = [
     "measure_collective_busy",
     "measure_frameworks",
     "measure_optimizer",
+    "median_rates",
     "rates_for",
 ]
 
@@ -686,6 +687,13 @@ def _median_tree(values: list[Any]) -> Any:
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         return statistics.median(values)
     return first
+
+
+def median_rates(calibrations: list[Rates]) -> Rates:
+    """The median of every figure of several calibrations of one machine (non-numeric fields: the first's)."""
+    if not calibrations:
+        raise ValueError("median_rates needs at least one calibration.")
+    return rates_from_dict(_median_tree([rates.to_dict() for rates in calibrations]))
 
 
 def _median_of(runs: list[tuple[dict[str, Any], dict[str, Any], dict[str, float], float]]) -> tuple[

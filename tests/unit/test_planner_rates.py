@@ -219,5 +219,10 @@ def test_a_calibration_keeps_the_median_of_its_measurements() -> None:
     runs = [{"matmul": {"fp32": {"128": 1.0}}, "points": [(4.0, 0.3), (8.0, 0.5)], "n": 1, "tag": "a"},
             {"matmul": {"fp32": {"128": 9.0}}, "points": [(4.0, 0.1), (8.0, 0.7)], "n": 5, "tag": "b"},
             {"matmul": {"fp32": {"128": 2.0}}, "points": [(4.0, 0.2), (8.0, 0.6)], "n": 3, "tag": "c"}]
+    from lightning_parallel.planner.calibrate import median_rates
+
+    profile = rates_for(load_profile("dgx-a100-80gb"))
+    fast, slow = (rates_from_dict({**profile.to_dict(), "fsdp_unit_ms": ms}) for ms in (1.0, 5.0))
+    assert median_rates([fast, slow, fast]).fsdp_unit_s == pytest.approx(1e-3)
     assert _median_tree(runs) == {"matmul": {"fp32": {"128": 2.0}}, "points": [(4.0, 0.2), (8.0, 0.6)], "n": 3,
                                   "tag": "a"}
