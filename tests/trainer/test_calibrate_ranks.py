@@ -1,6 +1,6 @@
-"""``calibrate(ranks=2)`` end to end: two forked gloo ranks measure compute, the collectives and the cost of an
-FSDP2 unit, of a tensor-parallel pair, of a pipeline micro-batch and of a layer's ring attention, then ``lp_ddp``
-forks two ranks for the distributed step overhead."""
+"""``calibrate(ranks=2)`` end to end: two forked gloo ranks measure compute, the optimizer step, the collectives and
+the cost of an FSDP2 unit, of a tensor-parallel pair, of a pipeline micro-batch and of a layer's ring attention (each
+with its share of CPU time), then ``lp_ddp`` forks two ranks for the distributed step overhead."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_two_rank_calibration_measures_units_and_the_distributed_overhead(monkey
                                                                           tmp_path: Path) -> None:
     monkeypatch.setenv("LIGHTNING_PARALLEL_CACHE", str(tmp_path))
     lines: list[str] = []
-    rates = calibrate(ranks=2, progress=lines.append)
+    rates = calibrate(ranks=2, progress=lines.append, repeats=1)  # one measurement: the median is unit-tested
     said = "\n".join(lines)
     for line in ("all_reduce over 2 ranks", "an FSDP2 unit over 2 ranks", "a tensor-parallel pair of linears over 2",
                  "a pipeline micro-batch over 2 ranks", "a layer's ring attention over 2 ranks",
@@ -24,6 +24,10 @@ def test_two_rank_calibration_measures_units_and_the_distributed_overhead(monkey
     assert rates.calibrated_ranks == 2 and rates.cores >= 1
     assert 0 < rates.fsdp_unit_s < 1 and 0 < rates.tp_pair_s < 1 and 0 < rates.pp_micro_batch_s < 1
     assert 0 < rates.cp_layer_s < 1
+    # the optimizer step per tensor (a DTensor one costs more: DTensor's dispatch) and each cost's share on the CPU
+    assert 0 < rates.optimizer_tensor_s < rates.optimizer_dtensor_s < 1e-2 and rates.optimizer_rate > 1e8
+    assert set(rates.busy) == {"fsdp_unit", "tp_pair", "pp_micro_batch", "cp_layer", "collectives"}
+    assert all(0 <= share <= 1 for share in rates.busy.values())
     assert 0 < rates.host_overhead_s < rates.distributed_overhead_s < 1  # a distributed step has collectives too
     assert rates.host_overhead(1) == rates.host_overhead_s and rates.host_overhead(4) == rates.distributed_overhead_s
     again = cached_rates(2)
