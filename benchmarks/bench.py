@@ -223,22 +223,22 @@ def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]
 def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], case_rates: dict[str, Any]) -> str:
     """``--predict``: the planner's step of each case against the library's measured one (``_bench.predict``); with
     ``--calibrate-each``, also with the rates calibrated just before each case (``case_rates``)."""
-    from _bench.predict import predict_case, prediction_table, predictions, rates_here
+    from _bench.predict import prediction_table, predictions, rates_here
 
     measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
     cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
     source = rates_here(a, max((c.world for c in cases), default=1)).source
     text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases), measured, source=source)
     if case_rates:
-        fresh = {c.name: cost.step_s for c in cases if c.name in case_rates
-                 and (cost := predict_case(a, c, case_rates[c.name])) is not None}
+        own = [c for c in cases if c.name in case_rates]
+        fresh = predictions(a, own, lambda case: case_rates[case.name])
         text += ("\n\n### With a calibration just before each case\n\n"
                  + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
         if len(case_rates) >= 3:  # the calibrations' noise averaged out: the median of every figure
             from lightning_parallel.planner.calibrate import median_rates
 
             middle = median_rates(list(case_rates.values()))
-            central = {c.name: cost.step_s for c in cases if (cost := predict_case(a, c, middle)) is not None}
+            central = predictions(a, cases, lambda case: middle)
             text += ("\n\n### With the median of those calibrations\n\n"
                      + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations"))
     return text

@@ -14,6 +14,7 @@ measured step (the cases of one table train the same global batch, so the faster
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from _bench.cases import Case
@@ -61,11 +62,13 @@ def predict_case(a: argparse.Namespace, case: Case, rates: Any) -> Any:
     return estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
 
 
-def predictions(a: argparse.Namespace, cases: list[Case]) -> dict[str, float]:
-    """Predicted step seconds of each case that has a planner layout, by case name."""
+def predictions(a: argparse.Namespace, cases: list[Case],
+                rates: Callable[[Case], Any] | None = None) -> dict[str, float]:
+    """Predicted step seconds of each case that has a planner layout, by case name; ``rates(case)`` gives the rates
+    (default: :func:`rates_here` for the case's world)."""
     out: dict[str, float] = {}
     for case in cases:
-        cost = predict_case(a, case, rates_here(a, case.world))
+        cost = predict_case(a, case, rates(case) if rates is not None else rates_here(a, case.world))
         if cost is not None:
             out[case.name] = cost.step_s
     return out

@@ -76,8 +76,6 @@ __all__ = [
 
 CALIBRATION_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 """Buffer sizes (bytes) each collective is timed at."""
-COLLECTIVE_REPEATS = 3
-"""Sweeps of every size :func:`measure_collectives` makes (the median time of each collective and size is kept)."""
 _BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_gather": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
 
@@ -270,14 +268,10 @@ def measure_elementwise(device: torch.device, sync: Callable[[], None]) -> float
 def measure_collectives(world: int, device: torch.device) -> dict[str, list[tuple[float, float]]]:
     """Inside an initialized process group of ``world`` ranks: ``(bus bytes, seconds)`` per collective and size
     (point-to-point needs two ranks)."""
-    times: dict[tuple[str, int], list[float]] = {}
-    for _ in range(COLLECTIVE_REPEATS):  # sweeps of every size, each time's median kept: a busy moment hits one sweep
-        for size in CALIBRATION_SIZES:
-            for name, seconds in _time_size(size, world, device).items():
-                times.setdefault((name, size), []).append(seconds)
     out: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
-    for (name, size), samples in times.items():
-        out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), statistics.median(samples)))
+    for size in CALIBRATION_SIZES:
+        for name, seconds in _time_size(size, world, device).items():
+            out[name].append(((float(size) if name == "p2p" else _BUS[name](world) * size), seconds))
     return out
 
 
@@ -288,13 +282,11 @@ def measure_collective_busy(world: int, device: torch.device, *, size: int = 2**
     import torch.distributed as dist
 
     sync = _sync_for(device)
-    whole = torch.ones(size // 4, device=device)
-    part = torch.empty(size // 4 // world, device=device)
-    calls = [lambda: dist.all_reduce(whole), lambda: dist.reduce_scatter_tensor(part, whole),
-             lambda: dist.all_gather_into_tensor(whole, part)]
+    calls = _collective_calls(size, world, device)
     dist.barrier()
     wall = cpu = 0.0
-    for fn in calls:
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        fn = calls[name]
         fn()
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -306,11 +298,11 @@ def measure_collective_busy(world: int, device: torch.device, *, size: int = 2**
     return min(cpu / wall, 1.0) if wall > 0 else 1.0
 
 
-def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
-    """Seconds of each collective on a ``size``-byte fp32 buffer (point-to-point: half a round trip 0 <-> 1)."""
+def _collective_calls(size: int, world: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Each collective on a ``size``-byte fp32 buffer, ready to call on every rank (point-to-point, with two ranks or
+    more: a round trip 0 <-> 1)."""
     import torch.distributed as dist
 
-    sync = _sync_for(device)
     rank = dist.get_rank()
     whole = torch.ones(size // 4, device=device)
     part = torch.empty(size // 4 // world, device=device)
@@ -330,9 +322,17 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
     }
     if world > 1:
         calls["p2p"] = p2p
-    reps = 12 if size <= 2**20 else 4  # the same count on every rank: a collective called unevenly would hang
+    return calls
+
+
+def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
+    """Seconds of each collective on a ``size``-byte fp32 buffer (point-to-point: half a round trip 0 <-> 1)."""
+    import torch.distributed as dist
+
+    sync = _sync_for(device)
+    reps = 30 if size <= 2**20 else 8  # the same count on every rank: a collective called unevenly would hang
     out: dict[str, float] = {}
-    for name, fn in calls.items():
+    for name, fn in _collective_calls(size, world, device).items():
         dist.barrier()
         fn()  # warm-up
         sync()
@@ -349,10 +349,6 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
 FRAMEWORK_UNITS = (1, 5)
 """Tiny units in the two runs of each measurement of :func:`measure_frameworks` (the cost per unit is the slope
 between them; a pipeline starts from one micro-batch per stage)."""
-
-
-FRAMEWORK_REPEATS = 3
-"""Times each slope of :func:`measure_frameworks` is measured (its median is kept)."""
 
 
 def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
@@ -479,14 +475,10 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
     spans = [("fsdp_unit", fsdp, lo, hi), ("tp_pair", tp, lo, hi)]
     if world > 1:  # a schedule needs at least a micro-batch per stage
         spans += [("pp_micro_batch", pipeline, world, world + hi - lo), ("cp_layer", ring, lo, hi)]
-    for name, f, a, b in spans:  # the median of a few slopes: one pair of runs can meet a busy moment
-        walls, cpus = [], []
-        for _ in range(FRAMEWORK_REPEATS):
-            (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
-            walls.append((wall_b - wall_a) / (b - a))
-            cpus.append((cpu_b - cpu_a) / (b - a))
-        out[name] = max(0.0, statistics.median(walls))
-        out[f"{name}_cpu"] = min(max(0.0, statistics.median(cpus)), out[name])
+    for name, f, a, b in spans:
+        (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
+        out[name] = max(0.0, (wall_b - wall_a) / (b - a))
+        out[f"{name}_cpu"] = min(max(0.0, (cpu_b - cpu_a) / (b - a)), out[name])
     return out
 
 
@@ -616,7 +608,7 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
         if repeats > 1:
             say(f"measurement {i + 1} of {repeats} done ({time.perf_counter() - t0:.1f} s); the median of each "
                 "figure is kept")
-    compute, collectives, frameworks, overhead = _median_of(runs)
+    compute, collectives, frameworks, overhead = (_median_tree([run[i] for run in runs]) for i in range(4))
     for line in _compute_lines(compute):
         say(line)
     links: dict[str, Any] = {}
@@ -694,12 +686,6 @@ def median_rates(calibrations: list[Rates]) -> Rates:
     if not calibrations:
         raise ValueError("median_rates needs at least one calibration.")
     return rates_from_dict(_median_tree([rates.to_dict() for rates in calibrations]))
-
-
-def _median_of(runs: list[tuple[dict[str, Any], dict[str, Any], dict[str, float], float]]) -> tuple[
-        dict[str, Any], dict[str, Any], dict[str, float], float]:
-    compute, collectives, frameworks, overhead = (_median_tree([run[i] for run in runs]) for i in range(4))
-    return compute, collectives, frameworks, overhead
 
 
 def _cores() -> int:

@@ -453,11 +453,16 @@ def _link(rates: Rates, link_name: str) -> LinkRates:
     return rates.links["inter_node" if link_name.startswith("inter-node") else "intra_node"]
 
 
+def _fsdp_exchange(layout: ParallelConfig, axis: str) -> bool:
+    """Whether a dp axis's exchange is FSDP2's per unit (ZeRO-3; ZeRO-2 inside pipeline stages; HSDP's two parts)
+    rather than a DDP all-reduce or ZeRO-1/2's flat shards."""
+    return layout.zero == 3 or (layout.pipeline_parallel_size > 1 and layout.zero >= 2) or axis in DP_PARTS
+
+
 def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageTimes, m: int, rates: Rates,
                 last_bucket: float) -> float:
     """The part of a dp-axis exchange the step waits for."""
-    fsdp = layout.zero == 3 or (layout.pipeline_parallel_size > 1 and layout.zero >= 2) or axis != "dp"
-    if fsdp:  # gathers prefetched under forward and backward, reduce-scatters under backward
+    if _fsdp_exchange(layout, axis):  # gathers prefetched under forward and backward, reduce-scatters under backward
         hide = rates.overlap * m * (stage.total - stage.forward / max(stage.layers, 1))
         first_gather = seconds / max(3 * (stage.layers + 1), 1)
         return max(seconds - hide, 0.0) + first_gather
@@ -586,8 +591,7 @@ def _busy_part(axis: str, layout: ParallelConfig, rates: Rates) -> str:
     """The calibrated cost an axis's time is mostly made of, whose CPU share (:attr:`Rates.busy`) it takes."""
     unit = {"tp": ("tp_pair", rates.tp_pair_s), "pp": ("pp_micro_batch", rates.pp_micro_batch_s),
             "cp": ("cp_layer", rates.cp_layer_s)}.get(axis)
-    fsdp = layout.zero == 3 or axis in DP_PARTS or (layout.pipeline_parallel_size > 1 and layout.zero >= 2)
-    if unit is None and axis.startswith("dp") and fsdp:
+    if unit is None and axis.startswith("dp") and _fsdp_exchange(layout, axis):
         unit = ("fsdp_unit", rates.fsdp_unit_s)
     if axis == "offload":
         return "offload"
@@ -614,7 +618,7 @@ def _optimizer_step(shard: float, layout: ParallelConfig, layers: int, rates: Ra
                                                          shape.edge_tensors(first=False))
         tensors = shape.block_tensors * layers + edges
     tensors = 1 if flat else tensors
-    dtensors = not flat and (layout.zero >= 2 or layout.tensor_parallel_size > 1)
+    dtensors = not flat and (_fsdp_exchange(layout, "dp") or layout.tensor_parallel_size > 1)
     per_tensor = (rates.optimizer_dtensor_s or rates.optimizer_tensor_s) if dtensors else rates.optimizer_tensor_s
     if per_tensor <= 0:
         return memory, ADAM_OPS_PER_TENSOR * tensors
