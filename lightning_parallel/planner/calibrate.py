@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -56,9 +57,15 @@ from lightning_parallel.planner.rates import COLLECTIVES, SHAPE_CLASSES, Rates, 
 
 __all__ = [
     "ADAMW_BYTES_FP32",
+    "ATTENTION_SHAPES",
     "CALIBRATION_REPEATS",
     "CALIBRATION_SIZES",
+    "CP_RING_SHAPE",
+    "HOST_ADAM_ELEMENTS",
+    "OFFLOAD_UNITS",
+    "OFFLOAD_WIDE",
     "OPTIMIZER_TENSORS",
+    "attention_fit",
     "cache_dir",
     "cache_path",
     "cached_rates",
@@ -67,10 +74,14 @@ __all__ = [
     "fit_alpha_beta",
     "format_rates",
     "machine_key",
+    "measure_attention",
     "measure_collective_busy",
     "measure_frameworks",
+    "measure_host_link",
+    "measure_offload",
     "measure_optimizer",
     "median_rates",
+    "offload_calibration_ops",
     "rates_for",
 ]
 
@@ -203,8 +214,79 @@ def measure_compute(device: torch.device, *, progress: Progress | None = None) -
     per_tensor, optimizer = measure_optimizer(device, sync)
     if progress:
         progress(f"optimizer step (AdamW): {per_tensor * 1e6:,.1f} us per tensor + {optimizer / 1e9:,.1f} GB/s")
+    attention = measure_attention(device, sync)
+    if progress:
+        progress("attention (SDPA, causal, forward + backward): " + ", ".join(
+            f"{_attention_flops(device.type, seq) / seconds / 1e9:,.1f} GFLOP/s at {seq} tokens"
+            for seq, seconds in attention))
+    host_link = measure_host_link(device, sync)
+    if progress:
+        progress(f"host link (16 MiB copies to and from {'pinned ' if device.type != 'cpu' else ''}host memory): "
+                 f"{host_link / 1e9:,.1f} GB/s")
     return {"matmul": table, "memory_bandwidth": bandwidth, "elementwise_bandwidth": elementwise,
-            "op_overhead": per_op, "optimizer_tensor": per_tensor, "optimizer_bandwidth": optimizer}
+            "op_overhead": per_op, "optimizer_tensor": per_tensor, "optimizer_bandwidth": optimizer,
+            "host_link_bandwidth": host_link, "attention": attention}
+
+
+ATTENTION_SHAPES = {"cpu": ((4, 4, 64, 32), (4, 4, 256, 32)), "gpu": ((4, 16, 512, 64), (4, 16, 2048, 64))}
+"""``(batch, heads, tokens, head dim)`` of the two causal attentions timed on each kind of device
+(:func:`measure_attention`): a short and a long sequence, for a cost per call and a rate."""
+
+
+def _attention_shapes(device_type: str) -> tuple[tuple[int, int, int, int], ...]:
+    return ATTENTION_SHAPES["cpu" if device_type == "cpu" else "gpu"]
+
+
+def _attention_flops(device_type: str, seq: int) -> float:
+    """The step-time model's count of an attention's forward and backward at one of :data:`ATTENTION_SHAPES`
+    (``3 x 4 b s^2 h d``: scores and their product with the values, counted whole)."""
+    b, h, _, d = next(shape for shape in _attention_shapes(device_type) if shape[2] == seq)
+    return 3 * 4.0 * b * seq * seq * h * d
+
+
+def measure_attention(device: torch.device, sync: Callable[[], None]) -> list[tuple[int, float]]:
+    """Seconds of the forward and backward of torch's fused attention (``scaled_dot_product_attention``, causal;
+    fp32 on CPU, bf16 on accelerators) at each of :data:`ATTENTION_SHAPES`: ``[(tokens, seconds), ...]``. The
+    calibration fits a cost per call and a rate against the GEMMs' to them (:func:`attention_fit`)."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    out = []
+    for b, h, seq, d in _attention_shapes(device.type):
+        q = torch.randn(b, h, seq, d, device=device, dtype=dtype, requires_grad=True)
+
+        def run(q: torch.Tensor = q) -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+        out.append((seq, _timed(run, sync=sync)))
+    return out
+
+
+def attention_fit(points: list[tuple[int, float]], rates: Rates, device_type: str) -> tuple[float, float]:
+    """``(efficiency, seconds per call)`` of the attention core from :func:`measure_attention`'s two points: each
+    point's time is ``per call + flops / (efficiency x GEMM rate at the attention's shape)`` -- the GEMM rate as the
+    step-time model reads it (``m = n = tokens``, ``k`` = head dim). The efficiency is kept within (0, 1]."""
+    dtype = "fp32" if device_type == "cpu" else "bf16"
+    shapes = {shape[2]: shape for shape in _attention_shapes(device_type)}
+    at_gemm_rate = []
+    for seq, seconds in points:
+        d = shapes[seq][3]
+        at_gemm_rate.append((_attention_flops(device_type, seq) / rates.matmul_rate(dtype, m=seq, n=seq, k=d),
+                             seconds))
+    (m0, t0), (m1, t1) = at_gemm_rate[0], at_gemm_rate[-1]
+    efficiency = min(1.0, (m1 - m0) / (t1 - t0)) if t1 > t0 and m1 > m0 else min(1.0, m1 / t1)
+    efficiency = max(efficiency, 1e-3)
+    return efficiency, max(0.0, t0 - m0 / efficiency)
+
+
+def measure_host_link(device: torch.device, sync: Callable[[], None]) -> float:
+    """Bytes/s of a 16 MiB fp32 copy from ``device`` to host memory (pinned on an accelerator) and back, the mean
+    of the two directions: what ZeRO-offload moves gradients and parameters over (on CPU a copy between two host
+    buffers)."""
+    n = 2**22
+    dev = torch.randn(n, device=device)
+    host = torch.empty(n, pin_memory=device.type != "cpu")
+    down = _timed(lambda: host.copy_(dev, non_blocking=True), sync=sync, seconds=0.2)
+    up = _timed(lambda: dev.copy_(host, non_blocking=True), sync=sync, seconds=0.2)
+    return 2 * 4 * n / (down + up)
 
 
 OPTIMIZER_TENSORS = 64
@@ -352,14 +434,14 @@ between them; a pipeline starts from one micro-batch per stage)."""
 
 
 def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
-                  run: Callable[[], None] | None = None) -> tuple[float, float]:
+                  run: Callable[[], None] | None = None, optimizer: bool = True) -> tuple[float, float]:
     """Median seconds of the forward and backward of a training step of ``net`` (on ``x``, or ``run()``), every rank
     in step (a barrier before each); AdamW and zero_grad follow, untimed (the optimizer step is calibrated on its
-    own, per tensor: :func:`measure_optimizer`). Returns the medians of the wall time and of the process's CPU time
-    (every thread: the collectives' too)."""
+    own, per tensor: :func:`measure_optimizer`) -- not with ``optimizer=False`` (``run()`` steps its own). Returns
+    the medians of the wall time and of the process's CPU time (every thread: the collectives' too)."""
     import torch.distributed as dist
 
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer else None
 
     def forward_backward() -> None:
         if run is not None:
@@ -378,9 +460,15 @@ def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[
         if i >= 3:  # after the warm-up steps
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return statistics.median(times), statistics.median(cpu)
+
+
+CP_RING_SHAPE = (8, 4, 32, 32)
+"""``(batch, heads, tokens, head dim)`` of the queries of each rank in the ring attention timed at a step's size
+(:func:`measure_frameworks`'s ``cp_element``)."""
 
 
 def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
@@ -399,7 +487,11 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
       and gradients, the schedule's Python) -- what each micro-batch of a pipeline costs beyond its arithmetic;
     * ``cp_layer`` (more than one rank): one more layer's ring attention over the ranks (the library's
       ``ring_attention``: ``n - 1`` k/v blocks along the ring in forward, blocks and gradients in backward, its
-      Python) on a tiny sequence -- what context parallelism costs per layer beyond its arithmetic.
+      Python) on a tiny sequence -- what context parallelism costs per layer beyond its arithmetic;
+    * ``cp_element`` (more than one rank): the same ring at a step's size (:data:`CP_RING_SHAPE` queries per rank),
+      less one device's causal attention over the whole sequence shared by the ranks and less ``cp_layer``, per
+      element of a rank's queries: what grows with the layer's size (the block kernels' calls, the fp32 merges and
+      accumulators, the copies along the ring) beyond the attention's arithmetic.
 
     Each is the slope between :data:`FRAMEWORK_UNITS` units (micro-batches: ``world`` and 4 more), so the fixed
     cost of a step, the root unit, the loss and the pipeline's fill and drain are left out; the tensors are tiny, so
@@ -463,6 +555,30 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
 
         return _step_seconds(net, None, sync, run=run)
 
+    def ring_wide(layers: int) -> tuple[float, float]:  # the same at a step's size: CP_RING_SHAPE per rank
+        from lightning_parallel.parallel.context_parallel.ring import ring_attention
+
+        q = torch.randn(*CP_RING_SHAPE, device=device, requires_grad=True)
+        group = dist.group.WORLD
+        assert group is not None
+
+        def run() -> None:
+            h = q
+            for _ in range(layers):
+                h = ring_attention(h, h, h, group=group)
+            h.sum().backward()
+
+        return _step_seconds(nn.Linear(1, 1), None, sync, run=run, optimizer=False)
+
+    def attention_share() -> float:  # one device's causal attention on the whole sequence, per rank
+        b, h, s, d = CP_RING_SHAPE
+        q = torch.randn(b, h, s * world, d, device=device, requires_grad=True)
+
+        def run() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+        return _step_seconds(nn.Linear(1, 1), None, sync, run=run, optimizer=False)[0] / world
+
     def dtensor_optimizer() -> float:  # AdamW over DTensor parameters sharded over the world, per tensor
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -479,10 +595,117 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
         out[name] = max(0.0, (wall_b - wall_a) / (b - a))
         out[f"{name}_cpu"] = min(max(0.0, (cpu_b - cpu_a) / (b - a)), out[name])
+    if world > 1:  # the ring's cost that grows with the layer's size, beyond the attention's arithmetic
+        wide = (ring_wide(hi)[0] - ring_wide(lo)[0]) / (hi - lo)
+        elements = math.prod(CP_RING_SHAPE) - 4 * 16  # against the tiny ring's (1, 1, 4, 16) queries
+        out["cp_element"] = max(0.0, (wide - attention_share() - out["cp_layer"]) / elements)
     return out
 
 
-def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None:
+OFFLOAD_UNITS = (1, 17)
+"""Tiny units in the two runs of :func:`measure_offload` (wider apart than :data:`FRAMEWORK_UNITS`: a tensor costs the
+engine a tenth of a millisecond, within one run's noise over four units)."""
+OFFLOAD_WIDE = 1024
+"""Width of the one linear layer (about a million parameters) whose engine step gives the offload engine's cost per
+parameter (:func:`measure_offload`)."""
+HOST_ADAM_ELEMENTS = 2**22
+"""Elements of the one tensor DeepSpeed's CPU Adam is timed on (:func:`measure_offload`)."""
+
+
+def offload_calibration_ops(device_type: str) -> list[str] | None:
+    """The DeepSpeed ops the offload engine's calibration loads that are not built yet ([] when all are); None
+    when DeepSpeed is not installed. The calibration never builds an op (minutes): it measures the engine only
+    when they are built."""
+    try:
+        from lightning_parallel.parallel.offload.ops import missing_ops, required_ops
+    except ImportError:  # pragma: no cover - the module itself imports nothing optional
+        return None
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # not installed, or broken on this machine
+        return None
+    return missing_ops(required_ops(accelerator=device_type, offload_optimizer="cpu", offload_param="none"))
+
+
+def measure_offload(world: int, device: torch.device) -> dict[str, float]:
+    """What ZeRO-offload's engine (DeepSpeed's ZeRO-2 with the optimizer on the host, as ``lp_zero_offload`` builds
+    it) costs a step beyond its arithmetic and its bytes, over ``world`` ranks (every rank calls this; DeepSpeed and
+    its ops must be importable and built: :func:`offload_calibration_ops`):
+
+    * ``offload_tensor``: the slope of a whole step (forward, ``engine.backward``: gradients reduced into the flat
+      partition and copied to the host; ``engine.step``: the host Adam, the parameters copied back and all-gathered)
+      over :data:`OFFLOAD_UNITS` ``Linear(16, 16)`` units, per parameter tensor (two per unit): the engine's
+      per-tensor hooks, copies and bookkeeping;
+    * ``offload_step``: the step of the smaller net less its arithmetic and its tensors' share: the engine's fixed
+      cost per step (its Python, the flat collectives' latency, the host optimizer's call);
+    * ``offload_param``: one ``Linear(OFFLOAD_WIDE, OFFLOAD_WIDE)`` against one ``Linear(16, 16)`` (the same two
+      tensors), each less its plain forward and backward, per parameter: the engine's whole cost per parameter of
+      the model (its copies into and out of the flat partitions, the host link, the host Adam, the flat exchange's
+      bytes) -- the step-time model counts the part it does not price on its own;
+    * ``host_optimizer_params_per_s``: parameters per second DeepSpeed's CPU Adam (AdamW mode) updates in one
+      :data:`HOST_ADAM_ELEMENTS`-element tensor, every rank at once.
+
+    The tensors are tiny, so the slopes are the engine's time as a step meets it, not its bandwidth (the host link
+    and the host Adam's rate count the bytes)."""
+    import contextlib
+    import io
+
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from torch import nn
+
+    from lightning_parallel.parallel.offload.config import OffloadEngineConfig
+
+    sync = _sync_for(device)
+    config = OffloadEngineConfig.from_dict(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}).to_deepspeed()
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    quiet = logging.getLogger("DeepSpeed")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+
+    def engine_step(units: int, width: int = 16) -> tuple[float, float]:
+        net = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).to(device)
+        data = torch.randn(4, width, device=device)
+        opt = DeepSpeedCPUAdam(net.parameters(), lr=1e-3, adamw_mode=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its config and op loads
+            engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config, dist_init_required=False)
+
+        def run() -> None:
+            engine.backward(engine(data).sum())
+            engine.step()
+
+        try:
+            return _step_seconds(net, None, sync, run=run, optimizer=False)
+        finally:
+            engine.destroy()
+
+    def plain(width: int) -> tuple[float, float]:  # the same net's forward and backward, no engine
+        return _step_seconds(nn.Linear(width, width).to(device), torch.randn(4, width, device=device), sync)
+
+    try:
+        lo, hi = OFFLOAD_UNITS
+        (wall_lo, cpu_lo), (wall_hi, cpu_hi) = engine_step(lo), engine_step(hi)
+        wide, wide_plain, lo_plain = engine_step(1, OFFLOAD_WIDE)[0], plain(OFFLOAD_WIDE)[0], plain(16)
+    finally:
+        quiet.setLevel(level)
+    tensors = 2 * (hi - lo)
+    out = {"offload_tensor": max(0.0, (wall_hi - wall_lo) / tensors)}
+    out["offload_tensor_cpu"] = min(max(0.0, (cpu_hi - cpu_lo) / tensors), out["offload_tensor"])
+    out["offload_step"] = max(0.0, wall_lo - lo_plain[0] - 2 * lo * out["offload_tensor"])
+    out["offload_step_cpu"] = min(max(0.0, cpu_lo - lo_plain[1] - 2 * lo * out["offload_tensor_cpu"]),
+                                  out["offload_step"])
+    one = engine_step(1)[0] if lo != 1 else wall_lo
+    extra_params = OFFLOAD_WIDE * (OFFLOAD_WIDE + 1) - 16 * 17
+    out["offload_param"] = max(0.0, ((wide - wide_plain) - (one - lo_plain[0])) / extra_params)
+    param = nn.Parameter(torch.zeros(HOST_ADAM_ELEMENTS))
+    param.grad = torch.ones_like(param)
+    host_adam = DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=True)
+    out["host_optimizer_params_per_s"] = HOST_ADAM_ELEMENTS / _timed(host_adam.step, sync=lambda: None)
+    return out
+
+
+def _rank_main(rank: int, world: int, device_type: str, offload: bool = False) -> dict[str, Any] | None:
     """One calibration rank: compute and memory measured by every rank at once (shared cores and memory as a run
     sees them), then the collectives; rank 0 returns the figures."""
     import torch.distributed as dist
@@ -496,10 +719,13 @@ def _rank_main(rank: int, world: int, device_type: str) -> dict[str, Any] | None
     dist.barrier()
     frameworks = measure_frameworks(world, device)
     frameworks["collectives_cpu"] = measure_collective_busy(world, device)
+    if offload:
+        dist.barrier()
+        frameworks.update(measure_offload(world, device))
     return {"compute": compute, "collectives": collectives, "frameworks": frameworks} if rank == 0 else None
 
 
-def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[str, Any]:
+def _run_world(ranks: int, device_type: str, progress: Progress | None, offload: bool = False) -> dict[str, Any]:
     """:func:`_rank_main` on ``ranks`` local processes (the multi-rank tests' launcher: a failing rank's traceback is
     raised here and the other ranks are stopped; the whole run is bounded)."""
     from lightning_parallel.parallel.local_ranks import run_distributed
@@ -511,7 +737,7 @@ def _run_world(ranks: int, device_type: str, progress: Progress | None) -> dict[
     # CPU ranks share the cores out, as a run's ranks do: more threads than cores make OpenMP's threads wait on one
     # another (a small GEMM measured 300x slower with 2 ranks x 2 threads on 2 cores)
     threads = max(1, _cores() // ranks) if device_type == "cpu" else max(1, torch.get_num_threads())
-    results = run_distributed(_rank_main, ranks, device_type, timeout_s=600, collective_timeout_s=120,
+    results = run_distributed(_rank_main, ranks, device_type, offload, timeout_s=600, collective_timeout_s=120,
                               start_method="fork" if device_type == "cpu" else "spawn",
                               threads_per_rank=threads, device_type=device_type)
     result: dict[str, Any] = results[0]
@@ -602,9 +828,15 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
     repeats = CALIBRATION_REPEATS if repeats is None else repeats
     if repeats < 1:
         raise ValueError(f"calibrate(repeats={repeats}): at least 1.")
+    missing = offload_calibration_ops(device_type) if ranks > 1 else None
+    if ranks > 1 and missing is None:
+        say("offload engine: DeepSpeed is not installed, not measured (the host Adam's rate from the defaults)")
+    elif missing:
+        say(f"offload engine: not measured, DeepSpeed's ops {missing} are not built yet (the first lp_zero_offload "
+            "run builds them, minutes; calibrate again after it)")
     runs = []
     for i in range(repeats):
-        runs.append(_measure_once(ranks, device_type, say if i == 0 else None))
+        runs.append(_measure_once(ranks, device_type, say if i == 0 else None, offload=missing == []))
         if repeats > 1:
             say(f"measurement {i + 1} of {repeats} done ({time.perf_counter() - t0:.1f} s); the median of each "
                 "figure is kept")
@@ -630,7 +862,16 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
         if name in frameworks:
             busy = frameworks.get(f"{name}_cpu", 0.0) / frameworks[name] if frameworks[name] > 0 else 1.0
             say(f"{what} over {ranks} ranks: {frameworks[name] * 1e3:,.2f} ms per step beyond its arithmetic "
-                f"({min(busy, 1.0):.0%} on the CPU)")
+                f"({min(busy, 1.0):.0%} on the CPU)"
+                + (f", + {frameworks['cp_element'] * 1e9:,.1f} ns per element of a rank's queries"
+                   if name == "cp_layer" and "cp_element" in frameworks else ""))
+    if "offload_step" in frameworks:
+        busy = frameworks["offload_step_cpu"] / frameworks["offload_step"] if frameworks["offload_step"] > 0 else 1.0
+        say(f"ZeRO-offload engine (DeepSpeed ZeRO-2, optimizer on the host) over {ranks} ranks: "
+            f"{frameworks['offload_step'] * 1e3:,.2f} ms per step + {frameworks['offload_tensor'] * 1e6:,.1f} us per "
+            f"parameter tensor + {frameworks['offload_param'] * 1e9:,.2f} ns per parameter beyond its arithmetic "
+            f"({min(busy, 1.0):.0%} of the fixed part on the CPU); DeepSpeed's CPU Adam "
+            f"{frameworks['host_optimizer_params_per_s'] / 1e6:,.0f} M parameters/s")
     say(f"host overhead per step (Lightning fit of a one-layer model): {overhead * 1e3:.2f} ms")
     if "distributed_overhead" in frameworks:
         say(f"host overhead per step over {ranks} ranks (lp_ddp fit of a one-layer model): "
@@ -652,11 +893,12 @@ CALIBRATION_REPEATS = 3
 was seen to vary 2x between two calibrations a minute apart)."""
 
 
-def _measure_once(ranks: int, device_type: str, say: Progress | None) -> tuple[dict[str, Any], dict[str, Any],
-                                                                                  dict[str, float], float]:
-    """One measurement of everything: compute, collectives and unit costs over ``ranks`` ranks, the host overheads."""
+def _measure_once(ranks: int, device_type: str, say: Progress | None, offload: bool = False
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float], float]:
+    """One measurement of everything: compute, collectives and unit costs over ``ranks`` ranks (``offload``: the
+    ZeRO-offload engine's too), the host overheads."""
     if ranks > 1:
-        world = _run_world(ranks, device_type, say)
+        world = _run_world(ranks, device_type, say, offload)
         compute, collectives, frameworks = world["compute"], world["collectives"], world["frameworks"]
     else:
         compute, collectives = measure_compute(torch.device(device_type, 0) if device_type != "cpu"
@@ -702,6 +944,9 @@ def _compute_lines(compute: dict[str, Any]) -> list[str]:
             f"elementwise ops (GELU forward + backward, LayerNorm, add): "
             f"{compute.get('elementwise_bandwidth', 0.0) / 1e9:,.1f} GB/s",
             f"one eager op dispatched: {compute.get('op_overhead', 0.0) * 1e6:,.1f} us",
+            *(["attention (SDPA, causal, forward + backward): "
+               + ", ".join(f"{seconds * 1e3:,.2f} ms at {seq} tokens" for seq, seconds in compute["attention"])]
+              if compute.get("attention") else []),
             f"optimizer step (AdamW): {compute.get('optimizer_tensor', 0.0) * 1e6:,.1f} us per tensor + "
             f"{compute.get('optimizer_bandwidth', 0.0) / 1e9:,.1f} GB/s"]
 
@@ -724,7 +969,14 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
         "host_overhead_ms": overhead * 1e3,
         "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
         **{f"{name}_ms": seconds * 1e3 for name, seconds in (frameworks or {}).items()
-           if name != "optimizer_dtensor" and not name.endswith("_cpu")},
+           if name not in ("optimizer_dtensor", "host_optimizer_params_per_s", "offload_param", "cp_element")
+           and not name.endswith("_cpu")},
+        **({"cp_element_ns": frameworks["cp_element"] * 1e9} if frameworks and "cp_element" in frameworks else {}),
+        **({"offload_param_ns": frameworks["offload_param"] * 1e9} if frameworks and "offload_param" in frameworks
+           else {}),
+        **({"host_optimizer_params_per_s": frameworks["host_optimizer_params_per_s"]}
+           if frameworks and "host_optimizer_params_per_s" in frameworks else {}),
+        **({"host_link_gbs": compute["host_link_bandwidth"] / 1e9} if "host_link_bandwidth" in compute else {}),
         **({"busy": _busy(frameworks)} if device_type == "cpu" and frameworks else {}),
         **({"optimizer_dtensor_us": frameworks["optimizer_dtensor"] * 1e6}
            if frameworks and "optimizer_dtensor" in frameworks else {}),
@@ -737,7 +989,11 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
         "source": f"calibrated {socket.gethostname()} {device_type} x{ranks} "
                   f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC",
     }
-    return rates_from_dict(data)
+    rates = rates_from_dict(data)
+    if compute.get("attention"):
+        efficiency, per_call = attention_fit(compute["attention"], rates, device_type)
+        rates = rates_from_dict({**data, "attention_efficiency": efficiency, "attention_call_us": per_call * 1e6})
+    return rates
 
 
 def _busy(frameworks: dict[str, float]) -> dict[str, float]:

@@ -6,11 +6,12 @@ figures. Per device and step, with ``m`` micro-batches of ``b`` sequences of ``s
 chunks per stage:
 
 * compute (:mod:`.flops`): each layer's GEMMs at the calibrated matmul rate of their shape and dtype, the attention
-  core at ``attention_efficiency`` of it, the memory-bound rest at the memory bandwidth; backward twice the forward;
-  recomputation adds the forward (``full``) or the attention core (``selective``). A stage's micro-batch time ``t`` is
-  its layers (the busiest stage: the head's logits on the last) plus its exposed tensor-parallel and point-to-point
-  time; the pipeline runs ``(m + p - 1) t`` (GPipe, 1F1B), ``(m + (p - 1) / v) t`` (interleaved 1F1B) or
-  ``(m + (p - 1) / 3) t`` (zero bubble: the weight-gradient passes fill two thirds of the 1F1B bubble);
+  core at ``attention_efficiency`` of it plus ``attention_call_s`` per call, the memory-bound rest at the memory
+  bandwidth; backward twice the forward; recomputation adds the forward (``full``) or the attention core
+  (``selective``). A stage's micro-batch time ``t`` is its layers (the busiest stage: the head's logits on the last)
+  plus its exposed tensor-parallel and point-to-point time; the pipeline runs ``(m + p - 1) t`` (GPipe, 1F1B),
+  ``(m + (p - 1) / v) t`` (interleaved 1F1B) or ``(m + (p - 1) / 3) t`` (zero bubble: the weight-gradient passes
+  fill two thirds of the 1F1B bubble);
 * each axis's collectives from the alpha-beta model: ``calls x alpha + bytes sent per rank / beta`` (bus bandwidth),
   ``bytes`` per rank as below; what is exposed:
 
@@ -23,10 +24,16 @@ chunks per stage:
     fit under it (``overlap`` of the rates) and the last bucket;
   - dp, ZeRO-1/2 (flat shards): the reduce-scatter and the all-gather after the backward: exposed;
   - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
-    under backward: exposed beyond the compute they hide under, plus the first layer's gather;
-  - cp (ring attention): under the attention core it overlaps;
+    under backward: exposed beyond the compute they hide under, plus the first layer's gather; a calibrated unit's
+    cost scales with its collectives per step (inside pipeline stages one all-gather per micro-batch and one more
+    when resharding after forward);
+  - cp (ring attention): per layer its calibrated cost (a fixed part and a part per element of a rank's queries)
+    and its bytes, under the attention core it overlaps;
 * offload: 16-bit gradients out and weights back over the host link, the host optimizer at
-  ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state: exposed;
+  ``host_optimizer_params_per_s``, NVMe reading and writing the optimizer state, and the engine's calibrated cost
+  per step and per parameter tensor (``offload_step_s``, ``offload_tensor_s``: it then holds the flat exchange's
+  latency) and per parameter beyond those bytes (``offload_param_s``, its copies into and out of its partitions):
+  exposed;
 * the optimizer step on the device: parameters, gradients and states read and written at the calibrated optimizer
   rate, plus its calibrated cost per parameter tensor (higher per ``DTensor``: FSDP2 and tensor-parallel parameters;
   one flat shard under ZeRO-1/2); the framework's host overhead per step, and the eager ops' dispatch
@@ -394,7 +401,8 @@ def _dtype(training: TrainingSettings) -> str:
 def stage_times(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, rates: Rates, *,
                 kernels: Kernels | None = None, recompute: str | None = None) -> StageTimes:
     """Compute of one micro-batch on the busiest stage: GEMMs at their shape's rate, the attention core at
-    ``attention_efficiency`` of it, the memory-bound ops at the memory bandwidth (:mod:`.flops`)."""
+    ``attention_efficiency`` of it plus its calibrated cost per call (a third in forward, two in backward), the
+    memory-bound ops at the memory bandwidth (:mod:`.flops`)."""
     pp, tp, cp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.context_parallel_size
     dtype = _dtype(training)
     shape = model.shape
@@ -409,7 +417,7 @@ def stage_times(model: ModelSpec, training: TrainingSettings, layout: ParallelCo
     work = layer_work(shape, batch=b, seq=s, tp=tp, element_bytes=training.activation_bytes, cp=cp, kernels=kernels)
     gemm = sum(2.0 * m * n * k / rates.matmul_rate(dtype, m=m, n=n, k=k) for m, n, k in work.gemms)
     attention = work.attention_flops / (rates.matmul_rate(dtype, m=s / cp, n=s, k=shape.n_embd / shape.n_head)
-                                        * rates.attention_efficiency)
+                                        * rates.attention_efficiency) + rates.attention_call_s / 3
     elementwise = work.elementwise_bytes / rates.elementwise_rate
     layers = math.ceil(shape.n_layer / pp)
     m, n, k = head_work(shape, batch=b, seq=s, tp=tp, cp=cp)
@@ -459,12 +467,25 @@ def _fsdp_exchange(layout: ParallelConfig, axis: str) -> bool:
     return layout.zero == 3 or (layout.pipeline_parallel_size > 1 and layout.zero >= 2) or axis in DP_PARTS
 
 
+def _fsdp_collectives(layout: ParallelConfig, axis: str, m: int) -> int:
+    """FSDP2's collectives per unit and step on a dp axis: under HSDP one all-reduce of the unit's gradient shard
+    over the replicas (``dp_replicate``); else the reduce-scatter of its gradient and its all-gathers -- one in
+    forward and one in backward when it reshards after forward (ZeRO-3), one when not (ZeRO-2); inside pipeline
+    stages one per micro-batch and one more when resharding (measured: the schedule's backwards keep the parameters
+    gathered until the last), else one per step."""
+    if axis == "dp_replicate":
+        return 1
+    if layout.pipeline_parallel_size > 1:
+        return (m + 1 if reshards(layout) else 1) + 1
+    return (2 if reshards(layout) else 1) + 1
+
+
 def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageTimes, m: int, rates: Rates,
                 last_bucket: float) -> float:
     """The part of a dp-axis exchange the step waits for."""
     if _fsdp_exchange(layout, axis):  # gathers prefetched under forward and backward, reduce-scatters under backward
         hide = rates.overlap * m * (stage.total - stage.forward / max(stage.layers, 1))
-        first_gather = seconds / max(3 * (stage.layers + 1), 1)
+        first_gather = seconds / max(_fsdp_collectives(layout, axis, m) * (stage.layers + 1), 1)
         return max(seconds - hide, 0.0) + first_gather
     if layout.zero in (1, 2) or layout.pipeline_parallel_size > 1:
         return seconds  # flat shards after the backward; a pipeline's dp all-reduce after the schedule
@@ -510,8 +531,9 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     if "cp" in traffic:
         if rates.cp_layer_s > 0:  # the calibrated ring of the calibration's ranks, stretched to cp - 1 hops
             hops = (cp - 1) / max(rates.calibrated_ranks - 1, 1)
+            queries = b * (s / cp) * (shape.n_embd / tp if shape is not None else 0.0)  # a rank's, per layer
             comm["cp"] = _per_unit(_link(rates, links["cp"]), "p2p", traffic["cp"],
-                                   layers * m * rates.cp_layer_s * hops)
+                                   layers * m * (rates.cp_layer_s + rates.cp_element_s * queries) * hops)
         else:
             comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
         attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
@@ -530,17 +552,18 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                          rates=rates, ranks=group[axis])
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
-            fsdp = layout.zero == 3 or axis == "dp_shard"
-            # per FSDP unit: two all-gathers and a reduce-scatter over the shard group; under HSDP one all-reduce
-            # of the unit's gradient shard over the replicas
-            per_unit = 1 if axis == "dp_replicate" else 3
+            fsdp = _fsdp_exchange(layout, axis)
+            per_unit = _fsdp_collectives(layout, axis, m)
             calls = per_unit * (layers + 1) if fsdp else 2
             if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
                 units = layers + (3 if pp == 1 else 2)
+                # calibrated with FSDP2's default: two all-gathers and a reduce-scatter per unit and step
                 unit_s = rates.fsdp_unit_s * per_unit / 3 * rates.ring_latency_scale("all_gather", group[axis])
                 comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
             elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each, half the bytes
-                comm[axis] = sum(_send(link, c, traffic[axis] / 2, 1, rates=rates, ranks=group[axis])
+                # (the offload engine's calibrated step holds their latency)
+                flat_calls = 0 if layout.offload_device != "none" and rates.offload_step_s > 0 else 1
+                comm[axis] = sum(_send(link, c, traffic[axis] / 2, flat_calls, rates=rates, ranks=group[axis])
                                  for c in ("reduce_scatter", "all_gather"))
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
@@ -550,7 +573,9 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     if "offload" in traffic:
         offload = (traffic["offload"] / rates.host_link_bandwidth
                    + traffic["host_optimizer"] / rates.host_optimizer_params_per_s
-                   + traffic.get("nvme", 0.0) / rates.nvme_bandwidth)
+                   + traffic.get("nvme", 0.0) / rates.nvme_bandwidth
+                   + rates.offload_step_s + rates.offload_tensor_s * _stage_tensors(layout, layers, shape)
+                   + _offload_residual(rates, state.grad) * local)
         comm["offload"] = exposed["offload"] = offload
     compute = m * stage.total * bubble
     sharded = local / shard_size if layout.zero >= 1 else local  # HSDP: sharded over its shard groups only
@@ -594,7 +619,7 @@ def _busy_part(axis: str, layout: ParallelConfig, rates: Rates) -> str:
     if unit is None and axis.startswith("dp") and _fsdp_exchange(layout, axis):
         unit = ("fsdp_unit", rates.fsdp_unit_s)
     if axis == "offload":
-        return "offload"
+        return "offload_step"
     return unit[0] if unit is not None and unit[1] > 0 else "collectives"
 
 
@@ -610,20 +635,37 @@ def _optimizer_step(shard: float, layout: ParallelConfig, layers: int, rates: Ra
         return 0.0, 0
     memory = shard * (2 * param + grad + 2 * moments) / rates.optimizer_rate
     flat = layout.zero in (1, 2) and layout.pipeline_parallel_size == 1  # the sharded optimizer steps one flat shard
-    if shape is None:
-        tensors = TENSORS_PER_LAYER * layers + 5
-    else:  # the busiest stage: the blocks and the larger of the embedding's and the head's tensors
-        pp = layout.pipeline_parallel_size
-        edges = shape.edge_tensors() if pp == 1 else max(shape.edge_tensors(last=False),
-                                                         shape.edge_tensors(first=False))
-        tensors = shape.block_tensors * layers + edges
-    tensors = 1 if flat else tensors
+    tensors = 1 if flat else _stage_tensors(layout, layers, shape)
     dtensors = not flat and (_fsdp_exchange(layout, "dp") or layout.tensor_parallel_size > 1)
     per_tensor = (rates.optimizer_dtensor_s or rates.optimizer_tensor_s) if dtensors else rates.optimizer_tensor_s
     if per_tensor <= 0:
         return memory, ADAM_OPS_PER_TENSOR * tensors
     host = tensors * per_tensor
     return (memory + host if rates.overlap == 0 else max(memory, host)), 0
+
+
+def _offload_residual(rates: Rates, grad: float) -> float:
+    """Seconds per parameter of the offload engine's calibrated cost (:attr:`Rates.offload_param_s`, over the
+    calibration's ``n`` ranks) beyond what the model counts on its own at ``n`` ranks: the host link's
+    ``2 g / n`` bytes, the host Adam's ``1 / n`` parameter, the flat reduce-scatter's and all-gather's
+    ``g (n - 1) / n`` bytes each -- the engine's copies into and out of its partitions."""
+    if rates.offload_param_s <= 0:
+        return 0.0
+    n = max(rates.calibrated_ranks, 1)
+    link = rates.links["intra_node"]
+    counted = 2 * grad / n / rates.host_link_bandwidth + 1 / n / rates.host_optimizer_params_per_s
+    counted += sum(grad * (n - 1) / n / link.collectives[c].beta for c in ("reduce_scatter", "all_gather"))
+    return max(rates.offload_param_s - counted, 0.0)
+
+
+def _stage_tensors(layout: ParallelConfig, layers: int, shape: ModelShape | None) -> int:
+    """Parameter tensors on the busiest stage: its blocks' (:attr:`ModelShape.block_tensors`) and the larger of the
+    embedding's and the head's; without a shape :data:`TENSORS_PER_LAYER` per layer and 5 more."""
+    if shape is None:
+        return TENSORS_PER_LAYER * layers + 5
+    if layout.pipeline_parallel_size == 1:
+        return shape.block_tensors * layers + shape.edge_tensors()
+    return shape.block_tensors * layers + max(shape.edge_tensors(last=False), shape.edge_tensors(first=False))
 
 
 def _attention_share(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, rates: Rates) -> float:

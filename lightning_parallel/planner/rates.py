@@ -116,7 +116,11 @@ class Rates:
     """Measured FLOP/s by dtype and GEMM edge (``{"bf16": {"1024": ...}}``, :data:`SHAPE_CLASSES`); empty when only
     large GEMMs are known."""
     attention_efficiency: float = 0.6
-    """The attention core's FLOP/s as a share of the GEMM rate (fused attention kernels reach less than GEMMs)."""
+    """The attention core's FLOP/s as a share of the GEMM rate (fused attention kernels reach less than GEMMs);
+    calibrated with :attr:`attention_call_s` (two sequence lengths), from published kernel figures in the profiles."""
+    attention_call_s: float = 0.0
+    """Seconds an attention call costs (forward and backward, per layer and micro-batch) beyond its FLOPs at
+    :attr:`attention_efficiency`: the fused kernel's fixed cost, which dominates short sequences; calibrated."""
     host_link_bandwidth: float = 12e9
     """Host <-> device bytes/s per device (PCIe), what offload moves its tensors over."""
     host_optimizer_params_per_s: float = 2.5e8
@@ -155,14 +159,30 @@ class Rates:
     """Seconds one layer's ring attention over the calibration's ranks adds to a step (its transfers along the ring
     in forward and backward, its Python) beyond the attention's arithmetic and bytes; calibrated. 0: unknown,
     ``alpha`` per transfer."""
+    cp_element_s: float = 0.0
+    """Seconds a layer's ring attention adds per element of a rank's queries (``batch x tokens / cp x width / tp``)
+    beyond :attr:`cp_layer_s` and the attention's arithmetic: its block kernels' calls, fp32 merges and
+    accumulators, the copies along the ring; calibrated. 0: unknown, not counted."""
     tp_pair_s: float = 0.0
     """Seconds one Megatron pair of DTensor linears (column- then row-parallel) adds to a training step beyond its
     arithmetic and its bytes (two all-reduces' latency as a step meets them, DTensor dispatch); calibrated. 0:
     unknown, ``alpha`` per all-reduce."""
+    offload_step_s: float = 0.0
+    """Seconds ZeRO-offload's engine (DeepSpeed's, the optimizer on the host) costs per step beyond the arithmetic
+    and the bytes it moves (its Python, the flat collectives' latency, the host optimizer's call), over
+    :attr:`calibrated_ranks` ranks; calibrated where DeepSpeed's ops are built. 0: unknown, not counted."""
+    offload_tensor_s: float = 0.0
+    """The same engine's seconds per parameter tensor and step (its gradient hooks, copies to and from the host
+    partition, the host Adam's per-tensor work); calibrated with :attr:`offload_step_s`."""
+    offload_param_s: float = 0.0
+    """The same engine's whole seconds per parameter of the model and step over :attr:`calibrated_ranks` ranks: its
+    copies into and out of the flat partitions, the host link, the host Adam, the flat exchange's bytes; the
+    step-time model adds what of it the host link, the host Adam's rate and the exchange do not already count."""
     busy: Mapping[str, float] = field(default_factory=dict)
     """Share of each calibrated cost a rank spends on its CPU (CPU time over wall time; the rest it waits for other
-    ranks or the network): ``fsdp_unit``, ``tp_pair``, ``pp_micro_batch``, ``cp_layer``, ``collectives``; measured on
-    CPU. When ranks outnumber the cores, only that share competes for them (:meth:`Rates.busy_share`)."""
+    ranks or the network): ``fsdp_unit``, ``tp_pair``, ``pp_micro_batch``, ``cp_layer``, ``offload_step``,
+    ``offload_tensor``, ``collectives``; measured on CPU. When ranks outnumber the cores, only that share competes
+    for them (:meth:`Rates.busy_share`)."""
     cores: int = 0
     """CPU cores the calibration ran on (0: not a CPU calibration): ranks beyond them share cores
     (:meth:`core_share`)."""
@@ -240,6 +260,7 @@ class Rates:
                              for c, r in link.collectives.items()} for kind, link in self.links.items()},
             "host_overhead_ms": self.host_overhead_s * 1e3,
             "attention_efficiency": self.attention_efficiency,
+            **({"attention_call_us": self.attention_call_s * 1e6} if self.attention_call_s else {}),
             "host_link_gbs": self.host_link_bandwidth / 1e9,
             "host_optimizer_params_per_s": self.host_optimizer_params_per_s,
             "nvme_gbs": self.nvme_bandwidth / 1e9,
@@ -253,6 +274,10 @@ class Rates:
             **({"tp_pair_ms": self.tp_pair_s * 1e3} if self.tp_pair_s else {}),
             **({"pp_micro_batch_ms": self.pp_micro_batch_s * 1e3} if self.pp_micro_batch_s else {}),
             **({"cp_layer_ms": self.cp_layer_s * 1e3} if self.cp_layer_s else {}),
+            **({"cp_element_ns": self.cp_element_s * 1e9} if self.cp_element_s else {}),
+            **({"offload_step_ms": self.offload_step_s * 1e3} if self.offload_step_s else {}),
+            **({"offload_tensor_ms": self.offload_tensor_s * 1e3} if self.offload_tensor_s else {}),
+            **({"offload_param_ns": self.offload_param_s * 1e9} if self.offload_param_s else {}),
             **({"busy": dict(self.busy)} if self.busy else {}),
             **({"cores": self.cores} if self.cores else {}),
             **({"calibrated_ranks": self.calibrated_ranks} if self.calibrated_ranks else {}),
@@ -262,10 +287,12 @@ class Rates:
 
 
 _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandwidth_gbs", "links",
-         "host_overhead_ms", "attention_efficiency", "host_link_gbs", "host_optimizer_params_per_s", "nvme_gbs",
+         "host_overhead_ms", "attention_efficiency", "attention_call_us", "host_link_gbs",
+         "host_optimizer_params_per_s", "nvme_gbs",
          "overlap", "elementwise_gbs", "op_overhead_us", "distributed_overhead_ms", "fsdp_unit_ms", "tp_pair_ms",
          "pp_micro_batch_ms", "cp_layer_ms", "cores", "calibrated_ranks", "optimizer_gbs", "optimizer_tensor_us",
-         "optimizer_dtensor_us", "busy", "source"}
+         "optimizer_dtensor_us", "offload_step_ms", "offload_tensor_ms", "offload_param_ns", "cp_element_ns", "busy",
+         "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -294,13 +321,16 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
     optional: dict[str, Any] = {}
     scaled = {"host_overhead_ms": ("host_overhead_s", 1e-3), "host_link_gbs": ("host_link_bandwidth", 1e9),
               "nvme_gbs": ("nvme_bandwidth", 1e9), "attention_efficiency": ("attention_efficiency", 1.0),
+              "attention_call_us": ("attention_call_s", 1e-6),
               "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0), "overlap": ("overlap", 1.0),
               "elementwise_gbs": ("elementwise_bandwidth", 1e9), "op_overhead_us": ("op_overhead_s", 1e-6),
               "fsdp_unit_ms": ("fsdp_unit_s", 1e-3), "tp_pair_ms": ("tp_pair_s", 1e-3),
               "distributed_overhead_ms": ("distributed_overhead_s", 1e-3),
               "pp_micro_batch_ms": ("pp_micro_batch_s", 1e-3), "cp_layer_ms": ("cp_layer_s", 1e-3),
               "optimizer_gbs": ("optimizer_bandwidth", 1e9), "optimizer_tensor_us": ("optimizer_tensor_s", 1e-6),
-              "optimizer_dtensor_us": ("optimizer_dtensor_s", 1e-6)}
+              "optimizer_dtensor_us": ("optimizer_dtensor_s", 1e-6), "offload_step_ms": ("offload_step_s", 1e-3),
+              "offload_tensor_ms": ("offload_tensor_s", 1e-3), "offload_param_ns": ("offload_param_s", 1e-9),
+              "cp_element_ns": ("cp_element_s", 1e-9)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale

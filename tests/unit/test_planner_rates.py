@@ -83,6 +83,13 @@ def test_rates_round_trip_and_bad_keys() -> None:
     assert (units.fsdp_unit_s, units.tp_pair_s) == pytest.approx((3.5e-3, 1.25e-3))
     assert (rates_from_dict(units.to_dict()).fsdp_unit_s, rates_from_dict(units.to_dict()).tp_pair_s) == (
         units.fsdp_unit_s, units.tp_pair_s)
+    engines = rates_from_dict({**rates.to_dict(), "offload_step_ms": 3.0, "offload_tensor_ms": 0.1,
+                               "offload_param_ns": 14.0, "cp_element_ns": 60.0, "host_optimizer_params_per_s": 1e9})
+    assert (engines.offload_step_s, engines.offload_tensor_s, engines.offload_param_s, engines.cp_element_s,
+            engines.host_optimizer_params_per_s) == pytest.approx((3e-3, 1e-4, 14e-9, 60e-9, 1e9))
+    back = rates_from_dict(engines.to_dict())
+    assert (back.offload_step_s, back.offload_tensor_s, back.offload_param_s, back.cp_element_s) == pytest.approx(
+        (3e-3, 1e-4, 14e-9, 60e-9))
     with pytest.raises(ValueError, match="unknown keys"):
         rates_from_dict({**rates.to_dict(), "matmul_tflop": {}})
     with pytest.raises(ValueError, match="collectives"):
@@ -226,3 +233,25 @@ def test_a_calibration_keeps_the_median_of_its_measurements() -> None:
     assert median_rates([fast, slow, fast]).fsdp_unit_s == pytest.approx(1e-3)
     assert _median_tree(runs) == {"matmul": {"fp32": {"128": 2.0}}, "points": [(4.0, 0.2), (8.0, 0.6)], "n": 3,
                                   "tag": "a"}
+
+
+def test_the_attention_core_is_fitted_a_cost_per_call_and_a_rate() -> None:
+    """Two timed attentions (a short and a long sequence) made from a known cost per call and efficiency give them
+    back against the GEMM rate the step-time model reads at the attention's shape; a kernel faster than the GEMMs
+    is capped at efficiency 1. The step-time model then charges the call once per layer and micro-batch."""
+    from lightning_parallel.planner.calibrate import ATTENTION_SHAPES, _attention_flops, attention_fit
+
+    rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10,
+                             "matmul_tflops_by_shape": {"fp32": {"128": 0.05, "512": 0.1}},
+                             "links": {"intra_node": {c: {"alpha_us": 10, "beta_gbs": 1} for c in COLLECTIVES}}})
+    (_, _, short, d), (_, _, long, _) = ATTENTION_SHAPES["cpu"]
+
+    def seconds(seq: int, efficiency: float, call: float) -> float:
+        return call + _attention_flops("cpu", seq) / (efficiency * rates.matmul_rate("fp32", m=seq, n=seq, k=d))
+
+    points = [(seq, seconds(seq, 0.4, 2e-4)) for seq in (short, long)]
+    assert attention_fit(points, rates, "cpu") == pytest.approx((0.4, 2e-4))
+    fast = [(seq, seconds(seq, 3.0, 0.0)) for seq in (short, long)]
+    assert attention_fit(fast, rates, "cpu")[0] == 1.0
+    back = rates_from_dict({**rates.to_dict(), "attention_efficiency": 0.4, "attention_call_us": 200})
+    assert rates_from_dict(back.to_dict()).attention_call_s == pytest.approx(2e-4)

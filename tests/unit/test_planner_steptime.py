@@ -164,6 +164,22 @@ def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> No
     cp2 = {"data_parallel_size": 1, "context_parallel_size": 2, "activation_checkpointing": "none"}
     alpha, ring = cost(cp2), cost(cp2, cp_layer_ms=2.0)  # a layer's ring attention, 3 layers
     assert ring.comm_s["cp"] == pytest.approx(alpha.comm_s["cp"] - 2 * 3 * 100e-6 + 3 * 2e-3)
+    # and per element of a rank's queries (micro-batch 2 x 32 of the 64 tokens x width 128), per layer
+    calls = cost(zero3, attention_call_us=300.0)  # the attention kernel's cost per call: 3 layers, each micro-batch
+    assert calls.compute_s - cost(zero3).compute_s == pytest.approx(3 * 300e-6)
+    sized = cost(cp2, cp_layer_ms=2.0, cp_element_ns=50.0)
+    assert sized.comm_s["cp"] - ring.comm_s["cp"] == pytest.approx(3 * 50e-9 * 2 * 32 * 128)
+    # FSDP2 units inside pipeline stages: resharding after forward (ZeRO-3) gathers once per micro-batch and once
+    # more, then the reduce-scatter: m + 2 collectives per unit against the calibration's three; ZeRO-2 two
+    m = TrainingSettings(micro_batch_size=2).micro_batches(2)
+    for zero, collectives in ((3, m + 2), (2, 2)):
+        staged = {"data_parallel_size": 1, "pipeline_parallel_size": 2, "zero_stage": zero,
+                  "activation_checkpointing": "none"}
+        units = {"data_parallel_size": 2, **{k: v for k, v in staged.items() if k != "data_parallel_size"}}
+        alpha, unit = cost(units), cost(units, fsdp_unit_ms=3.0)
+        layers = 2  # the busiest stage's blocks of 3 (first stage)
+        assert unit.comm_s["dp"] == pytest.approx(alpha.comm_s["dp"] - collectives * (layers + 1) * 100e-6
+                                                  + (layers + 2) * collectives / 3 * 3e-3)
 
 
 def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
@@ -275,3 +291,35 @@ def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
         sent = 4 * shape.total_params() / 2  # fp32 gradient (N-1)/N, then the parameters (N-1)/N, N = 2
         assert cost.comm_s["dp"] == pytest.approx(2000e-6 + sent / 0.5e9 + 100e-6 + sent / 2e9)
         assert cost.exposed_s["dp"] == cost.comm_s["dp"]  # after the backward: nothing hides it
+
+
+def test_the_offload_engine_pays_its_calibrated_step_tensors_and_parameters() -> None:
+    """ZeRO-offload with a calibrated engine: its fixed cost per step, its cost per parameter tensor of the model
+    (35: GPT, 2 blocks) and the part of its cost per parameter that the host link, the host Adam and the flat
+    exchange's bytes do not already count (at the calibration's two ranks); the flat exchange's latency is then in
+    the engine's step, its bytes still at ``beta``."""
+    from lightning_parallel.planner.hardware import make_hardware
+    from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
+
+    shape = ModelShape(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+    params = shape.total_params()
+
+    def cost(**extra: float) -> StepCost:
+        rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10, "host_link_gbs": 8,
+                                 "host_optimizer_params_per_s": 1e9,
+                                 "links": {"intra_node": {c: {"alpha_us": 100, "beta_gbs": 1} for c in COLLECTIVES}},
+                                 "cores": 2, "calibrated_ranks": 2, "overlap": 0.0, **extra})
+        hardware = make_hardware(gpus_per_node=2, gpu_memory="1TB", rates=rates, name="cpu", accelerator="cpu")
+        training = TrainingSettings(precision="fp32", micro_batch_size=2, seq_len=64, activation_checkpointing="none")
+        layout = ParallelConfig.from_dict({"data_parallel_size": 2, "zero_stage": 2, "offload": "cpu",
+                                           "activation_checkpointing": "none"})
+        return estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
+
+    bare = cost()
+    assert bare.exposed_s["offload"] == pytest.approx(2 * 4 * params / 2 / 8e9 + params / 2 / 1e9)
+    counted = 2 * 4 / 2 / 8e9 + 1 / 2 / 1e9 + 2 * 4 / 2 / 1e9  # per parameter: host link, host Adam, exchange
+    engine = cost(offload_step_ms=3.0, offload_tensor_ms=0.1, offload_param_ns=counted * 1e9 + 5.0)
+    assert engine.exposed_s["offload"] - bare.exposed_s["offload"] == pytest.approx(3e-3 + 35 * 1e-4 + 5e-9 * params)
+    assert bare.comm_s["dp"] - engine.comm_s["dp"] == pytest.approx(2 * 100e-6)  # the latencies, in the engine's step
+    below = cost(offload_step_ms=3.0, offload_param_ns=counted * 1e9 / 2)  # the model counts more: nothing added
+    assert below.exposed_s["offload"] - bare.exposed_s["offload"] == pytest.approx(3e-3)
