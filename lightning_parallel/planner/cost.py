@@ -22,7 +22,8 @@ chunks per stage:
   - pp: one activation forward and one gradient backward per micro-batch and boundary: on the critical path;
   - dp, DDP: ``2 g P (N_d - 1) / N_d`` in 25 MB buckets under the last micro-batch's backward; exposed: what does not
     fit under it (``overlap`` of the rates) and the last bucket;
-  - dp, ZeRO-1/2 (flat shards): the reduce-scatter and the all-gather after the backward: exposed;
+  - dp, ZeRO-1/2 (flat shards, one per param group: :data:`FLAT_GROUPS`): a reduce-scatter and an all-gather each,
+    after the backward: exposed;
   - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
     under backward: exposed beyond the compute they hide under, plus the first layer's gather; a calibrated unit's
     cost scales with its collectives per step (inside pipeline stages one all-gather per micro-batch and one more
@@ -36,7 +37,7 @@ chunks per stage:
   exposed;
 * the optimizer step on the device: parameters, gradients and states read and written at the calibrated optimizer
   rate, plus its calibrated cost per parameter tensor (higher per ``DTensor``: FSDP2 and tensor-parallel parameters;
-  one flat shard under ZeRO-1/2); the framework's host overhead per step, and the eager ops' dispatch
+  a flat shard per param group under ZeRO-1/2); the framework's host overhead per step, and the eager ops' dispatch
   (``op_overhead_s`` per op, :data:`OPS_PER_LAYER` per layer and micro-batch; :data:`ADAM_OPS_PER_TENSOR` per
   parameter tensor where the optimizer's per-tensor cost is not calibrated): on CPU it adds to the step, on GPUs
   only what the kernels do not cover;
@@ -87,6 +88,7 @@ __all__ = [
     "ADAM_OPS_PER_TENSOR",
     "DDP_BUCKET_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
+    "FLAT_GROUPS",
     "OPS_PER_LAYER",
     "OPS_PER_STEP",
     "RECOMPUTE_FLOPS",
@@ -118,6 +120,9 @@ OPS_PER_STEP = 40
 ADAM_OPS_PER_TENSOR = 10
 """Ops torch's per-tensor (``foreach=False``, its CPU default) AdamW step dispatches per parameter tensor: 10 counted
 the same way, after the first step."""
+FLAT_GROUPS = 2
+"""Flat shards a ZeRO-1/2 step exchanges and steps: one per optimizer param group, and training recipes for GPT-like
+models (this library's GPT, nanoGPT, Hugging Face's Trainer) make two -- the weight-decayed matrices and the rest."""
 TENSORS_PER_LAYER = 12
 """Parameter tensors of a transformer layer with biases (two norms' weight and bias, four linears' weight and
 bias); 5 more outside the layers (embeddings, final norm, head)."""
@@ -560,9 +565,9 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                 # calibrated with FSDP2's default: two all-gathers and a reduce-scatter per unit and step
                 unit_s = rates.fsdp_unit_s * per_unit / 3 * rates.ring_latency_scale("all_gather", group[axis])
                 comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
-            elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each, half the bytes
-                # (the offload engine's calibrated step holds their latency)
-                flat_calls = 0 if layout.offload_device != "none" and rates.offload_step_s > 0 else 1
+            elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each per param
+                # group, half the bytes (the offload engine's calibrated step holds their latency)
+                flat_calls = 0 if layout.offload_device != "none" and rates.offload_step_s > 0 else FLAT_GROUPS
                 comm[axis] = sum(_send(link, c, traffic[axis] / 2, flat_calls, rates=rates, ranks=group[axis])
                                  for c in ("reduce_scatter", "all_gather"))
             else:
@@ -627,15 +632,16 @@ def _optimizer_step(shard: float, layout: ParallelConfig, layers: int, rates: Ra
                     moments: float, shape: ModelShape | None) -> tuple[float, int]:
     """Seconds of the device's optimizer step, and the eager ops to count at ``op_overhead_s`` when no per-tensor cost
     is calibrated: ``shard`` parameters' bytes (``2 P + G + 2 K`` each) at :attr:`Rates.optimizer_rate`, plus (CPU:
-    in series; GPUs: under the kernels) the calibrated cost per parameter tensor -- one flat shard under ZeRO-1/2
-    without a pipeline, else the stage's blocks' and edges' tensors (:attr:`ModelShape.block_tensors`; a bare
-    parameter count: :data:`TENSORS_PER_LAYER` per layer and 5 more), each a ``DTensor`` under FSDP2 (ZeRO-3, ZeRO-2
-    in a pipeline) and tensor parallelism. An offloaded optimizer runs on the host (counted with offload)."""
+    in series; GPUs: under the kernels) the calibrated cost per parameter tensor -- a flat shard per param group
+    (:data:`FLAT_GROUPS`) under ZeRO-1/2 without a pipeline, else the stage's blocks' and edges' tensors
+    (:attr:`ModelShape.block_tensors`; a bare parameter count: :data:`TENSORS_PER_LAYER` per layer and 5 more), each
+    a ``DTensor`` under FSDP2 (ZeRO-3, ZeRO-2 in a pipeline) and tensor parallelism. An offloaded optimizer runs on
+    the host (counted with offload)."""
     if layout.offload_device != "none":
         return 0.0, 0
     memory = shard * (2 * param + grad + 2 * moments) / rates.optimizer_rate
-    flat = layout.zero in (1, 2) and layout.pipeline_parallel_size == 1  # the sharded optimizer steps one flat shard
-    tensors = 1 if flat else _stage_tensors(layout, layers, shape)
+    flat = layout.zero in (1, 2) and layout.pipeline_parallel_size == 1  # the sharded optimizer steps flat shards
+    tensors = FLAT_GROUPS if flat else _stage_tensors(layout, layers, shape)
     dtensors = not flat and (_fsdp_exchange(layout, "dp") or layout.tensor_parallel_size > 1)
     per_tensor = (rates.optimizer_dtensor_s or rates.optimizer_tensor_s) if dtensors else rates.optimizer_tensor_s
     if per_tensor <= 0:

@@ -208,8 +208,9 @@ def test_a_layout_of_several_ranks_pays_the_distributed_overhead() -> None:
 
 def test_the_optimizer_step_counts_bytes_and_tensors() -> None:
     """A calibrated optimizer: ``2 P + G + 2 K`` bytes per parameter of the rank's shard at the optimizer rate, plus
-    the cost per parameter tensor -- the model's 35 tensors (GPT: 15 per block, 5 outside), one flat shard under
-    ZeRO-1/2, DTensor parameters (ZeRO-3, tensor parallelism) at the DTensor figure; on CPU in series with the rest.
+    the cost per parameter tensor -- the model's 35 tensors (GPT: 15 per block, 5 outside), a flat shard per param
+    group under ZeRO-1/2, DTensor parameters (ZeRO-3, tensor parallelism) at the DTensor figure; on CPU in series
+    with the rest.
     Without a per-tensor figure, the ops are counted at the dispatch cost as before."""
     from lightning_parallel.planner.hardware import make_hardware
     from lightning_parallel.planner.rates import COLLECTIVES, rates_from_dict
@@ -238,7 +239,7 @@ def test_the_optimizer_step_counts_bytes_and_tensors() -> None:
     base = overhead(ddp)  # memory bandwidth 10 GB/s, 10 ops per tensor at no dispatch cost
     assert overhead(ddp, **calibrated) - base == pytest.approx(params * 28 / 5e9 - params * 28 / 10e9 + 35 * 20e-6)
     assert overhead(zero1, **calibrated) - overhead(zero1) == pytest.approx(params / 2 * 28 * (1 / 5e9 - 1 / 10e9)
-                                                                          + 20e-6)
+                                                                          + 2 * 20e-6)  # two param groups
     assert overhead(zero3, **calibrated) - overhead(zero3) == pytest.approx(params / 2 * 28 * (1 / 5e9 - 1 / 10e9)
                                                                           + 35 * 100e-6)
     assert overhead(tp, **calibrated) > overhead(tp, optimizer_gbs=5.0, optimizer_tensor_us=20.0) + 35 * 70e-6
@@ -273,7 +274,7 @@ def test_ranks_beyond_the_cores_stretch_only_their_cpu_work() -> None:
 
 def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
     """ZeRO-1/2's flat shards: the gradient's reduce-scatter and the parameters' all-gather, half the dp bytes each,
-    each at its own calibrated latency and bandwidth."""
+    each at its own calibrated latency and bandwidth, one of each per optimizer param group."""
     from lightning_parallel.planner.hardware import make_hardware
     from lightning_parallel.planner.rates import rates_from_dict
 
@@ -289,7 +290,8 @@ def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
                                            "activation_checkpointing": "none"})
         cost = estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
         sent = 4 * shape.total_params() / 2  # fp32 gradient (N-1)/N, then the parameters (N-1)/N, N = 2
-        assert cost.comm_s["dp"] == pytest.approx(2000e-6 + sent / 0.5e9 + 100e-6 + sent / 2e9)
+        # one of each per optimizer param group (two: the weight-decayed matrices and the rest)
+        assert cost.comm_s["dp"] == pytest.approx(2 * 2000e-6 + sent / 0.5e9 + 2 * 100e-6 + sent / 2e9)
         assert cost.exposed_s["dp"] == cost.comm_s["dp"]  # after the backward: nothing hides it
 
 
@@ -320,6 +322,7 @@ def test_the_offload_engine_pays_its_calibrated_step_tensors_and_parameters() ->
     counted = 2 * 4 / 2 / 8e9 + 1 / 2 / 1e9 + 2 * 4 / 2 / 1e9  # per parameter: host link, host Adam, exchange
     engine = cost(offload_step_ms=3.0, offload_tensor_ms=0.1, offload_param_ns=counted * 1e9 + 5.0)
     assert engine.exposed_s["offload"] - bare.exposed_s["offload"] == pytest.approx(3e-3 + 35 * 1e-4 + 5e-9 * params)
-    assert bare.comm_s["dp"] - engine.comm_s["dp"] == pytest.approx(2 * 100e-6)  # the latencies, in the engine's step
+    # the flat exchange's latencies (a reduce-scatter and an all-gather per param group) are in the engine's step
+    assert bare.comm_s["dp"] - engine.comm_s["dp"] == pytest.approx(2 * 2 * 100e-6)
     below = cost(offload_step_ms=3.0, offload_param_ns=counted * 1e9 / 2)  # the model counts more: nothing added
     assert below.exposed_s["offload"] - bare.exposed_s["offload"] == pytest.approx(3e-3)
