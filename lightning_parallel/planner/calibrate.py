@@ -1020,10 +1020,19 @@ def format_rates(rates: Rates) -> str:
         lines.append(f"  optimizer step: {rates.optimizer_tensor_s * 1e6:.1f} us per tensor"
                      + (f" ({rates.optimizer_dtensor_s * 1e6:.1f} per DTensor)" if rates.optimizer_dtensor_s else "")
                      + f" + {rates.optimizer_rate / 1e9:,.1f} GB/s")
+    lines.append(f"  attention core: {rates.attention_efficiency:.2f} of the GEMM rate"
+                 + (f" + {rates.attention_call_s * 1e6:,.0f} us per call" if rates.attention_call_s else ""))
     if rates.fsdp_unit_s or rates.tp_pair_s or rates.pp_micro_batch_s or rates.cp_layer_s:
         lines.append(f"  per unit and step: FSDP2 unit {rates.fsdp_unit_s * 1e3:.2f} ms, tensor-parallel pair "
                      f"{rates.tp_pair_s * 1e3:.2f} ms, pipeline micro-batch {rates.pp_micro_batch_s * 1e3:.2f} ms, "
-                     f"ring-attention layer {rates.cp_layer_s * 1e3:.2f} ms")
+                     f"ring-attention layer {rates.cp_layer_s * 1e3:.2f} ms"
+                     + (f" + {rates.cp_element_s * 1e9:.1f} ns per element of its queries" if rates.cp_element_s
+                        else ""))
+    lines.append(f"  offload: host link {rates.host_link_bandwidth / 1e9:,.1f} GB/s, host Adam "
+                 f"{rates.host_optimizer_params_per_s / 1e6:,.0f} M parameters/s"
+                 + (f"; the engine {rates.offload_step_s * 1e3:.2f} ms per step + {rates.offload_tensor_s * 1e6:.1f} us"
+                    f" per tensor + {rates.offload_param_s * 1e9:.2f} ns per parameter"
+                    if rates.offload_step_s or rates.offload_param_s else ""))
     if rates.busy:
         lines.append("  on the CPU (share of the wall time; the rest waits): "
                      + ", ".join(f"{name} {share:.0%}" for name, share in rates.busy.items()))
