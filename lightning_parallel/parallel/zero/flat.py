@@ -55,8 +55,10 @@ class FlatShard:
         self.keep_full_grad = keep_full_grad
         self.reduced: Tensor | None = None  # this step's reduced gradient shard, until the step
         self.flat_grad: Tensor | None = None
+        self._grad_views: list[Tensor] = []  # ZeRO-1: the parameters' gradients, views into flat_grad (made once)
         if keep_full_grad:
             self.flat_grad = torch.zeros_like(self.flat)
+            self._grad_views = self._views(self.flat_grad)
             self._attach_grad_views()
             self.shard_param.grad = self.shard_of(self.flat_grad)
         else:
@@ -91,9 +93,11 @@ class FlatShard:
 
     # ------------------------------------------------------------------ gradients
     def _attach_grad_views(self) -> None:
-        assert self.flat_grad is not None
-        for p, view in zip(self.params, self._views(self.flat_grad), strict=True):
-            p.grad = view
+        """Make every parameter's ``.grad`` its view into ``flat_grad`` again where something replaced it (a hook, a
+        ``zero_grad(set_to_none=True)``); a per-step call, so the views are made once and compared by identity."""
+        for p, view in zip(self.params, self._grad_views, strict=True):
+            if p.grad is not view:
+                p.grad = view
 
     def full_local_grad(self) -> Tensor:
         """This rank's local (not yet reduced) gradients as one full flat buffer.
@@ -102,12 +106,14 @@ class FlatShard:
         assembled from the parameters' ``.grad`` (missing gradients count as zero), freed after the reduce-scatter.
         """
         if self.flat_grad is not None:
-            for p, view in zip(self.params, self._views(self.flat_grad), strict=True):
+            for p, view in zip(self.params, self._grad_views, strict=True):
+                if p.grad is view:
+                    continue
                 if p.grad is None:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
-            self._attach_grad_views()
+                p.grad = view
             return self.flat_grad
         full = torch.zeros_like(self.flat)
         for p, view in zip(self.params, self._views(full), strict=True):
