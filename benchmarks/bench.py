@@ -220,30 +220,6 @@ def where_time_goes(a: argparse.Namespace, case: Case, rows: list[dict[str, Any]
 
 
 
-def _predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], case_rates: dict[str, Any]) -> str:
-    """``--predict``: the planner's step of each case against the library's measured one (``_bench.predict``); with
-    ``--calibrate-each``, also with the rates calibrated just before each case (``case_rates``)."""
-    from _bench.predict import prediction_table, predictions, rates_here
-
-    measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
-    cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
-    source = rates_here(a, max((c.world for c in cases), default=1)).source
-    text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases), measured, source=source)
-    if case_rates:
-        own = [c for c in cases if c.name in case_rates]
-        fresh = predictions(a, own, lambda case: case_rates[case.name])
-        text += ("\n\n### With a calibration just before each case\n\n"
-                 + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
-        if len(case_rates) >= 3:  # the calibrations' noise averaged out: the median of every figure
-            from lightning_parallel.planner.calibrate import median_rates
-
-            middle = median_rates(list(case_rates.values()))
-            central = predictions(a, cases, lambda case: middle)
-            text += ("\n\n### With the median of those calibrations\n\n"
-                     + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations"))
-    return text
-
-
 def _calibrate_for(a: argparse.Namespace, case: Case) -> Any:
     """``--calibrate-each``: this machine's rates measured now (two ranks, one measurement where ``plan --calibrate``
     keeps the median of three; not cached)."""
@@ -323,13 +299,18 @@ def main(argv: list[str] | None = None) -> int:
               f"batch {a.batch}, fp32 AdamW; {a.reps} interleaved repetitions of {a.steps} timed steps (median); "
               f"`{command}` took {elapsed:.0f} s.")
     text = markdown(a, rows, header, skipped)
+    start = None
     if a.predict:
-        text += "\n\n" + _predicted_section(a, rows, case_rates)
+        from _bench.predict import predicted_section
+
+        section, start = predicted_section(a, rows, case_rates=case_rates)
+        text += "\n\n" + section
     (folder / "results.md").write_text(text)
     (folder / "results.json").write_text(json.dumps({
         "machine": machine, "date": date, "header": header, "args": vars(a),
         "rows": [{k: v for k, v in r.items() if k != "error_full"} for r in rows], "skipped": skipped,
         **({"case_rates": {k: r.to_dict() for k, r in case_rates.items()}} if case_rates else {}),
+        **({"start_rates": start.to_dict()} if start is not None else {}),
         "seconds": elapsed}, indent=1, default=str))
     written = plots(a, rows, folder)
     print(f"\n{text}")

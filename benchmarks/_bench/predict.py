@@ -17,9 +17,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from _bench.cases import Case
+from _bench.cases import Case, expand
 
-__all__ = ["predict_case", "prediction_table", "predictions", "rates_here"]
+__all__ = ["predict_case", "predicted_section", "prediction_table", "predictions", "rates_here"]
 
 
 def rates_here(a: argparse.Namespace, world: int) -> Any:
@@ -97,3 +97,29 @@ def prediction_table(predicted: dict[str, float], measured: dict[str, float], *,
               f"Same ranking: {'yes' if by_pred == by_meas else 'no'}; {inside} of {len(ratios)} ratios within "
               "[0.8, 1.25]" + (f"; rates: {source}" if source else "") + "."]
     return "\n".join(lines)
+
+
+def predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], *, case_rates: dict[str, Any] | None = None,
+                      start: Any = None) -> tuple[str, Any]:
+    """``--predict``'s section of ``results.md`` and the rates of its first table: the planner's step of each case
+    against the library's measured one, with ``start`` (default: :func:`rates_here`, the cached calibration); with
+    ``case_rates`` (``--calibrate-each``), also with the rates calibrated just before each case and with their
+    median. ``--render`` calls it again on a run's stored rates, so the tables follow the model of the day."""
+    measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
+    cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
+    rates = start if start is not None else rates_here(a, max((c.world for c in cases), default=1))
+    text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases, lambda case: rates),
+                                                                    measured, source=rates.source)
+    if case_rates:
+        own = [c for c in cases if c.name in case_rates]
+        fresh = predictions(a, own, lambda case: case_rates[case.name])
+        text += ("\n\n### With a calibration just before each case\n\n"
+                 + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
+        if len(case_rates) >= 3:  # the calibrations' noise averaged out: the median of every figure
+            from lightning_parallel.planner.calibrate import median_rates
+
+            middle = median_rates(list(case_rates.values()))
+            central = predictions(a, cases, lambda case: middle)
+            text += ("\n\n### With the median of those calibrations\n\n"
+                     + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations"))
+    return text, rates

@@ -378,11 +378,22 @@ def goals_table(rows: list[dict[str, Any]]) -> str:
 
 
 def render(path: Path) -> None:
-    """The table and the plots of an earlier run, from its ``results.json`` (written next to it)."""
+    """The table and the plots of an earlier run, from its ``results.json`` (written next to it); a ``--predict`` run
+    that kept its calibrations (``start_rates``, ``case_rates``) gets its predicted tables again from them, with the
+    step-time model of this checkout."""
     data = json.loads(path.read_text())
     a = argparse.Namespace(**{**data["args"], "profile": None})
     rows = data["rows"]
     text = markdown(a, rows, data.get("header", ""), data.get("skipped", {}))
+    if data["args"].get("predict") and "start_rates" in data:
+        from lightning_parallel.planner.rates import rates_from_dict
+
+        from .predict import predicted_section
+
+        case_rates = {k: rates_from_dict(v) for k, v in data.get("case_rates", {}).items()}
+        section, _ = predicted_section(a, rows, case_rates=case_rates, start=rates_from_dict(data["start_rates"]))
+        text += ("\n\n" + section + "\n\n(Predicted tables rendered again with `--render`: the step-time model of "
+                 "the checkout that rendered them, on the calibrations this run kept.)")
     (path.parent / "results.md").write_text(text)
     written = plots(a, rows, path.parent)
     print(f"{text}\n[bench] wrote {path.parent / 'results.md'}, {', '.join(str(p) for p in written)}")

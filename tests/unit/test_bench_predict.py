@@ -6,6 +6,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -41,3 +43,34 @@ def test_table_with_fake_measurements() -> None:
     assert "Same ranking: no; 2 of 3 ratios within [0.8, 1.25]; rates: defaults." in text
     same = prediction_table({"a": 1.0, "b": 2.0}, {"a": 1.1, "b": 2.2})
     assert "Same ranking: yes; 2 of 2" in same
+
+
+def test_render_predicts_again_from_the_calibrations_a_run_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A ``--predict --calibrate-each`` run's results.json keeps its rates (``start_rates``, ``case_rates``);
+    ``--render`` writes the three predicted tables again from them with this checkout's model -- the same figures as
+    predicting with those rates directly."""
+    import json
+
+    import _bench.report as report
+    from _bench.predict import predicted_section
+
+    from lightning_parallel.planner.rates import rates_from_dict
+
+    a = parse_args(["--quick", "--predict", "--calibrate-each", "--cases", "ddp,zero3,tp", "--out", str(tmp_path)])
+    start = rates_here(a, 2)
+    slow = rates_from_dict({**start.to_dict(), "fsdp_unit_ms": 5.0, "source": "slow"})
+    case_rates = {"ddp": start, "zero3": slow, "tp": start}
+    rows = [{"case": name, "role": "ours", "step_s": step, "variant": name}
+            for name, step in (("ddp", 0.02), ("zero3", 0.05), ("tp", 0.06))]
+    text, used = predicted_section(a, rows, case_rates=case_rates, start=start)
+    assert used is start and text.count("ratios within [0.8, 1.25]") == 3
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"args": vars(a), "rows": rows, "header": "h", "skipped": {},
+                                "start_rates": start.to_dict(),
+                                "case_rates": {k: r.to_dict() for k, r in case_rates.items()}}, default=str))
+    monkeypatch.setattr(report, "markdown", lambda a, rows, header, skipped: header)  # the measured table: not here
+    monkeypatch.setattr(report, "plots", lambda a, rows, folder: [])
+    report.render(path)
+    rendered = (tmp_path / "results.md").read_text()
+    assert text in rendered and "rendered again with `--render`" in rendered
