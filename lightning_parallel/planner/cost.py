@@ -580,7 +580,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                    + traffic["host_optimizer"] / rates.host_optimizer_params_per_s
                    + traffic.get("nvme", 0.0) / rates.nvme_bandwidth
                    + rates.offload_step_s + rates.offload_tensor_s * _stage_tensors(layout, layers, shape)
-                   + _offload_residual(rates, state.grad) * local)
+                   + _offload_residual(rates) * local)
         comm["offload"] = exposed["offload"] = offload
     compute = m * stage.total * bubble
     sharded = local / shard_size if layout.zero >= 1 else local  # HSDP: sharded over its shard groups only
@@ -650,13 +650,15 @@ def _optimizer_step(shard: float, layout: ParallelConfig, layers: int, rates: Ra
     return (memory + host if rates.overlap == 0 else max(memory, host)), 0
 
 
-def _offload_residual(rates: Rates, grad: float) -> float:
-    """Seconds per parameter of the offload engine's calibrated cost (:attr:`Rates.offload_param_s`, over the
-    calibration's ``n`` ranks) beyond what the model counts on its own at ``n`` ranks: the host link's
-    ``2 g / n`` bytes, the host Adam's ``1 / n`` parameter, the flat reduce-scatter's and all-gather's
-    ``g (n - 1) / n`` bytes each -- the engine's copies into and out of its partitions."""
+def _offload_residual(rates: Rates) -> float:
+    """Seconds per parameter of the offload engine's calibrated cost (:attr:`Rates.offload_param_s`, fp32 over the
+    calibration's ``n`` ranks) beyond what the model counts on its own at ``n`` ranks: the host link's ``2 g / n``
+    bytes, the host Adam's ``1 / n`` parameter, the flat reduce-scatter's and all-gather's ``g (n - 1) / n`` bytes
+    each (``g`` = 4, the calibration's fp32 gradient) -- the engine's copies into and out of its partitions, counted
+    alike in every dtype."""
     if rates.offload_param_s <= 0:
         return 0.0
+    grad = 4.0
     n = max(rates.calibrated_ranks, 1)
     link = rates.links["intra_node"]
     counted = 2 * grad / n / rates.host_link_bandwidth + 1 / n / rates.host_optimizer_params_per_s
