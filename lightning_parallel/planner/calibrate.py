@@ -952,7 +952,9 @@ def _compute_lines(compute: dict[str, Any]) -> list[str]:
                + ", ".join(f"{seconds * 1e3:,.2f} ms at {seq} tokens" for seq, seconds in compute["attention"])]
               if compute.get("attention") else []),
             f"optimizer step (AdamW): {compute.get('optimizer_tensor', 0.0) * 1e6:,.1f} us per tensor + "
-            f"{compute.get('optimizer_bandwidth', 0.0) / 1e9:,.1f} GB/s"]
+            f"{compute.get('optimizer_bandwidth', 0.0) / 1e9:,.1f} GB/s",
+            *([f"host link (16 MiB copies to and from host memory): {compute['host_link_bandwidth'] / 1e9:,.1f} GB/s"]
+              if "host_link_bandwidth" in compute else [])]
 
 
 def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *, device_type: str, ranks: int,
