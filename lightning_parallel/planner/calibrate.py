@@ -46,6 +46,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -61,6 +62,7 @@ __all__ = [
     "CALIBRATION_REPEATS",
     "CALIBRATION_SIZES",
     "CP_RING_SHAPE",
+    "CP_TINY_SHAPE",
     "HOST_ADAM_ELEMENTS",
     "OFFLOAD_UNITS",
     "OFFLOAD_WIDE",
@@ -217,8 +219,8 @@ def measure_compute(device: torch.device, *, progress: Progress | None = None) -
     attention = measure_attention(device, sync)
     if progress:
         progress("attention (SDPA, causal, forward + backward): " + ", ".join(
-            f"{_attention_flops(device.type, seq) / seconds / 1e9:,.1f} GFLOP/s at {seq} tokens"
-            for seq, seconds in attention))
+            f"{_attention_flops(shape) / seconds / 1e9:,.1f} GFLOP/s at {seq} tokens"
+            for shape, (seq, seconds) in zip(_attention_shapes(device.type), attention, strict=True)))
     host_link = measure_host_link(device, sync)
     if progress:
         progress(f"host link (16 MiB copies to and from {'pinned ' if device.type != 'cpu' else ''}host memory): "
@@ -237,11 +239,16 @@ def _attention_shapes(device_type: str) -> tuple[tuple[int, int, int, int], ...]
     return ATTENTION_SHAPES["cpu" if device_type == "cpu" else "gpu"]
 
 
-def _attention_flops(device_type: str, seq: int) -> float:
-    """The step-time model's count of an attention's forward and backward at one of :data:`ATTENTION_SHAPES`
+def _attention_flops(shape: tuple[int, int, int, int]) -> float:
+    """The step-time model's count of an attention's forward and backward on ``(b, h, s, d)`` queries
     (``3 x 4 b s^2 h d``: scores and their product with the values, counted whole)."""
-    b, h, _, d = next(shape for shape in _attention_shapes(device_type) if shape[2] == seq)
-    return 3 * 4.0 * b * seq * seq * h * d
+    b, h, s, d = shape
+    return 3 * 4.0 * b * s * s * h * d
+
+
+def _attention_step(q: torch.Tensor) -> None:
+    """Forward and backward of torch's fused causal attention of ``q`` with itself."""
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
 
 
 def measure_attention(device: torch.device, sync: Callable[[], None]) -> list[tuple[int, float]]:
@@ -250,13 +257,9 @@ def measure_attention(device: torch.device, sync: Callable[[], None]) -> list[tu
     calibration fits a cost per call and a rate against the GEMMs' to them (:func:`attention_fit`)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     out = []
-    for b, h, seq, d in _attention_shapes(device.type):
-        q = torch.randn(b, h, seq, d, device=device, dtype=dtype, requires_grad=True)
-
-        def run(q: torch.Tensor = q) -> None:
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-
-        out.append((seq, _timed(run, sync=sync)))
+    for shape in _attention_shapes(device.type):
+        q = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+        out.append((shape[2], _timed(partial(_attention_step, q), sync=sync)))
     return out
 
 
@@ -265,12 +268,8 @@ def attention_fit(points: list[tuple[int, float]], rates: Rates, device_type: st
     point's time is ``per call + flops / (efficiency x GEMM rate at the attention's shape)`` -- the GEMM rate as the
     step-time model reads it (``m = n = tokens``, ``k`` = head dim). The efficiency is kept within (0, 1]."""
     dtype = "fp32" if device_type == "cpu" else "bf16"
-    shapes = {shape[2]: shape for shape in _attention_shapes(device_type)}
-    at_gemm_rate = []
-    for seq, seconds in points:
-        d = shapes[seq][3]
-        at_gemm_rate.append((_attention_flops(device_type, seq) / rates.matmul_rate(dtype, m=seq, n=seq, k=d),
-                             seconds))
+    at_gemm_rate = [(_attention_flops(shape) / rates.matmul_rate(dtype, m=shape[2], n=shape[2], k=shape[3]), seconds)
+                    for shape, (_, seconds) in zip(_attention_shapes(device_type), points, strict=True)]
     (m0, t0), (m1, t1) = at_gemm_rate[0], at_gemm_rate[-1]
     efficiency = min(1.0, (m1 - m0) / (t1 - t0)) if t1 > t0 and m1 > m0 else min(1.0, m1 / t1)
     efficiency = max(efficiency, 1e-3)
@@ -466,6 +465,8 @@ def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[
     return statistics.median(times), statistics.median(cpu)
 
 
+CP_TINY_SHAPE = (1, 1, 4, 16)
+"""``(batch, heads, tokens, head dim)`` of each rank's queries in the tiny ring attention (``cp_layer``)."""
 CP_RING_SHAPE = (8, 4, 32, 32)
 """``(batch, heads, tokens, head dim)`` of the queries of each rank in the ring attention timed at a step's size
 (:func:`measure_frameworks`'s ``cp_element``)."""
@@ -540,25 +541,11 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
 
         return _step_seconds(net, None, sync, run=run)
 
-    def ring(layers: int) -> tuple[float, float]:  # the library's ring attention over the world, once per layer
+    def ring(layers: int, shape: tuple[int, int, int, int] = CP_TINY_SHAPE) -> tuple[float, float]:
+        """The library's ring attention over the world, once per layer, on ``shape`` queries per rank."""
         from lightning_parallel.parallel.context_parallel.ring import ring_attention
 
-        net = nn.Linear(16, 16).to(device)
-        group = dist.group.WORLD
-        assert group is not None
-
-        def run() -> None:
-            h = net(x).reshape(1, 1, 4, 16)
-            for _ in range(layers):
-                h = ring_attention(h, h, h, group=group)
-            h.sum().backward()
-
-        return _step_seconds(net, None, sync, run=run)
-
-    def ring_wide(layers: int) -> tuple[float, float]:  # the same at a step's size: CP_RING_SHAPE per rank
-        from lightning_parallel.parallel.context_parallel.ring import ring_attention
-
-        q = torch.randn(*CP_RING_SHAPE, device=device, requires_grad=True)
+        q = torch.randn(*shape, device=device, requires_grad=True)
         group = dist.group.WORLD
         assert group is not None
 
@@ -573,11 +560,7 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
     def attention_share() -> float:  # one device's causal attention on the whole sequence, per rank
         b, h, s, d = CP_RING_SHAPE
         q = torch.randn(b, h, s * world, d, device=device, requires_grad=True)
-
-        def run() -> None:
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-
-        return _step_seconds(nn.Linear(1, 1), None, sync, run=run, optimizer=False)[0] / world
+        return _step_seconds(nn.Linear(1, 1), None, sync, run=partial(_attention_step, q), optimizer=False)[0] / world
 
     def dtensor_optimizer() -> float:  # AdamW over DTensor parameters sharded over the world, per tensor
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -596,8 +579,8 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         out[name] = max(0.0, (wall_b - wall_a) / (b - a))
         out[f"{name}_cpu"] = min(max(0.0, (cpu_b - cpu_a) / (b - a)), out[name])
     if world > 1:  # the ring's cost that grows with the layer's size, beyond the attention's arithmetic
-        wide = (ring_wide(hi)[0] - ring_wide(lo)[0]) / (hi - lo)
-        elements = math.prod(CP_RING_SHAPE) - 4 * 16  # against the tiny ring's (1, 1, 4, 16) queries
+        wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
+        elements = math.prod(CP_RING_SHAPE) - math.prod(CP_TINY_SHAPE)
         out["cp_element"] = max(0.0, (wide - attention_share() - out["cp_layer"]) / elements)
     return out
 
@@ -617,10 +600,8 @@ def offload_calibration_ops(device_type: str) -> list[str] | None:
     """The DeepSpeed ops the offload engine's calibration loads that are not built yet ([] when all are); None
     when DeepSpeed is not installed. The calibration never builds an op (minutes): it measures the engine only
     when they are built."""
-    try:
-        from lightning_parallel.parallel.offload.ops import missing_ops, required_ops
-    except ImportError:  # pragma: no cover - the module itself imports nothing optional
-        return None
+    from lightning_parallel.parallel.offload.ops import missing_ops, required_ops
+
     try:
         import deepspeed  # noqa: F401
     except Exception:  # not installed, or broken on this machine
@@ -974,18 +955,10 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
                                  else links.get("intra_node", default_link))},
         "host_overhead_ms": overhead * 1e3,
         "op_overhead_us": compute.get("op_overhead", 0.0) * 1e6,
-        **{f"{name}_ms": seconds * 1e3 for name, seconds in (frameworks or {}).items()
-           if name not in ("optimizer_dtensor", "host_optimizer_params_per_s", "offload_param", "cp_element")
-           and not name.endswith("_cpu")},
-        **({"cp_element_ns": frameworks["cp_element"] * 1e9} if frameworks and "cp_element" in frameworks else {}),
-        **({"offload_param_ns": frameworks["offload_param"] * 1e9} if frameworks and "offload_param" in frameworks
-           else {}),
-        **({"host_optimizer_params_per_s": frameworks["host_optimizer_params_per_s"]}
-           if frameworks and "host_optimizer_params_per_s" in frameworks else {}),
+        **dict(_framework_entry(name, value) for name, value in (frameworks or {}).items()
+               if not name.endswith("_cpu")),
         **({"host_link_gbs": compute["host_link_bandwidth"] / 1e9} if "host_link_bandwidth" in compute else {}),
         **({"busy": _busy(frameworks)} if device_type == "cpu" and frameworks else {}),
-        **({"optimizer_dtensor_us": frameworks["optimizer_dtensor"] * 1e6}
-           if frameworks and "optimizer_dtensor" in frameworks else {}),
         **({"optimizer_tensor_us": compute["optimizer_tensor"] * 1e6,
             "optimizer_gbs": compute["optimizer_bandwidth"] / 1e9} if "optimizer_tensor" in compute else {}),
         "overlap": 0.0 if device_type == "cpu" else 1.0,
@@ -996,10 +969,22 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
                   f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M')} UTC",
     }
     rates = rates_from_dict(data)
-    if compute.get("attention"):
+    if compute.get("attention"):  # fitted against the GEMM rates just assembled
         efficiency, per_call = attention_fit(compute["attention"], rates, device_type)
-        rates = rates_from_dict({**data, "attention_efficiency": efficiency, "attention_call_us": per_call * 1e6})
+        rates = replace(rates, attention_efficiency=efficiency, attention_call_s=per_call)
     return rates
+
+
+_FRAMEWORK_KEYS = {"optimizer_dtensor": ("optimizer_dtensor_us", 1e6), "cp_element": ("cp_element_ns", 1e9),
+                   "offload_param": ("offload_param_ns", 1e9),
+                   "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0)}
+"""The rates key and scale of each :func:`measure_frameworks` / :func:`measure_offload` figure that is not in
+seconds per step (those become ``<name>_ms``)."""
+
+
+def _framework_entry(name: str, value: float) -> tuple[str, float]:
+    key, scale = _FRAMEWORK_KEYS.get(name, (f"{name}_ms", 1e3))
+    return key, value * scale
 
 
 def _busy(frameworks: dict[str, float]) -> dict[str, float]:

@@ -244,14 +244,15 @@ def test_the_attention_core_is_fitted_a_cost_per_call_and_a_rate() -> None:
     rates = rates_from_dict({"matmul_tflops": {"fp32": 0.1}, "memory_bandwidth_gbs": 10,
                              "matmul_tflops_by_shape": {"fp32": {"128": 0.05, "512": 0.1}},
                              "links": {"intra_node": {c: {"alpha_us": 10, "beta_gbs": 1} for c in COLLECTIVES}}})
-    (_, _, short, d), (_, _, long, _) = ATTENTION_SHAPES["cpu"]
+    shapes = ATTENTION_SHAPES["cpu"]
 
-    def seconds(seq: int, efficiency: float, call: float) -> float:
-        return call + _attention_flops("cpu", seq) / (efficiency * rates.matmul_rate("fp32", m=seq, n=seq, k=d))
+    def seconds(shape: tuple[int, int, int, int], efficiency: float, call: float) -> float:
+        seq, d = shape[2], shape[3]
+        return call + _attention_flops(shape) / (efficiency * rates.matmul_rate("fp32", m=seq, n=seq, k=d))
 
-    points = [(seq, seconds(seq, 0.4, 2e-4)) for seq in (short, long)]
+    points = [(shape[2], seconds(shape, 0.4, 2e-4)) for shape in shapes]
     assert attention_fit(points, rates, "cpu") == pytest.approx((0.4, 2e-4))
-    fast = [(seq, seconds(seq, 3.0, 0.0)) for seq in (short, long)]
+    fast = [(shape[2], seconds(shape, 3.0, 0.0)) for shape in shapes]
     assert attention_fit(fast, rates, "cpu")[0] == 1.0
     back = rates_from_dict({**rates.to_dict(), "attention_efficiency": 0.4, "attention_call_us": 200})
     assert rates_from_dict(back.to_dict()).attention_call_s == pytest.approx(2e-4)
