@@ -8,7 +8,10 @@ split it: ``B / dp`` sequences per rank in one step, ``B / (dp m)`` per micro-ba
 ``lp_dp`` (one process driving N replicas with threads) is no planner layout: no prediction.
 
 The table: case, predicted and measured step (ms), their ratio, and the ranking of the cases by predicted and by
-measured step (the cases of one table train the same global batch, so the faster step is the faster layout).
+measured step (the cases of one table train the same global batch, so the faster step is the faster layout). Two
+layouts whose steps differ by less than the machine's noise may come out in either order from one run to the next; so
+the table also says which orders the run's repetitions settle (every repetition of one case faster than every
+repetition of the other) and whether the prediction keeps every one of them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from _bench.cases import Case, expand
 
-__all__ = ["predict_case", "predicted_section", "prediction_table", "predictions", "rates_here"]
+__all__ = ["predict_case", "predicted_section", "prediction_table", "predictions", "rates_here", "separated_pairs"]
 
 
 def rates_here(a: argparse.Namespace, world: int) -> Any:
@@ -78,8 +81,30 @@ def _ranking(values: dict[str, float]) -> list[str]:
     return [name for name, _ in sorted(values.items(), key=lambda kv: kv[1])]
 
 
-def prediction_table(predicted: dict[str, float], measured: dict[str, float], *, source: str = "") -> str:
-    """Markdown: predicted vs measured step per case, the ratio, and the two rankings (fastest first)."""
+def separated_pairs(predicted: dict[str, float], reps: dict[str, list[float]]) -> tuple[int, int, list[str]]:
+    """The pairs of cases whose repetitions do not overlap (every repetition of one faster than every repetition of
+    the other: an order the measurement settles, whatever its noise) and, of those, the ones the prediction puts in
+    the other order. Returns (pairs, separated, "a < b" for each separated pair predicted the other way round)."""
+    names = [n for n in reps if n in predicted and reps[n]]
+    pairs = separated = 0
+    wrong: list[str] = []
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            pairs += 1
+            fast, slow = (x, y) if max(reps[x]) < min(reps[y]) else (y, x) if max(reps[y]) < min(reps[x]) else ("", "")
+            if not fast:
+                continue
+            separated += 1
+            if predicted[fast] >= predicted[slow]:
+                wrong.append(f"{fast} < {slow}")
+    return pairs, separated, wrong
+
+
+def prediction_table(predicted: dict[str, float], measured: dict[str, float], *, source: str = "",
+                     reps: dict[str, list[float]] | None = None) -> str:
+    """Markdown: predicted vs measured step per case, the ratio, and the two rankings (fastest first); with each
+    case's repetitions (``reps``), the orders the repetitions settle (:func:`separated_pairs`) and whether the
+    prediction keeps them."""
     lines = ["| case | predicted step (ms) | measured step (ms) | predicted / measured |", "|---|---:|---:|---:|"]
     both = [name for name in measured if name in predicted]
     for name in both:
@@ -96,6 +121,11 @@ def prediction_table(predicted: dict[str, float], measured: dict[str, float], *,
               f"Ranking by measured step:  {' < '.join(by_meas)}",
               f"Same ranking: {'yes' if by_pred == by_meas else 'no'}; {inside} of {len(ratios)} ratios within "
               "[0.8, 1.25]" + (f"; rates: {source}" if source else "") + "."]
+    if reps:
+        pairs, separated, wrong = separated_pairs({n: predicted[n] for n in both}, reps)
+        lines.append(f"Orders the repetitions settle (no repetition of the slower case as fast as any of the faster): "
+                     f"{separated} of {pairs} pairs; predicted in the measured order: {separated - len(wrong)} of "
+                     f"{separated}" + (f" (not: {', '.join(wrong)})" if wrong else "") + ".")
     return "\n".join(lines)
 
 
@@ -106,20 +136,23 @@ def predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], *, case
     ``case_rates`` (``--calibrate-each``), also with the rates calibrated just before each case and with their
     median. ``--render`` calls it again on a run's stored rates, so the tables follow the model of the day."""
     measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
+    reps = {r["case"]: list(r.get("step_s_reps") or []) for r in rows if r["role"] == "ours" and "step_s" in r}
     cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
     rates = start if start is not None else rates_here(a, max((c.world for c in cases), default=1))
     text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases, lambda case: rates),
-                                                                    measured, source=rates.source)
+                                                                    measured, source=rates.source, reps=reps)
     if case_rates:
         own = [c for c in cases if c.name in case_rates]
         fresh = predictions(a, own, lambda case: case_rates[case.name])
         text += ("\n\n### With a calibration just before each case\n\n"
-                 + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)"))
+                 + prediction_table(fresh, measured, source="calibrated before each case (--calibrate-each)",
+                                                  reps=reps))
         if len(case_rates) >= 3:  # the calibrations' noise averaged out: the median of every figure
             from lightning_parallel.planner.calibrate import median_rates
 
             middle = median_rates(list(case_rates.values()))
             central = predictions(a, cases, lambda case: middle)
             text += ("\n\n### With the median of those calibrations\n\n"
-                     + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations"))
+                     + prediction_table(central, measured, source=f"the median of {len(case_rates)} calibrations",
+                                                      reps=reps))
     return text, rates

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _bench.cases import CASES, expand  # noqa: E402
 from _bench.cli import parse_args  # noqa: E402
-from _bench.predict import predict_case, prediction_table, predictions, rates_here  # noqa: E402
+from _bench.predict import predict_case, prediction_table, predictions, rates_here, separated_pairs  # noqa: E402
 
 
 def test_every_case_but_lp_dp_gets_a_prediction() -> None:
@@ -43,6 +43,21 @@ def test_table_with_fake_measurements() -> None:
     assert "Same ranking: no; 2 of 3 ratios within [0.8, 1.25]; rates: defaults." in text
     same = prediction_table({"a": 1.0, "b": 2.0}, {"a": 1.1, "b": 2.2})
     assert "Same ranking: yes; 2 of 2" in same
+
+
+def test_the_orders_the_repetitions_settle_are_checked_against_the_prediction() -> None:
+    """A pair is settled only when the repetitions do not overlap; the prediction is held to those pairs' order."""
+    reps = {"a": [1.0, 1.2], "b": [1.1, 1.3], "c": [2.0, 2.5], "d": [3.0, 3.1]}
+    # a/b overlap (unsettled); a<c, a<d, b<c, b<d, c<d settled; predicted c slower than d: one settled pair wrong
+    predicted = {"a": 1.0, "b": 0.9, "c": 3.5, "d": 3.0}
+    assert separated_pairs(predicted, reps) == (6, 5, ["c < d"])
+    assert separated_pairs({"a": 1.0, "b": 0.9, "c": 2.0, "d": 3.0}, reps) == (6, 5, [])
+    assert separated_pairs(predicted, {"a": [1.0], "b": [1.0]}) == (1, 0, [])  # equal: not settled
+    measured = {k: sorted(v)[len(v) // 2] for k, v in reps.items()}
+    text = prediction_table(predicted, measured, reps=reps)
+    assert "Same ranking: no" in text
+    assert "5 of 6 pairs; predicted in the measured order: 4 of 5 (not: c < d)." in text
+    assert "settle" not in prediction_table(predicted, measured)
 
 
 def test_render_predicts_again_from_the_calibrations_a_run_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
