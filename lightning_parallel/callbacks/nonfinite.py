@@ -192,25 +192,27 @@ class NonFiniteLossGuard(Callback):
             self.skipped.append(self._step)
             raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
 
-    def local_numbers(self, trainer: pl.Trainer, outputs: Any) -> Tensor | None:
+    def local_numbers(self, trainer: pl.Trainer, outputs: Any, *, counted: bool = True) -> Tensor | None:
         """This rank's numbers of the batch's agreement, to be summed over every rank: its preemption flag, whether
-        its loss (``outputs``: the training step's) is not finite, its loss where finite, 1. None with the check off.
+        its loss (``outputs``: the training step's) is not finite, its loss where finite, 1 -- the sum's last two
+        numbers give the mean loss. ``counted=False``: this rank holds no loss of its own (a pipeline stage before the
+        last): only its preemption flag counts. None with the check off.
         A strategy whose data-parallel ranks are the whole world sums them in the all-reduce of its logged values
-        and hands the sum to :meth:`agree`; otherwise the batch's end all-reduces them alone."""
+        and hands the sum to :meth:`agree` (a pipeline sums them alone, its loss riding in them); otherwise the
+        batch's end all-reduces them alone."""
         if self.action == "off":
             return None
-        loss = _loss_of(outputs)
+        loss = _loss_of(outputs) if counted else None
         device = trainer.strategy.root_device
-        if loss is None:
-            bad = torch.zeros((), device=device)
-            value = torch.zeros((), device=device)
-        else:
+        zero = torch.zeros((), device=device)
+        bad, value, count = zero, zero, torch.ones((), device=device) if counted else zero
+        if loss is not None:
             loss = loss.float().reshape(-1)
             finite = torch.isfinite(loss).all()
             bad = (~finite).float().to(device)
             value = torch.where(finite, loss.mean(), torch.zeros((), device=loss.device)).to(device)
         sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
-        return torch.stack([torch.tensor(sigterm, device=device), bad, value, torch.ones((), device=device)])
+        return torch.stack([torch.tensor(sigterm, device=device), bad, value, count])
 
     def agree(self, numbers: Tensor) -> None:
         """The batch's numbers (:meth:`local_numbers`), already summed over every rank by the strategy."""

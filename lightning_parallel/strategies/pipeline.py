@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -50,6 +51,7 @@ from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import ParallelModuleMixin, require_hook
+from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 from .base import LayoutStrategy
 from .dcp import DCPCheckpointMixin
@@ -302,9 +304,23 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             for zero_grad in self._zero_grads:
                 zero_grad()
             self._grads_fresh = True
+        guard = self._nonfinite_guard if self.world_size > 1 else None
+        agreed = guard is not None and guard.action != "off"
         with self.precision_plugin.train_step_context(), self._tp_loss():
-            loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches)
-        loss = self.train_step.reduce_mean(loss)
+            loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches,
+                                          everywhere=not agreed)
+        if guard is not None and agreed:
+            # one world all-reduce for the loss and the non-finite guard, in place of three collectives (the loss's
+            # broadcast over pp, its mean over dp, the guard's agreement at the batch's end): the last stage's ranks
+            # add their loss to the guard's value and count, every other rank only its preemption flag
+            numbers = guard.local_numbers(self.lightning_module.trainer, loss, counted=self.runner.last)
+            assert numbers is not None
+            uncounted_all_reduce(numbers)
+            guard.agree(numbers)
+            _, bad, total, ranks = numbers.unbind()
+            loss = torch.where(bad > 0, torch.full_like(total, float("nan")), total / ranks.clamp(min=1))
+        else:
+            loss = self.train_step.reduce_mean(loss)
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
 

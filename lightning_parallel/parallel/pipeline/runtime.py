@@ -149,10 +149,12 @@ class PipelineRunner:
         return (names, tuple((tuple(v.shape), v.dtype) for v in values), m)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, inputs: Any, target: Tensor, *, accumulate: int = 1) -> Tensor:
+    def train_step(self, inputs: Any, target: Tensor, *, accumulate: int = 1, everywhere: bool = True) -> Tensor:
         """Forward and backward of one batch (``.grad`` accumulates the gradient of its mean loss / ``accumulate``);
-        returns the batch's mean loss (unscaled, detached) on every pipeline rank. ``inputs``: a tensor, or the
-        named tensors the first layers read (a dict, or a tuple in the first layer's input order)."""
+        returns the batch's mean loss (unscaled, detached) on every pipeline rank (a broadcast over ``pp``) -- or,
+        with ``everywhere=False``, on the last stage's rank only (zero elsewhere, no collective: the caller combines it
+        in a collective of its own). ``inputs``: a tensor, or the named tensors the first layers read (a dict, or a
+        tuple in the first layer's input order)."""
         names, values = self._bind(inputs)
         n = int(values[0].shape[0])
         if n % self.m:
@@ -169,7 +171,7 @@ class PipelineRunner:
         # the last m: on a schedule's first step torch's shape inference calls the loss once on scratch tensors
         loss = torch.stack(self._losses[-self.m:]).mean() if self.last else torch.zeros((), device=self.device)
         self._losses = []
-        return self._from_last(loss.float())
+        return self._from_last(loss.float()) if everywhere else loss.float()
 
     @torch.no_grad()
     def forward_only(self, inputs: Any) -> Tensor | None:
