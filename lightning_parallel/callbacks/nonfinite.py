@@ -9,10 +9,12 @@ the loss the step returned is checked on every rank. In a multi-rank run the ran
 numbers (this rank's preemption flag, whether its loss is finite, its loss), which *replaces* Lightning's per-batch
 broadcast of the preemption flag (``_broadcast_sigterm_tensor``, one collective and one host sync per batch): the
 check adds no collective and no host synchronisation (nor is it booked by the communication counter: it is control
-traffic, as the broadcast it replaces). Where a strategy's data-parallel ranks are the whole world (dp, ZeRO, HSDP,
-cp, offload) the strategy sums these numbers in the all-reduce of the step's logged values at the end of the
-training step (:meth:`NonFiniteLossGuard.local_numbers`, :meth:`NonFiniteLossGuard.agree`): one collective per batch
-for both. A preemption (SIGTERM) agreed there stops every rank at the start of the next
+traffic, as the broadcast it replaces). The library's strategies sum these numbers in the all-reduce of the step's
+logged values at the end of the training step (:meth:`NonFiniteLossGuard.local_numbers`,
+:meth:`NonFiniteLossGuard.agree`): one collective per batch for both; a pipeline's loss rides in them too (its last
+stage's ranks count their loss, the others only their preemption flag) in place of the loss's broadcast over ``pp``.
+Only where no strategy does (``lp_dp``'s one process, another library's strategy) the batch's end all-reduces them
+alone. A preemption (SIGTERM) agreed there stops every rank at the start of the next
 batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
 
 On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
@@ -67,11 +69,14 @@ class SkippedStep(Exception):
 
 
 def _loss_of(outputs: Any) -> Tensor | None:
-    if isinstance(outputs, Tensor):
-        return outputs.detach()
-    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), Tensor):
-        return outputs["loss"].detach()
-    return None
+    """The training step's loss, detached; a tensor-parallel loss (a DTensor) as a plain tensor."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, Tensor):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class NonFiniteLossGuard(Callback):
@@ -197,9 +202,9 @@ class NonFiniteLossGuard(Callback):
         its loss (``outputs``: the training step's) is not finite, its loss where finite, 1 -- the sum's last two
         numbers give the mean loss. ``counted=False``: this rank holds no loss of its own (a pipeline stage before the
         last): only its preemption flag counts. None with the check off.
-        A strategy whose data-parallel ranks are the whole world sums them in the all-reduce of its logged values
-        and hands the sum to :meth:`agree` (a pipeline sums them alone, its loss riding in them); otherwise the
-        batch's end all-reduces them alone."""
+        The library's strategies sum them in the all-reduce of their logged values and hand the sum to
+        :meth:`agree` (a pipeline sums them alone, its loss riding in them); otherwise the batch's end all-reduces
+        them alone."""
         if self.action == "off":
             return None
         loss = _loss_of(outputs) if counted else None

@@ -185,6 +185,15 @@ class TrainStep:
         reductions allow, ``extra`` summed in the first (:func:`reduce_logged_batch`)."""
         return reduce_logged_batch(values, group=self.dp_group, size=self.dims.replicas, extra=extra)
 
+    def reduce_logged_world(self, values: Sequence[tuple[Tensor, Any]], extra: Tensor | None = None
+                            ) -> tuple[list[Tensor], Tensor | None]:
+        """As :meth:`reduce_logged_batch`, in one all-reduce over every rank: each value is held alike by the
+        ``world / replicas`` model-parallel peers of its replica (tp, the loss of a tensor-parallel model), so the
+        world's sum is that many times the replicas' sum. For ``extra`` summed over the whole world (the non-finite
+        guard's numbers) where the replicas are not the whole world: one collective for both."""
+        return reduce_logged_batch(values, group=None, size=self.dims.replicas,
+                                   copies=self.dims.world_size // self.dims.replicas, extra=extra)
+
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
 
@@ -209,12 +218,16 @@ _SUMMED = ("mean", "sum")
 
 
 def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.ProcessGroup | None, size: int,
-                        extra: Tensor | None = None) -> tuple[list[Tensor], Tensor | None]:
+                        extra: Tensor | None = None, copies: int = 1) -> tuple[list[Tensor], Tensor | None]:
     """Several logged ``(value, reduce_fx)`` pairs combined as :func:`reduce_logged` combines each, batched: every
     ``mean``/``sum`` value of one dtype (and ``extra``, a tensor of numbers to be summed over the same ranks, such as
     the non-finite-loss guard's flags) in ONE all-reduce of their concatenation, ``max`` and ``min`` values in one
     more each. Returns the combined values (detached copies; values of another ``reduce_fx`` as they are) and
     ``extra`` summed (None when not given).
+
+    ``copies``: each of the ``size`` replicas' values is held by that many ranks of ``group`` alike (its
+    model-parallel peers; ``group`` has ``size x copies`` ranks): a mean divides the sum by ``size x copies``, a sum
+    by ``copies``.
 
     Every rank of ``group`` must call it with values of the same count, reductions and dtypes in the same order (as
     for :func:`reduce_logged`). When ``extra`` is given the all-reduce is control traffic that the communication
@@ -226,7 +239,7 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
         if op is not None:
             kind = "sum" if op in _SUMMED else op
             buckets.setdefault((kind, out[i].dtype), []).append(i)
-    if extra is not None and size > 1:
+    if extra is not None and size * copies > 1:
         buckets = {("sum", extra.dtype): buckets.pop(("sum", extra.dtype), []), **buckets}  # extra rides first
     all_reduce = uncounted_all_reduce if extra is not None else dist.all_reduce
     summed_extra = extra
@@ -243,7 +256,8 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
         for i in members:
             n = out[i].numel()
             combined = flat[offset:offset + n].reshape(out[i].shape)
-            out[i] = combined / size if ops[i] == "mean" else combined
+            out[i] = (combined / (size * copies) if ops[i] == "mean" else combined / copies
+                      if copies > 1 and ops[i] == "sum" else combined)
             offset += n
         if with_extra:
             assert extra is not None

@@ -395,12 +395,19 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``training_step`` on this rank's part of the batch (with context parallelism: its head and
         tail chunks of the sequence); the values it logs are combined over the model's replicas (``dp``, ``dp x cp``)
-        first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`)."""
+        first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`). In a multi-rank run
+        the non-finite guard's agreement rides in that all-reduce, then over every rank (tp peers hold the same
+        values): one collective per batch for both."""
         if self.dims.cp > 1:
             args, kwargs = self._context_args(args, kwargs)
         replicas = self.dims.replicas
-        reduce = self.train_step.reduce_logged_batch if replicas > 1 else None
-        guard = self._nonfinite_guard if replicas > 1 and replicas == self.world_size else None
+        guard = self._nonfinite_guard if self.world_size > 1 else None
+        reduce: Any = None
+        if guard is not None and guard.action != "off":  # the logged values and the guard: one world all-reduce
+            reduce = (self.train_step.reduce_logged_batch if replicas == self.world_size
+                      else self.train_step.reduce_logged_world)
+        elif replicas > 1:
+            reduce, guard = self.train_step.reduce_logged_batch, None
         return training_step_agreed(self.lightning_module, lambda: super(LayoutStrategy, self).training_step(
             *args, **kwargs), reduce, guard)
 

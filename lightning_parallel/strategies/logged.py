@@ -7,16 +7,20 @@ runs, :func:`global_batch_logs` routes ``self.log`` (and ``log_dict``) so that e
 without ``sync_dist`` is first combined over the data-parallel ranks by its ``reduce_fx`` (``mean``: the global
 batch's mean, ``sum``, ``max``, ``min``; :func:`~lightning_parallel.parallel.step.reduce_logged_batch`): the calls
 are recorded while the step runs and made when it returns, every value of the step combined in ONE all-reduce (one
-more per ``max``/``min`` kind), issued without a host synchronisation. Where the replicas are the whole world (dp and
-cp layouts), the non-finite-loss guard's per-batch numbers ride in that same all-reduce, so logging the global-batch
-loss costs no collective of its own (:mod:`lightning_parallel.callbacks.nonfinite`). Left as they are: values
-logged with ``sync_dist=True`` (Lightning reduces them over every rank, which under model parallelism is the same
-mean), with ``rank_zero_only=True`` or ``enable_graph=True``, with a custom ``reduce_fx``, and anything but a
-floating-point tensor (a number, a torchmetrics ``Metric``).
+more per ``max``/``min`` kind), issued without a host synchronisation. In a multi-rank run the non-finite-loss
+guard's per-batch numbers ride in that same all-reduce, so logging the global-batch loss costs no collective of its
+own (:mod:`lightning_parallel.callbacks.nonfinite`): over the replicas where they are the whole world (dp, ZeRO,
+HSDP, cp), over every rank under tensor parallelism (the tp peers of a replica hold its values alike, so the world's
+sum is ``tp`` times the replicas' sum: :meth:`~lightning_parallel.parallel.step.TrainStep.reduce_logged_world`).
+Left as they are: values logged with ``sync_dist=True`` (Lightning reduces them over every rank, which under model
+parallelism is the same mean), with ``rank_zero_only=True`` or ``enable_graph=True``, with a custom ``reduce_fx``,
+and anything but a floating-point tensor (a number, a torchmetrics ``Metric``).
 
 As with ``sync_dist=True``, every data-parallel rank must log the same values in the same order (a ``self.log``
 under ``if self.global_rank == 0`` would wait for the others at the all-reduce, or mismatch it). Model-parallel
-peers (``tp``, ``pp``) hold the same value already; ``lp_pipeline``/``lp_hybrid`` log their ``train_loss``
+peers (``tp``, ``pp``) hold the same value already (a value that differs between the tp ranks of one replica, such
+as a norm of the rank's own shard, is averaged over them too: log it with ``rank_zero_only=True``
+to keep rank 0's own value); ``lp_pipeline``/``lp_hybrid`` log their ``train_loss``
 themselves, averaged over ``dp``.
 """
 
@@ -118,8 +122,8 @@ def global_batch_logs(module: Any, reduce: ReduceBatch | None) -> GlobalBatchLog
 
 def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBatch | None, guard: Any | None) -> Any:
     """Run ``step`` (the module's training step) with its logged values combined over dp (:class:`GlobalBatchLogs`)
-    and, when ``guard`` (a :class:`~lightning_parallel.callbacks.NonFiniteLossGuard`) is given -- the strategy's
-    replicas are the whole world --, the guard's numbers of this batch summed in the same all-reduce: one collective
+    and, when ``guard`` (a :class:`~lightning_parallel.callbacks.NonFiniteLossGuard`) is given -- ``reduce`` then
+    all-reduces over every rank --, the guard's numbers of this batch summed in the same all-reduce: one collective
     per batch for both, where Lightning broadcasts its preemption flag. Returns what ``step`` returns."""
     with global_batch_logs(module, reduce) as logs:
         out = step()
