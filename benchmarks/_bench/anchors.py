@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.parallel.counters import uncounted_all_reduce
+
 from .counting import python_allreduce_hook
 from .timing import Ctx, Timer
 
@@ -287,18 +289,36 @@ def hand_pipeline(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def hand_cp(ctx: Ctx) -> dict[str, Any]:
-    """Context parallelism's anchors. CPU: one device's step on the whole sequence, run by every rank (rank 0's clock;
-    torch's ``context_parallel`` dispatches CUDA attention kernels only, so there is no torch CP to run on CPU).
-    CUDA: torch's own API -- DDP over the cp ranks and ``context_parallel(mesh, buffers=[x, y])`` around forward and
-    backward (head-tail load balancing, its ring); the GPT's positions come from this rank's head-tail chunks, the
-    layout torch's balancer gives them. The loss is averaged over cp (the one-device value)."""
-    model = ctx.model().to(ctx.device)
-    opt = _adamw(model)
-    if ctx.device.type != "cuda":
-        out = _hand_loop(ctx, _plain_step(model, model, opt))
-        out["states"] = _states(model, opt)
-        return out
+def _cp_cpu(ctx: Ctx, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """CPU's forward + backward: torch's ``context_parallel`` dispatches CUDA attention kernels only, so the hand loop
+    runs the library's ring-attention units without the library's strategy or Lightning -- the GPT's attention routed
+    to the ring over the cp ranks (``apply_context_parallel``), each rank's head and tail chunks of ``x`` and ``y`` cut
+    by hand, torch DDP over cp: the same technique and kernels as the library's run, so a difference is the
+    framework's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_parallel.parallel.context_parallel import SequenceShard, apply_context_parallel, shard_sequence
+
+    mesh = init_device_mesh("cpu", (ctx.case.cp,), mesh_dim_names=("cp",))
+    shard = SequenceShard(ctx.case.cp, dist.get_rank())
+    apply_context_parallel(model, group=mesh.get_group(), shard=shard, style="ring")
+    ddp = DistributedDataParallel(model)
+    if ctx.counter is not None:
+        python_allreduce_hook(ddp)
+
+    def forward_backward(x: Tensor, y: Tensor) -> Tensor:
+        loss: Tensor = model.pipeline_loss(ddp(shard_sequence(x, 1, shard)), shard_sequence(y, 1, shard))  # type: ignore[operator]
+        loss.backward()
+        return loss
+
+    return forward_backward
+
+
+def _cp_cuda(ctx: Ctx, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """CUDA's forward + backward: torch's own API -- DDP over the cp ranks and ``context_parallel(mesh, buffers=[x,
+    y])`` around forward and backward (head-tail load balancing, its ring); the GPT's positions come from this rank's
+    head-tail chunks, the layout torch's balancer gives them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.parallel import DistributedDataParallel
@@ -310,16 +330,31 @@ def hand_cp(ctx: Ctx) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, device_ids=[ctx.device.index])
     state = ContextParallelState(group=mesh.get_group(), shard=SequenceShard(cp, dist.get_rank()), style="ring")
 
-    def step(x: Tensor, y: Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
+    def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         with activated(state), context_parallel(mesh, buffers=[x, y], buffer_seq_dims=[1, 1],
                                                 no_restore_buffers={x, y}):
-            loss = model.pipeline_loss(ddp(x), y)
+            loss: Tensor = model.pipeline_loss(ddp(x), y)  # type: ignore[operator]
             loss.backward()
+        return loss
+
+    return forward_backward
+
+
+def hand_cp(ctx: Ctx) -> dict[str, Any]:
+    """Context parallelism's anchors: CPU, a hand loop over the library's ring-attention units (:func:`_cp_cpu`; there
+    is no torch CP to run on CPU); CUDA, torch's ``context_parallel`` (:func:`_cp_cuda`). AdamW; the loss averaged
+    over cp (one all-reduce, the one-device value)."""
+    model = ctx.model().to(ctx.device)
+    opt = _adamw(model)
+    forward_backward = (_cp_cuda if ctx.device.type == "cuda" else _cp_cpu)(ctx, model)
+
+    def step(x: Tensor, y: Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward(x, y)
         opt.step()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        return float(mean.item()) / cp
+        uncounted_all_reduce(mean)  # the logged loss: control traffic, as the library books it
+        return float(mean.item()) / ctx.case.cp
 
     out = _hand_loop(ctx, step)
     out["states"] = _states(model, opt)

@@ -92,8 +92,9 @@ CASES: dict[str, Case] = {c.key: c for c in (
          anchor="FSDP2 fully_shard per block, embedding, head + root on a 2-D (replicate, shard) mesh",
          lightning_missing="Lightning's ModelParallelStrategy has no HSDP"),
     Case("cp", "lp_ddp cp2 (ring attention)", dp=1, cp=2,
-         anchor="CPU: one device on the whole sequence (torch's context_parallel dispatches CUDA attention kernels "
-                "only); CUDA: torch context_parallel (head-tail, all-gather rotation) + DDP over cp",
+         anchor="CPU: a hand loop over the library's ring-attention units + DDP over cp (torch's context_parallel "
+                "dispatches CUDA attention kernels only); CUDA: torch context_parallel (head-tail, all-gather "
+                "rotation) + DDP over cp",
          lightning_missing="Lightning has no context parallelism"),
 )}
 
