@@ -57,21 +57,6 @@ def test_bench_variants_do_the_same_work_and_match_the_formulas(tmp_path: Path) 
     assert (tmp_path / "memory_per_rank.png").stat().st_size > 0
 
 
-def test_the_cp_hand_loop_trains_the_same_steps_over_the_same_ring(tmp_path: Path) -> None:
-    """The ``cp`` case's CPU anchor is a hand loop over the library's ring units (no strategy, no Lightning): the
-    library's run logs its losses, and both move the ring's and the gradient's bytes of the formula."""
-    bench = _bench()
-    rc = bench.main(["--quick", "--cases", "cp", "--roles", "ours,torch", "--warmup", "1", "--steps", "2", "--reps",
-                     "3", "--out", str(tmp_path)])
-    assert rc == 0
-    rows = {r["role"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    assert set(rows) == {"ours", "torch"}
-    for role, row in rows.items():
-        assert "error" not in row, (role, row.get("error"))
-        assert row["comm"]["cp"] == pytest.approx(row["comm_theory"]["cp"], rel=1e-6), (role, row["comm"])
-    assert rows["ours"]["dloss"] <= 1e-5, rows["ours"]["dloss"]  # the same training as the hand loop
-
-
 def test_dp_sizes_and_lp_dp_exchanges_counted(tmp_path: Path) -> None:
     """``--dp 2,4`` runs the dp case once per size (rows ``dp`` and ``dp-dp4``); lp_dp's exchanges through device 0,
     counted by its engine, are the textbook figure (the outputs and the loss gradient add a few bytes), and its losses
