@@ -73,10 +73,9 @@ def _loss_of(outputs: Any) -> Tensor | None:
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if not isinstance(loss, Tensor):
         return None
-    from torch.distributed.tensor import DTensor
+    from lightning_parallel.parallel.pipeline.runtime import plain
 
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return plain(loss.detach())
 
 
 class NonFiniteLossGuard(Callback):
@@ -222,6 +221,13 @@ class NonFiniteLossGuard(Callback):
     def agree(self, numbers: Tensor) -> None:
         """The batch's numbers (:meth:`local_numbers`), already summed over every rank by the strategy."""
         self._agreed = (self._step, self._batch, numbers)
+
+    @staticmethod
+    def agreed_loss(numbers: Tensor) -> Tensor:
+        """The batch's mean loss over the ranks that counted one, from the summed numbers (NaN where any rank's loss
+        was not finite); no host synchronisation."""
+        _, bad, total, ranks = numbers.unbind()
+        return torch.where(bad > 0, torch.full_like(total, float("nan")), total / ranks.clamp(min=1))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

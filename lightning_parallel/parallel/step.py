@@ -256,8 +256,8 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
         for i in members:
             n = out[i].numel()
             combined = flat[offset:offset + n].reshape(out[i].shape)
-            out[i] = (combined / (size * copies) if ops[i] == "mean" else combined / copies
-                      if copies > 1 and ops[i] == "sum" else combined)
+            divisor = {"mean": size * copies, "sum": copies}.get(ops[i] or "", 1)
+            out[i] = combined / divisor if divisor > 1 else combined
             offset += n
         if with_extra:
             assert extra is not None

@@ -401,15 +401,21 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if self.dims.cp > 1:
             args, kwargs = self._context_args(args, kwargs)
         replicas = self.dims.replicas
-        guard = self._nonfinite_guard if self.world_size > 1 else None
+        guard = self._agreeing_guard()
         reduce: Any = None
-        if guard is not None and guard.action != "off":  # the logged values and the guard: one world all-reduce
+        if guard is not None:  # the logged values and the guard: one world all-reduce
             reduce = (self.train_step.reduce_logged_batch if replicas == self.world_size
                       else self.train_step.reduce_logged_world)
         elif replicas > 1:
-            reduce, guard = self.train_step.reduce_logged_batch, None
+            reduce = self.train_step.reduce_logged_batch
         return training_step_agreed(self.lightning_module, lambda: super(LayoutStrategy, self).training_step(
             *args, **kwargs), reduce, guard)
+
+    def _agreeing_guard(self) -> Any:
+        """The non-finite-loss guard when the ranks agree on it in the step's own all-reduce (a multi-rank run with
+        the check on), else None."""
+        guard = self._nonfinite_guard
+        return guard if self.world_size > 1 and guard is not None and guard.action != "off" else None
 
     @contextlib.contextmanager
     @override

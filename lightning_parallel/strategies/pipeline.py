@@ -41,7 +41,6 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -304,12 +303,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             for zero_grad in self._zero_grads:
                 zero_grad()
             self._grads_fresh = True
-        guard = self._nonfinite_guard if self.world_size > 1 else None
-        agreed = guard is not None and guard.action != "off"
+        guard = self._agreeing_guard()
         with self.precision_plugin.train_step_context(), self._tp_loss():
             loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches,
-                                          everywhere=not agreed)
-        if guard is not None and agreed:
+                                          everywhere=guard is None)
+        if guard is not None:
             # one world all-reduce for the loss and the non-finite guard, in place of three collectives (the loss's
             # broadcast over pp, its mean over dp, the guard's agreement at the batch's end): the last stage's ranks
             # add their loss to the guard's value and count, every other rank only its preemption flag
@@ -317,8 +315,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             assert numbers is not None
             uncounted_all_reduce(numbers)
             guard.agree(numbers)
-            _, bad, total, ranks = numbers.unbind()
-            loss = torch.where(bad > 0, torch.full_like(total, float("nan")), total / ranks.clamp(min=1))
+            loss = guard.agreed_loss(numbers)
         else:
             loss = self.train_step.reduce_mean(loss)
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=False)
