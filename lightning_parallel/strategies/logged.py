@@ -135,8 +135,7 @@ def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBat
 
 
 def _plain(value: Tensor) -> Tensor:
-    """A DTensor (a tensor-parallel loss: replicated over tp) as a plain tensor, detached."""
-    from torch.distributed.tensor import DTensor
+    """A logged value, detached; a DTensor (a tensor-parallel loss: replicated over tp) as a plain tensor."""
+    from lightning_parallel.parallel.pipeline.runtime import plain
 
-    value = value.detach()
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return plain(value.detach())

@@ -56,16 +56,14 @@ def _is_parallelized(module: nn.Module) -> bool:
 
 
 def _replicated_local(value: Any) -> Any:
-    """A DTensor output as a plain tensor: a replicated one (the loss) keeps its graph (``to_local``); a sharded one
-    (logits) is gathered (``full_tensor``, a collective every tp rank runs)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    """Every DTensor in a step's output as a plain tensor (:func:`~lightning_parallel.parallel.pipeline.runtime.plain`:
+    a replicated one, the loss, keeps its graph; a sharded one, logits, is gathered by a collective every tp rank
+    runs)."""
+    from torch.distributed.tensor import DTensor
 
-    def convert(t: DTensor) -> Tensor:
-        if all(isinstance(p, Replicate) for p in t.placements):
-            return t.to_local()
-        return t.full_tensor()
+    from lightning_parallel.parallel.pipeline.runtime import plain
 
-    return apply_to_collection(value, DTensor, convert)
+    return apply_to_collection(value, DTensor, plain)
 
 
 def full_model_state(module: nn.Module) -> dict[str, Tensor]:
