@@ -98,7 +98,7 @@ for _path in (ROOT, HERE):  # the package and this benchmark's own modules (``_b
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
-from _bench.cases import CASES, Case, expand, lightning_name  # noqa: E402
+from _bench.cases import CASES, Case, expand, lightning_name, loop_cases  # noqa: E402
 from _bench.cli import parse_args  # noqa: E402
 from _bench.report import markdown, median, plots, render, split_text, summarize, table  # noqa: E402
 from _bench.studies import load_study  # noqa: E402
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     case_rates: dict[str, Any] = {}
-    for case in expand(a.cases, a.dp):
+    cases = expand(a.cases, a.dp)
+    for case in cases + loop_cases(cases, a.roles):
         key = case.name
         why = available(a, case)
         if why is not None:
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if "lightning" in a.roles and missing is not None and lightning_name(case, a.device) is not None:
             skipped[f"{key} (Lightning)"] = missing
             print(f"[bench] {key}: Lightning's built-in skipped ({missing})", flush=True)
-        if a.calibrate_each and case.key != "dp":  # lp_dp has no planner layout
+        if a.calibrate_each and case.key != "dp" and not case.loop_cost:  # lp_dp has no planner layout
             case_rates[key] = _calibrate_for(a, case)
         reps: list[dict[str, dict[str, Any]]] = []
         for rep in range(a.reps):
@@ -288,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             reps.append(results)
         counted = {role: run_world(a, case, role, count=True) for role in roles}
         case_rows = summarize(a, case, reps, counted)
-        where_time_goes(a, case, case_rows)
+        if not case.loop_cost:
+            where_time_goes(a, case, case_rows)
         for r in case_rows:
             if "error" in r:
                 print(f"[bench] {key} {r['role']} failed:\n{r['error_full']}", flush=True)

@@ -36,6 +36,9 @@ class Case:
     """The row's name when it differs from ``key`` (a case run at another ``--dp``)."""
     cp: int = 1
     """Context parallelism: the ranks each sequence is split over."""
+    loop_cost: bool = False
+    """Run only for Lightning's own per-step cost at this many ranks (``ddp`` at another case's world size; see
+    :func:`loop_cases`): no calibration, prediction or profile of its own."""
 
     @property
     def name(self) -> str:
@@ -106,6 +109,20 @@ def expand(keys: list[str], dps: list[int]) -> list[Case]:
         case = CASES[key]
         out.extend([case.with_dp(n) for n in dps] if case.scalable else [case])
     return out
+
+
+def loop_cases(cases: list[Case], roles: list[str]) -> list[Case]:
+    """``ddp`` at every other world size among ``cases``, to measure Lightning's own per-step cost (its ``ddp`` minus
+    torch DDP) at the number of ranks each case runs on: where ranks share the cores (CPU), each rank's loop work
+    takes turns with the others', so the cost by the wall clock grows with the ranks per core (measured here
+    2026-12-06: 3.8 ms at 2 ranks on 2 cores, 8.9 ms at 4, 9.2 ms at 8; CPU time per rank 2.6-3.5 ms at all three).
+    None unless ``ddp`` runs with its torch and Lightning variants."""
+    ddp = [c for c in cases if c.key == "ddp"]
+    if not ddp or "torch" not in roles or "lightning" not in roles:
+        return []
+    have = {c.world for c in ddp}
+    worlds = sorted({c.world for c in cases if c.processes is None} - have)
+    return [dataclasses.replace(CASES["ddp"].with_dp(n), loop_cost=True) for n in worlds]
 
 
 def lightning_name(case: Case, device: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -127,7 +128,8 @@ def summarize(a: argparse.Namespace, case: Case, reps: list[dict[str, dict[str, 
     rows = []
     roles = [r for r in reps[0] if "error" not in reps[0][r]] if reps else []
     for role in reps[0] if reps else []:
-        row: dict[str, Any] = {"case": case.name, "key": case.key, "dp": case.dp, "title": case.title, "role": role}
+        row: dict[str, Any] = {"case": case.name, "key": case.key, "dp": case.dp, "world": case.world,
+                               "title": case.title, "role": role}
         runs = [rep[role] for rep in reps]
         failed = next((r for r in runs if "error" in r), None)
         if failed is not None:
@@ -320,10 +322,19 @@ def _reps_ms(run: dict[str, Any], key: str) -> list[float]:
     return [x * 1e3 for x in reps]
 
 
-def lightning_loop_ms(rows: list[dict[str, Any]], key: str = "step_s") -> list[float]:
-    """Lightning's own cost per step, one figure per repetition: its ``ddp`` minus torch DDP on the same case."""
+def row_world(row: dict[str, Any]) -> int:
+    """The ranks a row's case ran on (a run written before rows kept it: from the case at the row's dp size)."""
+    if "world" in row:
+        return int(row["world"])
+    case = CASES.get(row.get("key", row["case"]))
+    return DEFAULT_DP if case is None else dataclasses.replace(case, dp=row.get("dp", case.dp)).world
+
+
+def lightning_loop_ms(rows: list[dict[str, Any]], key: str = "step_s", world: int = DEFAULT_DP) -> list[float]:
+    """Lightning's own cost per step on ``world`` ranks, one figure per repetition: its ``ddp`` minus torch DDP at
+    that data-parallel size."""
     ddp = {r["role"]: r for r in rows if r.get("key", r["case"]) == "ddp" and "error" not in r
-           and r.get("dp", DEFAULT_DP) == DEFAULT_DP}
+           and r.get("dp", DEFAULT_DP) == world}
     if "torch" not in ddp or "lightning" not in ddp:
         return []
     pairs = zip(_reps_ms(ddp["lightning"], key), _reps_ms(ddp["torch"], key), strict=False)
@@ -343,37 +354,58 @@ def _goal_cells(ours: dict[str, Any], torch_run: dict[str, Any], loop: list[floa
     return f"{median(o):.1f} | {median(t) + median(lp):.1f} | {x_loop:.3f} {mark} | {own:+.1f}"
 
 
+def _loop_text(wall: list[float], cpu: list[float]) -> str:
+    return (f"**{median(wall):.1f} ms** by the wall clock ({', '.join(f'{x:.1f}' for x in wall)}), "
+            f"**{median(cpu):.1f} ms** of CPU time")
+
+
 def goals_table(rows: list[dict[str, Any]]) -> str:
     """The per-step overhead goals: each case against Lightning's built-in and against torch + Lightning's loop.
 
     Paired by repetition (the same repetition's runs), then the median over repetitions; by the wall clock and by
     rank 0's CPU time (blind to other processes taking the cores). ``own ms`` is the library's step minus the hand
-    loop's minus Lightning's loop cost: what the library adds on top of both.
+    loop's minus Lightning's loop cost: what the library adds on top of both. Lightning's loop cost is the one
+    measured on as many ranks as the case (``ddp-dpN`` rows, :func:`~_bench.cases.loop_cases`), else the one of
+    the default two ranks (said under the table).
     """
-    loop = lightning_loop_ms(rows)
-    cpu_loop = lightning_loop_ms(rows, "cpu_s")
-    if not loop:
+    loops = {DEFAULT_DP: (lightning_loop_ms(rows), lightning_loop_ms(rows, "cpu_s"))}
+    if not loops[DEFAULT_DP][0]:
         return ""
+    for w in sorted({row_world(r) for r in rows} - {DEFAULT_DP}):
+        wall = lightning_loop_ms(rows, world=w)
+        if wall:
+            loops[w] = (wall, lightning_loop_ms(rows, "cpu_s", w))
     lines = [f"Lightning's own per-step cost, its `ddp` minus torch DDP (median of the repetitions): "
-             f"**{median(loop):.1f} ms** by the wall clock ({', '.join(f'{x:.1f}' for x in loop)}), "
-             f"**{median(cpu_loop):.1f} ms** of CPU time.", "",
-             f"| case | ours ms | torch + loop ms | x (torch + loop) (goal <= {GOAL_X_LOOP}) | library's own ms | "
-             f"x Lightning (goal <= {GOAL_X_LIGHTNING}) | CPU: ours ms | CPU: torch + loop ms | "
-             f"CPU: x (torch + loop) | CPU: library's own ms | CPU: x Lightning |", "|---|" + "---|" * 10]
+             f"{_loop_text(*loops[DEFAULT_DP])}."]
+    if len(loops) > 1:
+        lines[0] = lines[0][:-1] + f" on {DEFAULT_DP} ranks; " + "; ".join(
+            f"on {w} ranks {_loop_text(*v)}" for w, v in loops.items() if w != DEFAULT_DP) + (
+            ". Each case is compared with the cost on as many ranks as it runs on.")
+    lines += ["", f"| case | ours ms | torch + loop ms | x (torch + loop) (goal <= {GOAL_X_LOOP}) | library's own ms | "
+              f"x Lightning (goal <= {GOAL_X_LIGHTNING}) | CPU: ours ms | CPU: torch + loop ms | "
+              f"CPU: x (torch + loop) | CPU: library's own ms | CPU: x Lightning |", "|---|" + "---|" * 10]
     by_case: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         if "error" not in r and "step_s_reps" in r:
             by_case[r["case"]][r["role"]] = r
+    borrowed: list[str] = []
     for name, roles in by_case.items():
         ours, torch_run = roles.get("ours"), roles.get("torch")
         if ours is None or torch_run is None:
             continue
+        world = row_world(ours)
+        wall, cpu = loops.get(world, loops[DEFAULT_DP])
+        if world not in loops and world != 1:
+            borrowed.append(f"{name} ({world} ranks)")
         cells = []
         for key, prefix in (("step_s", "x"), ("cpu_s", "cpu_x")):
             x = ours.get(f"{prefix}_lightning")
             xl = "-" if x is None else f"{x:.3f} " + ("yes" if x <= GOAL_X_LIGHTNING else "**no**")
-            cells.append(f"{_goal_cells(ours, torch_run, loop if key == 'step_s' else cpu_loop, key)} | {xl}")
+            cells.append(f"{_goal_cells(ours, torch_run, wall if key == 'step_s' else cpu, key)} | {xl}")
         lines.append(f"| {name} | {' | '.join(cells)} |")
+    if borrowed:
+        lines += ["", f"Compared with Lightning's cost on {DEFAULT_DP} ranks (no `ddp` on as many ranks in this run): "
+                  f"{', '.join(borrowed)}."]
     return "\n".join(lines)
 
 
