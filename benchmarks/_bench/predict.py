@@ -135,8 +135,10 @@ def predicted_section(a: argparse.Namespace, rows: list[dict[str, Any]], *, case
     against the library's measured one, with ``start`` (default: :func:`rates_here`, the cached calibration); with
     ``case_rates`` (``--calibrate-each``), also with the rates calibrated just before each case and with their
     median. ``--render`` calls it again on a run's stored rates, so the tables follow the model of the day."""
-    measured = {r["case"]: r["step_s"] for r in rows if r["role"] == "ours" and "step_s" in r}
-    reps = {r["case"]: list(r.get("step_s_reps") or []) for r in rows if r["role"] == "ours" and "step_s" in r}
+    asked = {c.name for c in expand(a.cases, a.dp)}  # not the runs added for Lightning's loop cost (ddp-dp4, ...)
+    ours = [r for r in rows if r["role"] == "ours" and "step_s" in r and r["case"] in asked]
+    measured = {r["case"]: r["step_s"] for r in ours}
+    reps = {r["case"]: list(r.get("step_s_reps") or []) for r in ours}
     cases = [c for c in expand(a.cases, a.dp) if c.name in measured]
     rates = start if start is not None else rates_here(a, max((c.world for c in cases), default=1))
     text = "## Predicted against measured\n\n" + prediction_table(predictions(a, cases, lambda case: rates),
