@@ -6,7 +6,8 @@ one (a recipe may name ``lightning_parallel.callbacks.NonFiniteLossGuard`` with 
 
 How (``stop``): at the end of each training batch -- before ``ModelCheckpoint`` saves, which Lightning runs last --
 the loss the step returned is checked on every rank. In a multi-rank run the ranks agree in one all-reduce of three
-numbers (this rank's preemption flag, whether its loss is finite, its loss), which *replaces* Lightning's per-batch
+numbers (this rank's loss, its preemption flag, 1): the sum of the losses is finite only where every rank's is, and
+only then is the batch's mean loss the sum over the count. That all-reduce *replaces* Lightning's per-batch
 broadcast of the preemption flag (``_broadcast_sigterm_tensor``, one collective and one host sync per batch): the
 check adds no collective and no host synchronisation (nor is it booked by the communication counter: it is control
 traffic, as the broadcast it replaces). The library's strategies sum these numbers in the all-reduce of the step's
@@ -29,6 +30,7 @@ and printed. It costs one more all-reduce per optimizer step (the check must com
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Literal
 
@@ -102,6 +104,8 @@ class NonFiniteLossGuard(Callback):
         self._pending_bad: Tensor | bool = False
         self._patched: Any = None
         self._agreed: tuple[int, int, Tensor] | None = None
+        self._tails: dict[tuple[torch.device, float], Tensor] = {}
+        self._local_loss: Tensor | None = None
 
     # ------------------------------------------------------------------ wiring
     def attach(self, trainer: pl.Trainer) -> None:
@@ -197,26 +201,31 @@ class NonFiniteLossGuard(Callback):
             raise SkippedStep(f"step {self._step}: the loss is not finite on {int(local.item())} rank(s)")
 
     def local_numbers(self, trainer: pl.Trainer, outputs: Any, *, counted: bool = True) -> Tensor | None:
-        """This rank's numbers of the batch's agreement, to be summed over every rank: its preemption flag, whether
-        its loss (``outputs``: the training step's) is not finite, its loss where finite, 1 -- the sum's last two
-        numbers give the mean loss. ``counted=False``: this rank holds no loss of its own (a pipeline stage before the
-        last): only its preemption flag counts. None with the check off.
+        """This rank's numbers of the batch's agreement, to be summed over every rank: its loss (``outputs``: the
+        training step's; its mean if it has several elements), its preemption flag, 1 -- summed, the first is finite
+        only if every rank's loss is, and over the last it gives the mean loss. ``counted=False``: this rank holds no
+        loss of its own (a pipeline stage before the last): only its preemption flag counts. None with the check off.
         The library's strategies sum them in the all-reduce of their logged values and hand the sum to
         :meth:`agree` (a pipeline sums them alone, its loss riding in them); otherwise the batch's end all-reduces
-        them alone."""
+        them alone. Built with as few tensor operations as can be (a step pays each one's dispatch): the loss
+        reshaped and concatenated with a cached ``[flag, 1]``."""
         if self.action == "off":
             return None
-        loss = _loss_of(outputs) if counted else None
         device = trainer.strategy.root_device
-        zero = torch.zeros((), device=device)
-        bad, value, count = zero, zero, torch.ones((), device=device) if counted else zero
-        if loss is not None:
-            loss = loss.float().reshape(-1)
-            finite = torch.isfinite(loss).all()
-            bad = (~finite).float().to(device)
-            value = torch.where(finite, loss.mean(), torch.zeros((), device=loss.device)).to(device)
         sigterm = float(self._sigterm_asked or bool(getattr(trainer, "received_sigterm", False)))
-        return torch.stack([torch.tensor(sigterm, device=device), bad, value, count])
+        loss = self._local_loss = _loss_of(outputs) if counted else None
+        if loss is None:
+            return torch.tensor([0.0, sigterm, 1.0 if counted else 0.0], device=device)
+        if loss.numel() != 1:
+            loss = loss.float().mean()
+        elif loss.dtype != torch.float32:
+            loss = loss.float()
+        if loss.device != device:
+            loss = loss.to(device)
+        tail = self._tails.get((device, sigterm))
+        if tail is None:  # read only (the all-reduce runs on the concatenation, a new tensor)
+            tail = self._tails[(device, sigterm)] = torch.tensor([sigterm, 1.0], device=device)
+        return torch.cat((loss.reshape(1), tail))
 
     def agree(self, numbers: Tensor) -> None:
         """The batch's numbers (:meth:`local_numbers`), already summed over every rank by the strategy."""
@@ -224,10 +233,10 @@ class NonFiniteLossGuard(Callback):
 
     @staticmethod
     def agreed_loss(numbers: Tensor) -> Tensor:
-        """The batch's mean loss over the ranks that counted one, from the summed numbers (NaN where any rank's loss
-        was not finite); no host synchronisation."""
-        _, bad, total, ranks = numbers.unbind()
-        return torch.where(bad > 0, torch.full_like(total, float("nan")), total / ranks.clamp(min=1))
+        """The batch's mean loss over the ranks that counted one, from the summed numbers (not finite where any rank's
+        loss was not); no host synchronisation."""
+        total, _, ranks = numbers.unbind()
+        return total / ranks.clamp(min=1)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -244,19 +253,34 @@ class NonFiniteLossGuard(Callback):
             numbers = local
             if _multi_rank(trainer):
                 uncounted_all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
-        sigterms, bad_ranks, total, ranks = numbers.tolist()  # the one host sync of the batch
+        total, sigterms, ranks = numbers.tolist()  # the one host sync of the batch
         self._sigterm_agreed = sigterms > 0
-        if bad_ranks == 0:
+        if math.isfinite(total):
             if _loss_of(outputs) is not None:
                 self._last_finite = (self._step, total / ranks)
             return
         if self.action == "skip":
+            return
+        # some rank's loss is not finite (or the finite losses' sum overflowed): every rank sees the same sum and
+        # comes here, so they can count the ranks whose own loss is not (a second all-reduce, on this path only)
+        bad_ranks = self._bad_ranks(trainer)
+        if bad_ranks == 0:
             return
         trainer.should_stop = True
         message = self.message(trainer, bad_ranks=int(bad_ranks), ranks=int(ranks), value=_loss_of(outputs))
         setattr(trainer.strategy, REFUSE_SAVES_ATTR,
                 f"the training state is not finite since step {self._step} (its loss was not finite)")
         raise NonFiniteLossError(message)
+
+    def _bad_ranks(self, trainer: pl.Trainer) -> int:
+        """How many ranks' own loss of this batch (the one :meth:`local_numbers` counted) is not finite: an
+        all-reduce every rank runs."""
+        loss = self._local_loss
+        bad = torch.tensor([0.0 if loss is None else float(not bool(torch.isfinite(loss).all()))],
+                           device=trainer.strategy.root_device)
+        if _multi_rank(trainer):
+            uncounted_all_reduce(bad)
+        return int(bad.item())
 
     def message(self, trainer: pl.Trainer, *, bad_ranks: int, ranks: int, value: Tensor | None) -> str:
         """What :class:`NonFiniteLossError` says: the step, the last finite loss, the newest checkpoint, the fix."""

@@ -217,6 +217,13 @@ def reduce_logged(value: Tensor, *, group: dist.ProcessGroup | None, size: int, 
 _SUMMED = ("mean", "sum")
 
 
+def _flat(value: Tensor) -> Tensor:
+    """``value`` detached and 1-D, with no tensor operation where it already is (each costs a step its dispatch)."""
+    if value.requires_grad:
+        value = value.detach()
+    return value if value.dim() == 1 else value.reshape(-1)
+
+
 def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.ProcessGroup | None, size: int,
                         extra: Tensor | None = None, copies: int = 1) -> tuple[list[Tensor], Tensor | None]:
     """Several logged ``(value, reduce_fx)`` pairs combined as :func:`reduce_logged` combines each, batched: every
@@ -244,11 +251,14 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
     all_reduce = uncounted_all_reduce if extra is not None else dist.all_reduce
     summed_extra = extra
     for (kind, _dtype), members in buckets.items():
-        parts = [out[i].detach().reshape(-1) for i in members]
+        parts = [_flat(out[i]) for i in members]
         with_extra = extra is not None and kind == "sum" and _dtype == extra.dtype and summed_extra is extra
         if with_extra:
             assert extra is not None
-            parts.append(extra.detach().reshape(-1).to(parts[0].device if parts else extra.device))
+            flat_extra = _flat(extra)
+            if parts and flat_extra.device != parts[0].device:
+                flat_extra = flat_extra.to(parts[0].device)
+            parts.append(flat_extra)
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[kind]
         all_reduce(flat, op=reduce_op, group=group)

@@ -85,6 +85,11 @@ def test_a_nan_loss_stops_every_rank_on_its_step_and_keeps_last_ckpt_finite(tmp_
     assert "NonFiniteLossError" in text or "training loss became" in text, text[-2000:]
     assert f"in step {NAN_FROM + 1}" in text and f"at step {NAN_FROM}" in text, text[-2000:]
     assert "last.ckpt" in text, text[-2000:]  # the newest good checkpoint is named
+    counted = {"lp_pipeline pp2": 1, "lp_dp x2": 1}.get(family, 2)  # the ranks that hold a loss of their own
+    if counted > 1:  # every one of them had a NaN loss: counted by the all-reduce of the failing step
+        assert f"on {counted} of {counted} ranks" in text, text[-2000:]
+    else:
+        assert " ranks;" not in text, text[-2000:]
     saved = read_resumable(last, trusted=True)
     print(f"{family}: last.ckpt is a {detect_format(last, trusted=True).describe()} of global_step "
           f"{saved['global_step']}, every tensor finite: {_all_finite(saved)}")

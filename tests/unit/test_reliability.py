@@ -241,6 +241,43 @@ def test_the_guard_stops_on_a_nan_loss_and_refuses_every_save_after_it() -> None
 
 
 # ------------------------------------------------------------------------------------------------ tools
+def test_the_guards_numbers_cost_a_step_three_tensor_operations() -> None:
+    """The guard's numbers ride in every step's all-reduce: ``[loss, preemption flag, 1]`` from a scalar fp32 loss is
+    a detach, a reshape and a concatenation with a cached ``[flag, 1]`` (each operation is a dispatch a step pays;
+    they were 16); their sum over the ranks is finite only where every rank's loss is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_parallel.callbacks import NonFiniteLossGuard
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    trainer: Any = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), received_sigterm=False)
+    guard = NonFiniteLossGuard()
+    weight = torch.tensor(2.0, requires_grad=True)
+    losses = [weight * 1.5, weight * 1.25]
+    first = guard.local_numbers(trainer, {"loss": losses[0]})  # builds the cached [flag, 1]
+    with Ops() as ops:
+        second = guard.local_numbers(trainer, {"loss": losses[1]})
+    assert len(ops.names) <= 3, ops.names
+    assert first is not None and second is not None and not second.requires_grad
+    assert second.tolist() == [2.5, 0.0, 1.0]
+    summed = first + second
+    assert NonFiniteLossGuard.agreed_loss(summed).item() == pytest.approx(2.75)
+    assert first.tolist() == [3.0, 0.0, 1.0]  # the cached tail was not changed by the sum
+    bad = guard.local_numbers(trainer, {"loss": torch.tensor(float("nan"))})
+    assert bad is not None and not torch.isfinite(NonFiniteLossGuard.agreed_loss(first + bad))
+    trainer.received_sigterm = True
+    assert guard.local_numbers(trainer, torch.tensor([1.0, 3.0])).tolist() == [2.0, 1.0, 1.0]  # mean; the flag
+    assert guard.local_numbers(trainer, None, counted=False).tolist() == [0.0, 1.0, 0.0]  # a stage without a loss
+
+
 def test_every_recipe_plans_and_zero_is_not_the_default() -> None:
     from lightning_parallel.planner.cli import main as plan
 
