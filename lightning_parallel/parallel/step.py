@@ -265,11 +265,11 @@ def reduce_logged_batch(values: Sequence[tuple[Tensor, Any]], *, group: dist.Pro
         offset = 0
         for i in members:
             n = out[i].numel()
-            combined = flat[offset:offset + n].reshape(out[i].shape)
+            combined = flat[offset] if out[i].dim() == 0 else flat[offset:offset + n].reshape(out[i].shape)
             divisor = {"mean": size * copies, "sum": copies}.get(ops[i] or "", 1)
             out[i] = combined / divisor if divisor > 1 else combined
             offset += n
         if with_extra:
             assert extra is not None
-            summed_extra = flat[offset:].reshape(extra.shape)
+            summed_extra = flat[offset:] if extra.dim() == 1 else flat[offset:].reshape(extra.shape)
     return out, summed_extra
