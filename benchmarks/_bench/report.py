@@ -375,15 +375,14 @@ def goals_table(rows: list[dict[str, Any]]) -> str:
         wall = lightning_loop_ms(rows, world=w)
         if wall:
             loops[w] = (wall, lightning_loop_ms(rows, "cpu_s", w))
+    more = [f"on {w} ranks {_loop_text(*v)}" for w, v in loops.items() if w != DEFAULT_DP]
+    sizes = (f" on {DEFAULT_DP} ranks; {'; '.join(more)}. Each case is compared with the cost on as many ranks as it "
+             "runs on." if more else ".")
     lines = [f"Lightning's own per-step cost, its `ddp` minus torch DDP (median of the repetitions): "
-             f"{_loop_text(*loops[DEFAULT_DP])}."]
-    if len(loops) > 1:
-        lines[0] = lines[0][:-1] + f" on {DEFAULT_DP} ranks; " + "; ".join(
-            f"on {w} ranks {_loop_text(*v)}" for w, v in loops.items() if w != DEFAULT_DP) + (
-            ". Each case is compared with the cost on as many ranks as it runs on.")
-    lines += ["", f"| case | ours ms | torch + loop ms | x (torch + loop) (goal <= {GOAL_X_LOOP}) | library's own ms | "
-              f"x Lightning (goal <= {GOAL_X_LIGHTNING}) | CPU: ours ms | CPU: torch + loop ms | "
-              f"CPU: x (torch + loop) | CPU: library's own ms | CPU: x Lightning |", "|---|" + "---|" * 10]
+             f"{_loop_text(*loops[DEFAULT_DP])}{sizes}", "",
+             f"| case | ours ms | torch + loop ms | x (torch + loop) (goal <= {GOAL_X_LOOP}) | library's own ms | "
+             f"x Lightning (goal <= {GOAL_X_LIGHTNING}) | CPU: ours ms | CPU: torch + loop ms | "
+             f"CPU: x (torch + loop) | CPU: library's own ms | CPU: x Lightning |", "|---|" + "---|" * 10]
     by_case: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         if "error" not in r and "step_s_reps" in r:
