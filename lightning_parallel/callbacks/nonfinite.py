@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_parallel.checkpoint.formats.common import REFUSE_SAVES_ATTR
 from lightning_parallel.parallel.counters import uncounted_all_reduce
+from lightning_parallel.parallel.tensor.local import plain
 
 __all__ = ["NoTrainingStepError", "NonFiniteLossError", "NonFiniteLossGuard", "SkippedStep", "install"]
 
@@ -75,8 +76,6 @@ def _loss_of(outputs: Any) -> Tensor | None:
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if not isinstance(loss, Tensor):
         return None
-    from lightning_parallel.parallel.pipeline.runtime import plain
-
     return plain(loss.detach())
 
 

@@ -230,7 +230,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if self.dims.cp == 1 or module is None:
             yield None
             return
-        from lightning_parallel.parallel.pipeline.runtime import plain
+        from lightning_parallel.parallel.tensor.local import plain
 
         had = "log" in vars(module)
         original = module.log

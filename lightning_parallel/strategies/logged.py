@@ -33,6 +33,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_parallel.parallel.tensor.local import plain
+
 __all__ = ["GlobalBatchLogs", "ReduceBatch", "global_batch_logs", "training_step_agreed"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
@@ -75,7 +77,7 @@ class GlobalBatchLogs:
                 # keywords only (the usual call): read them; positional options: bind them to log's signature
                 bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments if args else kwargs
                 if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
-                    fx, value = bound.get("reduce_fx", "mean"), _plain(value)
+                    fx, value = bound.get("reduce_fx", "mean"), plain(value.detach())
             calls.append((name, value, args, kwargs, fx))
 
         module.log = log
@@ -132,10 +134,3 @@ def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBat
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
     return out
-
-
-def _plain(value: Tensor) -> Tensor:
-    """A logged value, detached; a DTensor (a tensor-parallel loss: replicated over tp) as a plain tensor."""
-    from lightning_parallel.parallel.pipeline.runtime import plain
-
-    return plain(value.detach())

@@ -56,12 +56,12 @@ def _is_parallelized(module: nn.Module) -> bool:
 
 
 def _replicated_local(value: Any) -> Any:
-    """Every DTensor in a step's output as a plain tensor (:func:`~lightning_parallel.parallel.pipeline.runtime.plain`:
+    """Every DTensor in a step's output as a plain tensor (:func:`~lightning_parallel.parallel.tensor.local.plain`:
     a replicated one, the loss, keeps its graph; a sharded one, logits, is gathered by a collective every tp rank
     runs)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_parallel.parallel.pipeline.runtime import plain
+    from lightning_parallel.parallel.tensor.local import plain
 
     return apply_to_collection(value, DTensor, plain)
 

@@ -19,7 +19,7 @@ Evaluation runs forward only (``torch.no_grad``) under GPipe (one stage per rank
 many micro-batches as divide the batch (at most ``num_micro_batches``); the last stage's output -- the whole batch's,
 concatenated along dim 0 -- is where the loss is computed. Stages may be tensor-parallel (DTensor parameters, a
 vocab-parallel head whose loss runs under ``loss_parallel``): losses and outputs handed on are made plain first
-(:func:`plain`). No Lightning import.
+(:func:`~lightning_parallel.parallel.tensor.local.plain`). No Lightning import.
 """
 
 from __future__ import annotations
@@ -33,21 +33,10 @@ from torch import Tensor, nn
 
 from lightning_parallel.config import SCHEDULES
 
+from ..tensor.local import plain
 from .stage import StagePlan, input_names
 
-__all__ = ["PipelineRunner", "largest_divisor_at_most", "plain"]
-
-
-def plain(t: Tensor) -> Tensor:
-    """A tensor-parallel stage's output or loss as a plain tensor: a replicated DTensor's local value, a sharded one
-    gathered (a collective over ``tp``: every tp rank of the stage calls it); plain tensors pass through."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(t, DTensor):
-        return t
-    if all(isinstance(p, Replicate) for p in t.placements):
-        return t.to_local()
-    return t.full_tensor()
+__all__ = ["PipelineRunner", "largest_divisor_at_most"]
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
