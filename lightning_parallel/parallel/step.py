@@ -35,7 +35,7 @@ No Lightning import.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -132,15 +132,10 @@ class TrainStep:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
             allreduce_gradients(model.parameters(), group=self.dp_group)
-        for opt in _zero_optimizers(optimizers):
-            opt.reduce_gradients()
-
-    @staticmethod
-    def prepare_gradients(optimizers: Iterable[Any]) -> None:
-        """Before each backward: a ZeRO-2 optimizer's full flat gradient for the step, which the backward
-        accumulates into (:meth:`ZeroOptimizer.prepare_gradients`)."""
-        for opt in _zero_optimizers(optimizers):
-            opt.prepare_gradients()
+        for opt in optimizers:
+            raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
+            if isinstance(raw, ZeroOptimizer):
+                raw.reduce_gradients()
 
     def _distributed_parameters(self, model: nn.Module) -> list[Tensor]:
         """``model``'s DTensor parameters, read each step from where the first step of this model found them
@@ -201,13 +196,6 @@ class TrainStep:
 
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
-
-
-def _zero_optimizers(optimizers: Iterable[Any]) -> Iterator[ZeroOptimizer]:
-    for opt in optimizers:
-        raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
-        if isinstance(raw, ZeroOptimizer):
-            yield raw
 
 
 def logged_reduce_op(reduce_fx: Any) -> str | None:

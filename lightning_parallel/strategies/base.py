@@ -426,13 +426,6 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             yield None
 
     @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        """Before each backward: a ZeRO-2 optimizer's flat gradient for the step (the backward accumulates into
-        it)."""
-        super().pre_backward(closure_loss)
-        self.train_step.prepare_gradients(self.optimizers)
-
-    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """The step's last backward: the dp gradient sync (before Lightning's clipping, which must see it)."""
         super().post_backward(closure_loss)

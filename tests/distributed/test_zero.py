@@ -71,15 +71,7 @@ def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
     return x[rank * MICRO_B : (rank + 1) * MICRO_B]
 
 
-def _grad_storages(zero: ZeroOptimizer) -> int:
-    """How many storages the parameters' gradients live in (one flat buffer per param group when prepared)."""
-    return len({p.grad.untyped_storage().data_ptr() for s in zero.shards for p in s.params if p.grad is not None})
-
-
-def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter, *, prepare: bool = False
-                  ) -> tuple[GPT, ZeroOptimizer]:
-    """``prepare``: :meth:`ZeroOptimizer.prepare_gradients` before each backward (what the strategy does); the
-    gradient storages before the last reduce-scatter are kept in ``zero.storages``."""
+def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter) -> tuple[GPT, ZeroOptimizer]:
     model = _model()
     zero = ZeroOptimizer(_optimizer(model, kind), stage=stage)
     sched = _scheduler(zero.optim)
@@ -87,10 +79,7 @@ def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCou
         counter.reset()
         with counter.counting():
             for x, y in step:
-                if prepare:
-                    zero.prepare_gradients()
                 (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
-            zero.storages = _grad_storages(zero)  # type: ignore[attr-defined]
             zero.reduce_gradients()
             counter.enabled = False  # the norm's scalar all-reduce is not part of ZeRO's 2 Psi
             zero.clip_grad_norm_(CLIP)
@@ -130,27 +119,16 @@ def _check_zero12(rank: int, world: int, stage: int, kind: str) -> dict[str, Any
     zero2.load_state_dict(zero2.state_dict())  # the sharded form round-trips on the same layout
     out["reload_optim"] = _optim_diff(zero2.consolidated_state_dict(), ref_opt.state_dict())
     out["double_reduce"] = _double_reduce(stage, rank, world)
-    out["storages"] = [zero.storages, len(zero.shards)]  # type: ignore[attr-defined]
-    if stage == 2:  # the backward accumulating into the prepared flat gradient: the same training, the same bytes
-        prepared, zero_p = _train_zero12(stage, kind, rank, world, CommCounter(), prepare=True)
-        out["prepared"] = {"weights": _max_diff(prepared.state_dict(), ref_model.state_dict()),
-                           "vs_unprepared": _max_diff(prepared.state_dict(), model.state_dict()),
-                           "storages": [zero_p.storages, len(zero_p.shards)],  # type: ignore[attr-defined]
-                           "grads_bytes": [zero_p.last_mem.as_dict()["grads"],  # type: ignore[attr-defined]
-                                           mem.as_dict()["grads"]],
-                           "double_reduce": _double_reduce(stage, rank, world, prepare=True)}
     return out
 
 
-def _double_reduce(stage: int, rank: int, world: int, *, prepare: bool = False) -> float:
+def _double_reduce(stage: int, rank: int, world: int) -> float:
     """Reducing after each of two backwards (manual optimization) gives the gradient of reducing once after both."""
     grads = []
     for split in (True, False):
         model = _model()
         zero = ZeroOptimizer(_optimizer(model, "sgd"), stage=stage)
         for x, y in _batches(world)[0]:
-            if prepare:
-                zero.prepare_gradients()
             (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
             if split:
                 zero.reduce_gradients()
@@ -211,15 +189,6 @@ def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], ke
         if "reload_optim" in r:
             assert r["reload_optim"] < 1e-5
             assert r["double_reduce"] < 1e-7
-            # stage 1: the persistent flat gradient, one storage per param group; stage 2 unprepared: one per param
-            storages, groups = r["storages"]
-            assert (storages == groups) if key.startswith("1") else (storages > groups), r["storages"]
-        if "prepared" in r:
-            p = r["prepared"]
-            print(f"{key} prepared: max |w - w_ref| = {p['weights']:.2e}, vs unprepared {p['vs_unprepared']:.2e}")
-            assert p["weights"] < 1e-5 and p["vs_unprepared"] < 1e-6 and p["double_reduce"] < 1e-7
-            assert p["storages"][0] == p["storages"][1], p  # every gradient a view into its group's flat buffer
-            assert p["grads_bytes"][0] == p["grads_bytes"][1], p  # after the step only the shard is left
 
 
 @pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw"])

@@ -25,9 +25,7 @@ class FlatShard:
         params: the group's parameters (one dtype, one device).
         world_size: dp ranks ``N``. rank: this process's dp rank.
         keep_full_grad: ZeRO-1 -- keep a persistent full flat gradient buffer whose views are the parameters'
-            ``.grad`` (``G Psi`` bytes); ZeRO-2 -- only the ``G Psi / N`` gradient shard persists: the full buffer
-            exists from :meth:`prepare_grad` (before a step's first backward) until :meth:`release_full_grad`
-            (after the reduce-scatter), so the backward accumulates straight into it, as under ZeRO-1.
+            ``.grad`` (``G Psi`` bytes); ZeRO-2 -- no full buffer, only the ``G Psi / N`` gradient shard persists.
     """
 
     def __init__(self, params: list[nn.Parameter], *, world_size: int, rank: int, keep_full_grad: bool) -> None:
@@ -56,13 +54,12 @@ class FlatShard:
         self.shard_param = nn.Parameter(self.shard_of(self.flat))
         self.keep_full_grad = keep_full_grad
         self.reduced: Tensor | None = None  # this step's reduced gradient shard, until the step
-        # the full flat gradient whose views are the parameters' .grad: ZeRO-1 always, ZeRO-2 between prepare_grad
-        # and release_full_grad (the views are made with the buffer, compared by identity each step)
         self.flat_grad: Tensor | None = None
-        self._grad_views: list[Tensor] = []
+        self._grad_views: list[Tensor] = []  # ZeRO-1: the parameters' gradients, views into flat_grad (made once)
         if keep_full_grad:
-            self._new_flat_grad()
-            assert self.flat_grad is not None
+            self.flat_grad = torch.zeros_like(self.flat)
+            self._grad_views = self._views(self.flat_grad)
+            self._attach_grad_views()
             self.shard_param.grad = self.shard_of(self.flat_grad)
         else:
             self.shard_param.grad = torch.zeros(self.shard_numel, dtype=dtype, device=device)
@@ -95,50 +92,28 @@ class FlatShard:
         return out
 
     # ------------------------------------------------------------------ gradients
-    def _new_flat_grad(self) -> None:
-        """A zeroed full flat gradient whose views become the parameters' ``.grad`` (a gradient already there, from
-        a backward before this buffer existed, is copied in)."""
-        self.flat_grad = torch.zeros_like(self.flat)
-        self._grad_views = self._views(self.flat_grad)
-        for p, view in zip(self.params, self._grad_views, strict=True):
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-
-    def _attach_grad_views(self, *, keep: bool) -> None:
+    def _attach_grad_views(self) -> None:
         """Make every parameter's ``.grad`` its view into ``flat_grad`` again where something replaced it (a hook, a
-        ``zero_grad(set_to_none=True)``); ``keep``: the replacement's values are copied into the view (a missing
-        gradient zeroes it), else the view keeps what it holds. A per-step call: the views are compared by
-        identity."""
+        ``zero_grad(set_to_none=True)``); a per-step call, so the views are made once and compared by identity."""
         for p, view in zip(self.params, self._grad_views, strict=True):
-            grad = p.grad
-            if grad is view:
-                continue
-            if keep:
-                if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-            p.grad = view
-
-    def prepare_grad(self) -> None:
-        """Before a backward: ZeRO-2 allocates this step's full flat gradient if it has none, so autograd
-        accumulates into its views -- no per-parameter gradient tensors, and no copy of them into a flat buffer at
-        the reduce-scatter (on CPU each of those is a fresh allocation the kernel zero-fills page by page: about 5,000
-        page faults a step for a 3 M-parameter GPT, measured). Idempotent (accumulation micro-batches call it
-        again); ZeRO-1's persistent buffer needs nothing."""
-        if self.flat_grad is None:
-            self._new_flat_grad()
+            if p.grad is not view:
+                p.grad = view
 
     def full_local_grad(self) -> Tensor:
         """This rank's local (not yet reduced) gradients as one full flat buffer.
 
-        The full buffer where it exists (ZeRO-1; ZeRO-2 after :meth:`prepare_grad`), with any ``.grad`` something
-        replaced copied back in (a missing one counts as zero); else (ZeRO-2, a backward nobody prepared for) a
-        transient buffer assembled from the parameters' ``.grad``, freed after the reduce-scatter.
+        ZeRO-1: the persistent buffer (re-attached if something replaced a ``.grad``); ZeRO-2: a transient buffer
+        assembled from the parameters' ``.grad`` (missing gradients count as zero), freed after the reduce-scatter.
         """
         if self.flat_grad is not None:
-            self._attach_grad_views(keep=True)
+            for p, view in zip(self.params, self._grad_views, strict=True):
+                if p.grad is view:
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
             return self.flat_grad
         full = torch.zeros_like(self.flat)
         for p, view in zip(self.params, self._views(full), strict=True):
@@ -147,26 +122,22 @@ class FlatShard:
         return full
 
     def release_full_grad(self) -> None:
-        """After the reduce-scatter: ZeRO-2 drops the full gradient (only its shard persists); ZeRO-1 zeroes the
-        slots other ranks own (their local values are spent), so a further backward accumulates from zero there."""
-        if not self.keep_full_grad:
+        """After the reduce-scatter: ZeRO-2 drops the parameters' full gradients; ZeRO-1 zeroes the slots other ranks
+        own (their local values are spent), so a further backward accumulates from zero there."""
+        if self.flat_grad is None:
             for p in self.params:
                 p.grad = None
-            self.flat_grad, self._grad_views = None, []
             return
-        assert self.flat_grad is not None
         start, end = self.shard_range
         self.flat_grad[:start].zero_()
         self.flat_grad[end:].zero_()
 
     def zero_grad(self) -> None:
-        if self.keep_full_grad:
-            assert self.flat_grad is not None
+        if self.flat_grad is not None:
             self.flat_grad.zero_()
-            self._attach_grad_views(keep=False)
+            self._attach_grad_views()
         else:
             for p in self.params:
                 p.grad = None
-            self.flat_grad, self._grad_views = None, []
             assert self.shard_param.grad is not None
             self.shard_param.grad.zero_()

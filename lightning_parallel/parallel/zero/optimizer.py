@@ -6,9 +6,8 @@ device"):
 
 * stage 1 -- optimizer states. Each rank steps only its ``1/N`` flat shard of every param group (see
   :class:`~lightning_parallel.parallel.zero.flat.FlatShard`). Per rank: ``P Psi + G Psi + K Psi / N``.
-* stage 2 -- optimizer states and gradients. Only the ``1/N`` gradient shard persists between steps. Per rank:
-  ``P Psi + (G + K) Psi / N``; within a step the backward accumulates into one full flat gradient (``G Psi``, made
-  by :meth:`ZeroOptimizer.prepare_gradients` before the backward, freed after the reduce-scatter).
+* stage 2 -- optimizer states and gradients. Only the ``1/N`` gradient shard persists. Per rank:
+  ``P Psi + (G + K) Psi / N``.
 
 Collectives (none in forward; gradients accumulate locally in backward, also across accumulation micro-batches):
 at the step boundary :meth:`ZeroOptimizer.reduce_gradients` reduce-scatters each group's flat gradient (the mean of
@@ -99,14 +98,6 @@ class ZeroOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def prepare_gradients(self) -> None:
-        """Before a backward (the strategy calls it from ``pre_backward``): at stage 2 each group's full flat
-        gradient for this step, so autograd accumulates into it; nothing at stage 1. Without it stage 2 still works:
-        :meth:`reduce_gradients` then assembles the full gradient from the parameters' own ``.grad``."""
-        for shard in self.shards:
-            shard.prepare_grad()
-
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce-scatter every group's flat gradient: this rank's shard holds the mean over the dp ranks.
 
@@ -119,7 +110,7 @@ class ZeroOptimizer(Optimizer):
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
             earlier = shard.reduced if self._grads_reduced else None
             full = shard.full_local_grad()
-            if earlier is not None and shard.keep_full_grad:
+            if earlier is not None and shard.flat_grad is not None:
                 shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
             out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
             reduce_scatter_mean(out, full, group=self.group)
