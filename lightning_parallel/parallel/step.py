@@ -35,7 +35,7 @@ No Lightning import.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -132,10 +132,16 @@ class TrainStep:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
             allreduce_gradients(model.parameters(), group=self.dp_group)
-        for opt in optimizers:
-            raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
-            if isinstance(raw, ZeroOptimizer):
-                raw.reduce_gradients()
+        for opt in _zero_optimizers(optimizers):
+            opt.reduce_gradients()
+
+    def prepare_gradients(self, optimizers: Iterable[Any]) -> None:
+        """Before a backward: the step's last (outside :meth:`no_sync`) reduces ZeRO-2's gradient chunks as it
+        completes them (:meth:`ZeroOptimizer.overlap_backward`)."""
+        if self.accumulating:
+            return
+        for opt in _zero_optimizers(optimizers):
+            opt.overlap_backward()
 
     def _distributed_parameters(self, model: nn.Module) -> list[Tensor]:
         """``model``'s DTensor parameters, read each step from where the first step of this model found them
@@ -196,6 +202,13 @@ class TrainStep:
 
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
+
+
+def _zero_optimizers(optimizers: Iterable[Any]) -> Iterator[ZeroOptimizer]:
+    for opt in optimizers:
+        raw = getattr(opt, "_optimizer", opt)  # Lightning's LightningOptimizer wraps it
+        if isinstance(raw, ZeroOptimizer):
+            yield raw
 
 
 def logged_reduce_op(reduce_fx: Any) -> str | None:

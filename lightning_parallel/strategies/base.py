@@ -426,6 +426,12 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             yield None
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Before a backward: the step's last reduces ZeRO-2's gradient chunks as it completes them."""
+        super().pre_backward(closure_loss)
+        self.train_step.prepare_gradients(self.optimizers)
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """The step's last backward: the dp gradient sync (before Lightning's clipping, which must see it)."""
         super().post_backward(closure_loss)

@@ -125,6 +125,8 @@ class LPDDPStrategy(LayoutStrategy):
         """Manual optimization: tell DDP's reducer which outputs the backward starts from."""
         from lightning.pytorch.overrides.distributed import prepare_for_backward
 
+        super().pre_backward(closure_loss)
+
         module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel) and module is not None and \
                 not module.automatic_optimization:

@@ -71,14 +71,32 @@ def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
     return x[rank * MICRO_B : (rank + 1) * MICRO_B]
 
 
-def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter) -> tuple[GPT, ZeroOptimizer]:
+class _LiveGradients:
+    """The most gradient elements alive at once during the backwards, seen from a hook on every parameter that runs
+    after the ZeRO optimizer's own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params, self.peak = list(model.parameters()), 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._seen)
+
+    def _seen(self, _param: torch.Tensor) -> None:
+        self.peak = max(self.peak, sum(p.grad.numel() for p in self.params if p.grad is not None))
+
+
+def _train_zero12(stage: int, kind: str, rank: int, world: int, counter: CommCounter, *, overlap: bool = False
+                  ) -> tuple[GPT, ZeroOptimizer]:
+    """``overlap``: the step's last backward is armed (:meth:`ZeroOptimizer.overlap_backward`, as the strategy does:
+    the accumulation micro-batches' gradients stay local)."""
     model = _model()
     zero = ZeroOptimizer(_optimizer(model, kind), stage=stage)
     sched = _scheduler(zero.optim)
     for step in _batches(world):
         counter.reset()
         with counter.counting():
-            for x, y in step:
+            for i, (x, y) in enumerate(step):
+                if overlap and i == len(step) - 1:
+                    zero.overlap_backward()
                 (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
             zero.reduce_gradients()
             counter.enabled = False  # the norm's scalar all-reduce is not part of ZeRO's 2 Psi
@@ -119,16 +137,64 @@ def _check_zero12(rank: int, world: int, stage: int, kind: str) -> dict[str, Any
     zero2.load_state_dict(zero2.state_dict())  # the sharded form round-trips on the same layout
     out["reload_optim"] = _optim_diff(zero2.consolidated_state_dict(), ref_opt.state_dict())
     out["double_reduce"] = _double_reduce(stage, rank, world)
+    if stage == 2:  # the gradient reduced chunk by chunk during the step's last backward
+        overlapped, _ = _train_zero12(stage, kind, rank, world, counter, overlap=True)
+        out["overlap"] = {"weights": _max_diff(overlapped.state_dict(), ref_model.state_dict()),
+                          "vs_step_boundary": _max_diff(overlapped.state_dict(), model.state_dict()),
+                          "comm": counter.total_bytes, "live": _live_peaks(rank, world),
+                          "double_reduce": _double_reduce(stage, rank, world, overlap=True),
+                          "uneven": _uneven_completion(rank, world)}
     return out
 
 
-def _double_reduce(stage: int, rank: int, world: int) -> float:
+def _live_peaks(rank: int, world: int) -> list[int]:
+    """The most gradient elements alive at once during one backward (no accumulation), armed and not."""
+    peaks = []
+    for overlap in (True, False):
+        model = _model()
+        zero = ZeroOptimizer(_optimizer(model, "sgd"), stage=2)
+        live = _LiveGradients(model)
+        x, y = _batches(world)[0][0]
+        if overlap:
+            zero.overlap_backward()
+        model._loss((_local(x, rank), _local(y, rank))).backward()
+        zero.reduce_gradients()
+        peaks.append(live.peak)
+    return peaks
+
+
+def _uneven_completion(rank: int, world: int) -> float:
+    """An armed backward in which a layer is unused on rank 0 only (its chunks complete on the other ranks alone, and
+    its gradient is missing on rank 0): no hang, and each rank's reduced chunk is the mean of the ranks' gradients
+    (against an all-reduce of the whole local gradients, captured by hooks that run before the optimizer's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    params = list(model.parameters())
+    seen: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda q, i=i: seen.__setitem__(i, q.grad.detach().clone()))
+    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    x = torch.randn(4, 8) * (rank + 1)
+    zero.overlap_backward()
+    (model[2](model[0](x)) if rank == 0 else model(x)).sum().backward()
+    zero.reduce_gradients()
+    shard = zero.shards[0]
+    whole = torch.zeros(shard.padded_numel)
+    whole[: shard.numel] = torch.cat([seen.get(i, torch.zeros_like(p)).reshape(-1) for i, p in enumerate(params)])
+    dist.all_reduce(whole)
+    assert shard.shard_param.grad is not None
+    return float((shard.shard_of(whole) / world - shard.shard_param.grad).abs().max())
+
+
+def _double_reduce(stage: int, rank: int, world: int, *, overlap: bool = False) -> float:
     """Reducing after each of two backwards (manual optimization) gives the gradient of reducing once after both."""
     grads = []
     for split in (True, False):
         model = _model()
         zero = ZeroOptimizer(_optimizer(model, "sgd"), stage=stage)
-        for x, y in _batches(world)[0]:
+        for i, (x, y) in enumerate(_batches(world)[0]):
+            if overlap and (split or i == ACCUM - 1):
+                zero.overlap_backward()
             (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
             if split:
                 zero.reduce_gradients()
@@ -189,6 +255,15 @@ def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], ke
         if "reload_optim" in r:
             assert r["reload_optim"] < 1e-5
             assert r["double_reduce"] < 1e-7
+        if "overlap" in r:  # stage 2 with the gradient reduced during the backward
+            o = r["overlap"]
+            print(f"{key} overlapped: max |w - w_ref| = {o['weights']:.2e}, vs the step-boundary reduction "
+                  f"{o['vs_step_boundary']:.2e}; gradient elements alive at most {o['live'][0]} against "
+                  f"{o['live'][1]}; uneven completion {o['uneven']:.1e}")
+            assert o["weights"] < 1e-5 and o["vs_step_boundary"] < 1e-6
+            assert o["double_reduce"] < 1e-7 and o["uneven"] < 1e-6
+            assert o["live"][0] < 0.8 * o["live"][1], o["live"]  # gradients freed as their chunks are sent
+            assert o["comm"] == pytest.approx(r["comm"], rel=1e-3)  # N reduces of a chunk: one reduce-scatter's bytes
 
 
 @pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw"])

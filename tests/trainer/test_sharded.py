@@ -84,6 +84,21 @@ def reference() -> GPT:
 CASES = [(1, "native"), (2, "native"), (3, "native"), (1, "fairscale"), (2, "fairscale")]
 
 
+class _GradientsSentDuringTheBackward(pl.Callback):
+    """Raises in the rank unless the step's last backward (not the accumulation micro-batch's) sent some of ZeRO-2's
+    gradient chunks and freed their gradients before it ended: once per optimizer step."""
+
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = list(pl_module.parameters())
+        self.freed += sum(p.grad is not None for p in params) < len(params)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.freed == trainer.global_step, (self.freed, trainer.global_step)
+
+
 @pytest.mark.parametrize(("stage", "backend"), CASES)
 def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None:
     """Gradient clipping (0.5, by the global norm) and accumulation (2) on, GPT's AdamW + warmup/cosine schedule."""
@@ -98,7 +113,8 @@ def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None
         strategy = LPShardedStrategy({"zero_stage": 2}, backend="fairscale", start_method="fork")
         model, _ = _fit(strategy, 2, accumulate_grad_batches=1, limit_val_batches=2)
     else:
-        model, _ = _fit(strategy, 2)
+        model, _ = _fit(strategy, 2, callbacks=[_GradientsSentDuringTheBackward()] if (stage, backend) == (2, "native")
+                        else [])
     diff = _diff(model, reference)
     print(f"lp_sharded zero_stage={stage} backend={backend}: max |w - w_1dev| = {diff:.2e}")
     assert diff < 1e-5

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from .comm import all_gather_into, reduce_scatter_mean
 from .flat import FlatShard
+from .overlap import ChunkedReduce
 
 __all__ = ["ZeroOptimizer"]
 
@@ -67,6 +68,8 @@ class ZeroOptimizer(Optimizer):
             pg["params"] = [shard.shard_param]
             self.shards.append(shard)
         self._grads_reduced = False
+        # stage 2: the chunks of the gradient reduced during an armed backward (overlap_backward)
+        self._chunked = ChunkedReduce(self.shards, group) if stage == 2 and self.world_size > 1 else None
 
     # shared with the inner optimizer (which may replace them, e.g. in load_state_dict), never copied
     @property  # type: ignore[override]
@@ -97,23 +100,37 @@ class ZeroOptimizer(Optimizer):
         return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
 
     # ------------------------------------------------------------------ the step
+    def overlap_backward(self) -> None:
+        """Stage 2: the next backward reduces each rank's chunk of the gradient as it completes it and frees the
+        gradients sent (:class:`~lightning_parallel.parallel.zero.overlap.ChunkedReduce`), so the step's whole
+        gradient never exists at once; call it before the step's last backward (not an accumulation micro-batch's,
+        whose gradients should stay local), then :meth:`reduce_gradients` as always. Nothing at stage 1 or on one
+        rank."""
+        if self._chunked is not None:
+            self._chunked.arm()
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Reduce-scatter every group's flat gradient: this rank's shard holds the mean over the dp ranks.
+        """Reduce-scatter every group's flat gradient: this rank's shard holds the mean over the dp ranks (after an
+        armed backward, :meth:`overlap_backward`: the chunks it has sent, and any it left).
 
         Call once per optimizer step, after the last backward of the accumulation window (``step`` calls it if
         nobody did); gradient clipping must come after it.
         """
-        for shard in self.shards:
+        chunks = self._chunked.finish() if self._chunked is not None else None
+        for k, shard in enumerate(self.shards):
             grad = shard.shard_param.grad
             assert grad is not None
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
             earlier = shard.reduced if self._grads_reduced else None
-            full = shard.full_local_grad()
-            if earlier is not None and shard.flat_grad is not None:
-                shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
-            out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
-            reduce_scatter_mean(out, full, group=self.group)
+            if chunks is not None:
+                out = chunks[k].div_(self.world_size)
+            else:
+                full = shard.full_local_grad()
+                if earlier is not None and shard.flat_grad is not None:
+                    shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
+                out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
+                reduce_scatter_mean(out, full, group=self.group)
             if earlier is not None:
                 out.add_(earlier)
             grad.copy_(out)
@@ -143,7 +160,10 @@ class ZeroOptimizer(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients. ZeRO-1 always zeroes its flat gradient buffer in place (the ``.grad`` views stay)."""
+        """Clear gradients. ZeRO-1 always zeroes its flat gradient buffer in place (the ``.grad`` views stay); the
+        reduces of an armed backward not yet finished are completed (every rank issued them) and dropped."""
+        if self._chunked is not None:
+            self._chunked.finish()
         for shard in self.shards:
             shard.zero_grad()
             shard.reduced = None
