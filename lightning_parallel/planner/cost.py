@@ -23,7 +23,9 @@ chunks per stage:
   - dp, DDP: ``2 g P (N_d - 1) / N_d`` in 25 MB buckets under the last micro-batch's backward; exposed: what does not
     fit under it (``overlap`` of the rates) and the last bucket;
   - dp, ZeRO-1/2 (flat shards, one per param group: :data:`FLAT_GROUPS`): a reduce-scatter and an all-gather each,
-    after the backward: exposed;
+    after the backward: exposed; ZeRO-2 (no offload) reduces each rank's chunk during the backward instead (``N``
+    reduces per group, priced as reduce-scatters of their bytes): hidden under it like DDP's buckets, the last
+    chunk's exposed, the all-gather after the step exposed;
   - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
     under backward: exposed beyond the compute they hide under, plus the first layer's gather; a calibrated unit's
     cost scales with its collectives per step (inside pipeline stages one all-gather per micro-batch and one more
@@ -567,7 +569,16 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                 comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
             elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each per param
                 # group, half the bytes (the offload engine's calibrated step holds their latency)
-                flat_calls = 0 if layout.offload_device != "none" and rates.offload_step_s > 0 else FLAT_GROUPS
+                offloaded = layout.offload_device != "none"
+                flat_calls = 0 if offloaded and rates.offload_step_s > 0 else FLAT_GROUPS
+                if layout.zero == 2 and not offloaded:  # ZeRO-2: a reduce per rank's chunk, under the backward
+                    n = group[axis]
+                    reduces = _send(link, "reduce_scatter", traffic[axis] / 2, n * flat_calls, rates=rates, ranks=n)
+                    gather = _send(link, "all_gather", traffic[axis] / 2, flat_calls, rates=rates, ranks=n)
+                    last = _send(link, "reduce_scatter", traffic[axis] / 2 / n, flat_calls, rates=rates, ranks=n)
+                    comm[axis] = reduces + gather
+                    exposed[axis] = gather + max(reduces - rates.overlap * stage.backward, min(last, reduces))
+                    continue
                 comm[axis] = sum(_send(link, c, traffic[axis] / 2, flat_calls, rates=rates, ranks=group[axis])
                                  for c in ("reduce_scatter", "all_gather"))
             else:

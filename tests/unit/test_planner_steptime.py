@@ -274,7 +274,9 @@ def test_ranks_beyond_the_cores_stretch_only_their_cpu_work() -> None:
 
 def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
     """ZeRO-1/2's flat shards: the gradient's reduce-scatter and the parameters' all-gather, half the dp bytes each,
-    each at its own calibrated latency and bandwidth, one of each per optimizer param group."""
+    each at its own calibrated latency and bandwidth, one of each per optimizer param group; ZeRO-2 reduces the
+    gradient in N chunk reduces per group during the backward (N latencies, the same bytes), which hide under the
+    backward where the machine overlaps (a GPU's rates) but for the last chunk's."""
     from lightning_parallel.planner.hardware import make_hardware
     from lightning_parallel.planner.rates import rates_from_dict
 
@@ -290,9 +292,15 @@ def test_flat_zero_shards_pay_one_reduce_scatter_and_one_all_gather() -> None:
                                            "activation_checkpointing": "none"})
         cost = estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=rates)
         sent = 4 * shape.total_params() / 2  # fp32 gradient (N-1)/N, then the parameters (N-1)/N, N = 2
-        # one of each per optimizer param group (two: the weight-decayed matrices and the rest)
-        assert cost.comm_s["dp"] == pytest.approx(2 * 2000e-6 + sent / 0.5e9 + 2 * 100e-6 + sent / 2e9)
-        assert cost.exposed_s["dp"] == cost.comm_s["dp"]  # after the backward: nothing hides it
+        # one of each per optimizer param group (two: the weight-decayed matrices and the rest); ZeRO-2: 2 chunks each
+        assert cost.comm_s["dp"] == pytest.approx(2 * zero * 2000e-6 + sent / 0.5e9 + 2 * 100e-6 + sent / 2e9)
+        assert cost.exposed_s["dp"] == pytest.approx(cost.comm_s["dp"])  # no overlap on this machine
+    overlapping = rates_from_dict({"matmul_tflops": {"fp32": 0.001}, "memory_bandwidth_gbs": 10,  # a long backward
+                                   "links": {"intra_node": links}, "cores": 2, "calibrated_ranks": 2, "overlap": 1.0})
+    layout = ParallelConfig.from_dict({"data_parallel_size": 2, "zero_stage": 2, "activation_checkpointing": "none"})
+    cost = estimate_step(ModelSpec.from_shape(shape), training, hardware, layout, rates=overlapping)
+    last_chunk = 2 * 2000e-6 + sent / 2 / 0.5e9
+    assert cost.exposed_s["dp"] == pytest.approx(2 * 100e-6 + sent / 2e9 + last_chunk)  # the backward hides the rest
 
 
 def test_the_offload_engine_pays_its_calibrated_step_tensors_and_parameters() -> None:

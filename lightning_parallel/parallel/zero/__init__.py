@@ -12,6 +12,7 @@ from .fairscale_backend import FairscaleUnavailableError, exact_oss, fairscale_s
 from .flat import FlatShard
 from .memory import ModelStateBytes, measure_model_state, zero_comm_theory, zero_memory_formula
 from .optimizer import ZeroOptimizer
+from .overlap import ChunkedReduce
 from .stage3 import (
     apply_zero3,
     zero3_full_model_state,
@@ -23,6 +24,7 @@ from .stage3 import (
 )
 
 __all__ = [
+    "ChunkedReduce",
     "FairscaleUnavailableError",
     "FlatShard",
     "ModelStateBytes",

@@ -11,7 +11,11 @@ device"):
 
 Collectives (none in forward; gradients accumulate locally in backward, also across accumulation micro-batches):
 at the step boundary :meth:`ZeroOptimizer.reduce_gradients` reduce-scatters each group's flat gradient (the mean of
-the ranks' gradients, ``(N-1)/N * G Psi`` bytes sent per rank); after the inner optimizer's step,
+the ranks' gradients, ``(N-1)/N * G Psi`` bytes sent per rank) -- or, at stage 2 after
+:meth:`ZeroOptimizer.overlap_backward` (the strategies arm the step's last backward), the backward itself reduces
+each rank's chunk to that rank as it completes it and frees the gradients sent (the same bytes, in ``N`` reduces of
+a chunk, overlapping the rest of the backward: :mod:`~lightning_parallel.parallel.zero.overlap`); after the inner
+optimizer's step,
 :meth:`ZeroOptimizer.step` all-gathers the updated parameter shards into every rank's full flat buffer
 (``(N-1)/N * P Psi``): ``2 Psi (N-1)/N`` elements per step, the same volume as DDP's all-reduce.
 
