@@ -164,26 +164,38 @@ def _live_peaks(rank: int, world: int) -> list[int]:
 
 
 def _uneven_completion(rank: int, world: int) -> float:
-    """An armed backward in which a layer is unused on rank 0 only (its chunks complete on the other ranks alone, and
-    its gradient is missing on rank 0): no hang, and each rank's reduced chunk is the mean of the ranks' gradients
-    (against an all-reduce of the whole local gradients, captured by hooks that run before the optimizer's)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
-    params = list(model.parameters())
-    seen: dict[int, torch.Tensor] = {}
-    for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(lambda q, i=i: seen.__setitem__(i, q.grad.detach().clone()))
-    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
-    x = torch.randn(4, 8) * (rank + 1)
-    zero.overlap_backward()
-    (model[2](model[0](x)) if rank == 0 else model(x)).sum().backward()
-    zero.reduce_gradients()
-    shard = zero.shards[0]
-    whole = torch.zeros(shard.padded_numel)
-    whole[: shard.numel] = torch.cat([seen.get(i, torch.zeros_like(p)).reshape(-1) for i, p in enumerate(params)])
-    dist.all_reduce(whole)
-    assert shard.shard_param.grad is not None
-    return float((shard.shard_of(whole) / world - shard.shard_param.grad).abs().max())
+    """Armed backwards that complete differently on the ranks: a layer unused on rank 0 only (its chunks complete on
+    the other ranks alone, its gradient missing on rank 0), then every layer used and an empty parameter whose
+    gradient arrives after the last chunk, on rank 0 only (it is in no chunk and must not open a round there). No
+    hang, and each rank's reduced chunk is the mean of the ranks' gradients (against an all-reduce of the whole local
+    gradients, captured by hooks that run before the optimizer's)."""
+    worst = 0.0
+    for unused_layer in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+        model.empty = nn.Parameter(torch.zeros(0))
+        params = list(model.parameters())
+        seen: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda q, i=i, seen=seen: seen.__setitem__(i, q.grad.detach().clone()))
+        zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+        x = torch.randn(4, 8) * (rank + 1)
+        zero.overlap_backward()
+        if rank == 0 and unused_layer:
+            out = model[2](model[0](x))
+        elif rank == 0:
+            out = model(x + model.empty.sum())  # the empty parameter's gradient comes last
+        else:
+            out = model(x)
+        out.sum().backward()
+        zero.reduce_gradients()
+        shard = zero.shards[0]
+        whole = torch.zeros(shard.padded_numel)
+        whole[: shard.numel] = torch.cat([seen.get(i, torch.zeros_like(p)).reshape(-1) for i, p in enumerate(params)])
+        dist.all_reduce(whole)
+        assert shard.shard_param.grad is not None
+        worst = max(worst, float((shard.shard_of(whole) / world - shard.shard_param.grad).abs().max()))
+    return worst
 
 
 def _double_reduce(stage: int, rank: int, world: int, *, overlap: bool = False) -> float:

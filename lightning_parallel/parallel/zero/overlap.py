@@ -87,12 +87,13 @@ class ChunkedReduce:
         self.armed = True
 
     def _ready(self, s: int, i: int, _param: Tensor) -> None:
-        if not self.armed:
+        chunks = self.chunks_of[s][i]
+        if not self.armed or not chunks:  # an empty parameter is in no chunk (and must not open a round)
             return
         if self._next == len(self.order):  # a further backward after a finished round: a new round
             self._open()
         pending = self._pending[s]
-        for j in self.chunks_of[s][i]:
+        for j in chunks:
             pending[j] -= 1
         while self._next < len(self.order):
             s_next, j_next = self.order[self._next]
