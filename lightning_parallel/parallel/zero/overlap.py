@@ -17,6 +17,7 @@ chunk, instead of every gradient plus a full flat copy at the step boundary. No 
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,12 @@ from torch import Tensor
 from .flat import FlatShard
 
 __all__ = ["ChunkedReduce"]
+
+
+def _hook(owner: weakref.ref[ChunkedReduce], s: int, i: int, param: Tensor) -> None:
+    chunked = owner()
+    if chunked is not None:
+        chunked._ready(s, i, param)
 
 _Piece = tuple[int, int, int, int]  # (parameter index, start and end within the flat parameter, start in the chunk)
 
@@ -65,13 +72,15 @@ class ChunkedReduce:
         self._in_flight: list[tuple[Any, Tensor]] = []
         self._owned: list[list[Tensor]] = [[] for _ in shards]  # this rank's chunks, one per round
         self._waits: list[Any] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._ready, s, i))
+        # the hooks live as long as the parameters; they hold this object weakly, so that an optimizer dropped (a
+        # second fit of the same module builds another) is freed with its flat buffers, and its hooks go with it
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(_hook, me, s, i))
                        for s, shard in enumerate(shards) for i, p in enumerate(shard.params)]
 
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hooks", ()):
             handle.remove()
-        self._hooks = []
 
     def arm(self) -> None:
         """The next backward reduces each chunk as it completes (a round left open by an earlier backward is sent
