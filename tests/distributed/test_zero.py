@@ -143,7 +143,8 @@ def _check_zero12(rank: int, world: int, stage: int, kind: str) -> dict[str, Any
                           "vs_step_boundary": _max_diff(overlapped.state_dict(), model.state_dict()),
                           "comm": counter.total_bytes, "live": _live_peaks(rank, world),
                           "double_reduce": _double_reduce(stage, rank, world, overlap=True),
-                          "uneven": _uneven_completion(rank, world), "freed": _dropped_optimizer_is_freed()}
+                          "uneven": _uneven_completion(rank, world), "freed": _dropped_optimizer_is_freed(),
+                          "reentrant": _reused_in_reentrant_checkpoints()}
     return out
 
 
@@ -178,38 +179,65 @@ def _live_peaks(rank: int, world: int) -> list[int]:
 
 
 def _uneven_completion(rank: int, world: int) -> float:
-    """Armed backwards that complete differently on the ranks: a layer unused on rank 0 only (its chunks complete on
-    the other ranks alone, its gradient missing on rank 0), then every layer used and an empty parameter whose
-    gradient arrives after the last chunk, on rank 0 only (it is in no chunk and must not open a round there). No
-    hang, and each rank's reduced chunk is the mean of the ranks' gradients (against an all-reduce of the whole local
-    gradients, captured by hooks that run before the optimizer's)."""
+    """Armed backwards that complete differently on the ranks, each with a collective on the default group between
+    the backward and the step boundary (a callback's ``sync_dist``): a layer unused on rank 0 only (its chunks
+    complete on the other ranks alone, its gradient missing on rank 0); every layer used and an empty parameter whose
+    gradient arrives after the last chunk, on rank 0 only (it is in no chunk); a frozen layer in the optimizer (no
+    hook, no gradient). No hang, the collective's sum right, and each rank's reduced chunk the mean of the ranks'
+    gradients (against an all-reduce of the whole local gradients, captured by hooks that run before the
+    optimizer's)."""
     worst = 0.0
-    for unused_layer in (True, False):
+    for case in ("unused", "empty", "frozen"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
         model.empty = nn.Parameter(torch.zeros(0))
+        if case == "frozen":
+            model[1].requires_grad_(False)
         params = list(model.parameters())
         seen: dict[int, torch.Tensor] = {}
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda q, i=i, seen=seen: seen.__setitem__(i, q.grad.detach().clone()))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda q, i=i, seen=seen: seen.__setitem__(i, q.grad.detach().clone()))
         zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
         x = torch.randn(4, 8) * (rank + 1)
         zero.overlap_backward()
-        if rank == 0 and unused_layer:
+        if rank == 0 and case == "unused":
             out = model[2](model[0](x))
-        elif rank == 0:
+        elif rank == 0 and case == "empty":
             out = model(x + model.empty.sum())  # the empty parameter's gradient comes last
         else:
             out = model(x)
         out.sum().backward()
+        ones = torch.ones(1)
+        dist.all_reduce(ones)  # on the default group, while a rank may still owe chunks
         zero.reduce_gradients()
         shard = zero.shards[0]
         whole = torch.zeros(shard.padded_numel)
         whole[: shard.numel] = torch.cat([seen.get(i, torch.zeros_like(p)).reshape(-1) for i, p in enumerate(params)])
         dist.all_reduce(whole)
-        assert shard.shard_param.grad is not None
+        assert shard.shard_param.grad is not None and float(ones) == world
         worst = max(worst, float((shard.shard_of(whole) / world - shard.shard_param.grad).abs().max()))
     return worst
+
+
+def _reused_in_reentrant_checkpoints() -> str:
+    """A layer applied in two reentrant checkpoint segments: its gradient arrives twice in one backward, the second
+    time after its chunks were sent -- refused with the error, not lost."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    zero = ZeroOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), stage=2)
+    x = torch.randn(4, 8, requires_grad=True)
+    zero.overlap_backward()
+    try:
+        checkpoint(layer, checkpoint(layer, x, use_reentrant=True), use_reentrant=True).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        zero.zero_grad()  # completes the reduces every rank issued
+    return ""
 
 
 def _double_reduce(stage: int, rank: int, world: int, *, overlap: bool = False) -> float:
@@ -288,6 +316,7 @@ def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], ke
                   f"{o['live'][1]}; uneven completion {o['uneven']:.1e}")
             assert o["weights"] < 1e-5 and o["vs_step_boundary"] < 1e-6
             assert o["double_reduce"] < 1e-7 and o["uneven"] < 1e-6 and o["freed"]
+            assert "received another gradient in the same backward" in o["reentrant"], o["reentrant"]
             assert o["live"][0] < 0.8 * o["live"][1], o["live"]  # gradients freed as their chunks are sent
             assert o["comm"] == pytest.approx(r["comm"], rel=1e-3)  # N reduces of a chunk: one reduce-scatter's bytes
 

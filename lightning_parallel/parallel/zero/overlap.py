@@ -3,16 +3,21 @@ exists at once and the reduction overlaps the rest of the backward.
 
 Each param group's flat layout (:class:`~lightning_parallel.parallel.zero.flat.FlatShard`) is ``N`` chunks of ``S``
 elements, chunk ``j`` owned by dp rank ``j``. During a backward that the strategy has armed (the step's last; an
-accumulation micro-batch's gradients stay local), a parameter's post-accumulate-grad hook counts it done; once every
-parameter overlapping chunk ``j`` is done, the chunk is assembled from their gradients into an ``S``-element buffer
-and reduced (sum) to rank ``j`` (``dist.reduce``, asynchronous), and the gradients of parameters whose every chunk
-has been sent are freed. The backward produces the end of the layout first, so the chunks go from the last to the
-first; every rank issues them in one fixed order (chunk-major over the param groups, last chunk first) whatever order
-they complete in, so ranks whose parameters complete differently (an unused parameter on one rank) still match their
-collectives; a chunk that the backward did not complete is sent when :meth:`ChunkedReduce.finish` is called (the step
-boundary). Traffic: ``N`` reduces of ``S`` elements, ``(N-1)/N`` of the group's gradient per rank, as one
-reduce-scatter. Memory: the gradients of the parameters not yet sent, one chunk in flight and the rank's own reduced
-chunk, instead of every gradient plus a full flat copy at the step boundary. No Lightning import.
+accumulation micro-batch's gradients stay local), a trainable parameter's post-accumulate-grad hook counts it done;
+once every trainable parameter overlapping chunk ``j`` is done, the chunk is assembled from their gradients into an
+``S``-element buffer and reduced (sum) to rank ``j`` (``dist.reduce``, asynchronous), and the gradients of parameters
+whose every chunk has been sent are freed. The backward produces the end of the layout first, so the chunks go from
+the last to the first; every rank issues them in one fixed order (chunk-major over the param groups, last chunk
+first) whatever order they complete in, on a process group of their own (the dp ranks'), so ranks whose parameters
+complete differently (a parameter unused on one rank) still match their collectives, and a collective the model or a
+callback runs between the backward and the step boundary on another group cannot be matched against a chunk; no hook
+waits for another rank. A chunk the backward did not complete (a parameter without a gradient holds back its chunk
+and every chunk after it in the order) is sent by :meth:`ChunkedReduce.finish` (the step boundary). A gradient that
+arrives twice in one backward (a parameter reused across reentrant activation-checkpoint segments) after its chunk
+was sent is refused with an error rather than lost. Traffic: ``N`` reduces of ``S`` elements, ``(N-1)/N`` of the
+group's gradient per rank, as one reduce-scatter. Memory: the gradients of the parameters not yet sent, the chunk
+buffers in flight and the rank's own reduced chunk, instead of every gradient plus a full flat copy at the step
+boundary. No Lightning import.
 """
 
 from __future__ import annotations
@@ -40,15 +45,18 @@ _Piece = tuple[int, int, int, int]  # (parameter index, start and end within the
 
 class ChunkedReduce:
     """Reduce each rank's chunk of ``shards``' gradients to that rank as the backward completes it (module
-    docstring). :meth:`arm` before a backward; :meth:`finish` at the step boundary returns each shard's reduced
-    chunk (the sum over the ranks and over the backwards since the last :meth:`finish`), or None when nothing was
-    armed since."""
+    docstring). :meth:`arm` before each backward to reduce so; :meth:`finish` at the step boundary returns each
+    shard's reduced chunk (the sum over the ranks, and over the armed backwards since the last :meth:`finish`), or None
+    when nothing was armed since. ``group``: the dp ranks (None: the world); the reduces run on a group of the same
+    ranks of their own, made here (every member must build its optimizer, as it does)."""
 
     def __init__(self, shards: list[FlatShard], group: dist.ProcessGroup | None) -> None:
-        self.shards, self.group = shards, group
+        self.shards = shards
         self.world = shards[0].world_size
         self.rank = shards[0].rank
-        self.dst = [dist.get_global_rank(group, j) if group is not None else j for j in range(self.world)]
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks, use_local_synchronization=True)
+        self.dst = ranks
         self.order = [(s, j) for j in reversed(range(self.world)) for s in range(len(shards))]
         self.pieces: list[list[list[_Piece]]] = []  # per shard, per chunk
         self.chunks_of: list[list[list[int]]] = []  # per shard, per parameter: the chunks it overlaps
@@ -68,19 +76,32 @@ class ChunkedReduce:
             self.chunks_of.append(chunks)
         self.armed = False
         self._pending: list[list[int]] = []
+        self._seen: list[list[bool]] = []
+        self._sent: list[list[bool]] = []
         self._next = len(self.order)  # nothing open
         self._in_flight: list[tuple[Any, Tensor]] = []
         self._owned: list[list[Tensor]] = [[] for _ in shards]  # this rank's chunks, one per round
         self._waits: list[Any] = []
-        # the hooks live as long as the parameters; they hold this object weakly, so that an optimizer dropped (a
-        # second fit of the same module builds another) is freed with its flat buffers, and its hooks go with it
-        me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(_hook, me, s, i))
-                       for s, shard in enumerate(shards) for i, p in enumerate(shard.params)]
+        self._trainable: tuple[bool, ...] = ()
+        self._hooks: list[Any] = []
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
+
+    def _hook_trainable(self) -> None:
+        """Hooks on the parameters that take gradients (torch refuses a hook on a frozen one), made again when that
+        set changed. They hold this object weakly, so that an optimizer dropped (a second fit of the same module
+        builds another) is freed with its flat buffers, and its hooks go with it."""
+        trainable = tuple(p.requires_grad for shard in self.shards for p in shard.params)
+        if trainable == self._trainable:
+            return
+        for handle in self._hooks:
+            handle.remove()
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(_hook, me, s, i))
+                       for s, shard in enumerate(self.shards) for i, p in enumerate(shard.params) if p.requires_grad]
+        self._trainable = trainable
 
     def arm(self) -> None:
         """The next backward reduces each chunk as it completes (a round left open by an earlier backward is sent
@@ -88,19 +109,29 @@ class ChunkedReduce:
         if self.world == 1:
             return
         self._send_rest()
-        self._open()
-
-    def _open(self) -> None:
-        self._pending = [[len(p) for p in pieces] for pieces in self.pieces]
+        self._hook_trainable()
+        self._pending = [[sum(shard.params[i].requires_grad for i, *_ in chunk) for chunk in pieces]
+                         for shard, pieces in zip(self.shards, self.pieces, strict=True)]
+        self._seen = [[False] * len(shard.params) for shard in self.shards]
+        self._sent = [[False] * self.world for _ in self.shards]
         self._next = 0
         self.armed = True
 
     def _ready(self, s: int, i: int, _param: Tensor) -> None:
         chunks = self.chunks_of[s][i]
-        if not self.armed or not chunks:  # an empty parameter is in no chunk (and must not open a round)
+        if not self.armed or not chunks:  # an empty parameter is in no chunk
             return
-        if self._next == len(self.order):  # a further backward after a finished round: a new round
-            self._open()
+        if self._seen[s][i]:  # a second gradient in one backward: it added to .grad, fine unless a chunk is gone
+            if any(self._sent[s][j] for j in chunks):
+                raise RuntimeError(
+                    f"ZeRO-2 reduced a chunk of the gradient of parameter {i} of param group {s} during the backward, "
+                    "and then that parameter received another gradient in the same backward (a parameter reused in "
+                    "several reentrant activation-checkpoint segments, or a second backward without "
+                    "ZeroOptimizer.overlap_backward() before it). Fix: use non-reentrant checkpointing "
+                    "(use_reentrant=False), or arm each backward with overlap_backward()."
+                )
+            return
+        self._seen[s][i] = True
         pending = self._pending[s]
         for j in chunks:
             pending[j] -= 1
@@ -119,9 +150,13 @@ class ChunkedReduce:
     @torch.no_grad()
     def _send(self, s: int, j: int) -> None:
         shard = self.shards[s]
-        for work, _ in self._in_flight:  # one chunk in flight besides this one
-            work.wait()
-        self._in_flight.clear()
+        still = []
+        for work, buf in self._in_flight:  # drop the buffers of the reduces done; never wait on another rank here
+            if work.is_completed():
+                work.wait()
+            else:
+                still.append((work, buf))
+        self._in_flight = still
         buf = torch.zeros(shard.shard_numel, dtype=shard.flat.dtype, device=shard.flat.device)
         for i, lo, hi, at in self.pieces[s][j]:
             grad = shard.params[i].grad
@@ -130,6 +165,7 @@ class ChunkedReduce:
         for i, _, _, _ in self.pieces[s][j]:
             if self.chunks_of[s][i][0] == j:  # every chunk of this parameter is sent (last chunk first)
                 shard.params[i].grad = None
+        self._sent[s][j] = True
         work = dist.reduce(buf, dst=self.dst[j], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if j == self.rank:
             self._waits.append(work)
