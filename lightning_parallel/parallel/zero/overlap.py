@@ -76,8 +76,8 @@ class ChunkedReduce:
             self.chunks_of.append(chunks)
         self.armed = False
         self._pending: list[list[int]] = []
+        self._trainable_in: list[list[int]] = []  # per shard, per chunk: its trainable parameters (the hooked set)
         self._seen: list[list[bool]] = []
-        self._sent: list[list[bool]] = []
         self._next = len(self.order)  # nothing open
         self._in_flight: list[tuple[Any, Tensor]] = []
         self._owned: list[list[Tensor]] = [[] for _ in shards]  # this rank's chunks, one per round
@@ -102,6 +102,8 @@ class ChunkedReduce:
         self._hooks = [p.register_post_accumulate_grad_hook(partial(_hook, me, s, i))
                        for s, shard in enumerate(self.shards) for i, p in enumerate(shard.params) if p.requires_grad]
         self._trainable = trainable
+        self._trainable_in = [[sum(shard.params[i].requires_grad for i, *_ in chunk) for chunk in pieces]
+                              for shard, pieces in zip(self.shards, self.pieces, strict=True)]
 
     def arm(self) -> None:
         """The next backward reduces each chunk as it completes (a round left open by an earlier backward is sent
@@ -110,10 +112,8 @@ class ChunkedReduce:
             return
         self._send_rest()
         self._hook_trainable()
-        self._pending = [[sum(shard.params[i].requires_grad for i, *_ in chunk) for chunk in pieces]
-                         for shard, pieces in zip(self.shards, self.pieces, strict=True)]
+        self._pending = [list(counts) for counts in self._trainable_in]
         self._seen = [[False] * len(shard.params) for shard in self.shards]
-        self._sent = [[False] * self.world for _ in self.shards]
         self._next = 0
         self.armed = True
 
@@ -122,7 +122,7 @@ class ChunkedReduce:
         if not self.armed or not chunks:  # an empty parameter is in no chunk
             return
         if self._seen[s][i]:  # a second gradient in one backward: it added to .grad, fine unless a chunk is gone
-            if any(self._sent[s][j] for j in chunks):
+            if any(self._is_sent(s, j) for j in chunks):
                 raise RuntimeError(
                     f"ZeRO-2 reduced a chunk of the gradient of parameter {i} of param group {s} during the backward, "
                     "and then that parameter received another gradient in the same backward (a parameter reused in "
@@ -141,6 +141,11 @@ class ChunkedReduce:
                 return
             self._send(s_next, j_next)
             self._next += 1
+
+    def _is_sent(self, s: int, j: int) -> bool:
+        """Whether this round has sent shard ``s``'s chunk ``j``: the chunks go in :attr:`order`, so those before
+        the next one are."""
+        return (self.world - 1 - j) * len(self.shards) + s < self._next
 
     def _send_rest(self) -> None:
         while self._next < len(self.order):
@@ -165,7 +170,6 @@ class ChunkedReduce:
         for i, _, _, _ in self.pieces[s][j]:
             if self.chunks_of[s][i][0] == j:  # every chunk of this parameter is sent (last chunk first)
                 shard.params[i].grad = None
-        self._sent[s][j] = True
         work = dist.reduce(buf, dst=self.dst[j], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if j == self.rank:
             self._waits.append(work)
