@@ -91,6 +91,16 @@ class AutoDecision:
             return ParallelConfig(activation_checkpointing=self.layout.activation_checkpointing)
         return self.layout
 
+    def _global_batch_text(self) -> str:
+        t, dp = self.plan.training, int(self.layout.data_parallel_size)
+        a = t.accumulation(dp, self.layout.pipeline_parallel_size)
+        if t.global_batch_size is not None:
+            return (f"global batch {t.global_batch_size} = batch x dp x accumulation = {t.micro_batch_size} x {dp} x "
+                    f"{a} (parallel.global_batch_size: kept whatever the layout)")
+        return (f"global batch = batch x dp{' x accumulation' if a > 1 else ''} = {t.micro_batch_size} x {dp}"
+                f"{f' x {a}' if a > 1 else ''} (the data module's batch_size is per data-parallel rank: a layout with "
+                "a smaller dp trains on a smaller global batch)")
+
     def predicted_states(self) -> ModelStates:
         """Model-state bytes per rank the planner counts for the chosen layout (busiest pipeline stage)."""
         layout, model = self.layout, self.plan.model
@@ -137,9 +147,7 @@ class AutoDecision:
             f"lp_auto: training {plan.training.precision}, {plan.training.optimizer}, batch "
             f"{plan.training.micro_batch_size} per data-parallel rank"
             f"{' (a pipeline splits it into micro-batches)' if plan.training.batch_per_replica else ''}, sequence "
-            f"{plan.training.sequence_length(_block(plan.model))}; global batch = batch x dp = "
-            f"{plan.training.micro_batch_size} x {self.layout.data_parallel_size} (the data module's batch_size is per "
-            "data-parallel rank: a layout with a smaller dp trains on a smaller global batch)",
+            f"{plan.training.sequence_length(_block(plan.model))}; {self._global_batch_text()}",
             f"lp_auto: {_facts_text(plan)}",
             f"lp_auto: guide branch {plan.branch}: {_BRANCH_TEXT[plan.branch]}",
             *(f"lp_auto: passed over {line}" for line in self.passed_over),
@@ -293,8 +301,8 @@ def _first_near(plan: Plan, by_speed: list[Candidate], floor: float) -> Candidat
     return next(c for c in plan.candidates if c.layout in near)
 
 
-def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | None,
-              options: PlannerOptions) -> TrainingSettings:
+def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | None, options: PlannerOptions,
+              accumulate_grad_batches: int = 1, global_batch_size: int | None = None) -> TrainingSettings:
     return TrainingSettings(
         precision=str(precision if precision is not None else "32-true"),  # type: ignore[arg-type]
         optimizer=options.optimizer,  # type: ignore[arg-type]
@@ -303,6 +311,8 @@ def _settings(*, precision: Any, micro_batch_size: int | None, seq_len: int | No
         batch_per_replica=None if options.micro_batch_size else micro_batch_size,
         seq_len=options.seq_len or seq_len,
         activation_checkpointing=options.activation_checkpointing,  # type: ignore[arg-type]
+        accumulate_grad_batches=accumulate_grad_batches,
+        global_batch_size=global_batch_size,
     )
 
 
@@ -316,15 +326,20 @@ def plan_for_module(
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     options: PlannerOptions | dict[str, Any] | None = None,
+    accumulate_grad_batches: int = 1,
+    global_batch_size: int | None = None,
 ) -> AutoDecision:
     """Plan ``module`` on the hardware found (``options`` override it) and choose the layout; refuses with
-    :class:`NoLayoutFits` when nothing runnable fits. Bad option values raise :class:`LayoutError` too."""
+    :class:`NoLayoutFits` when nothing runnable fits. Bad option values raise :class:`LayoutError` too.
+    ``accumulate_grad_batches`` (the Trainer's) or ``global_batch_size`` (the ``parallel`` section's): the
+    accumulation the run will do, which keeps ZeRO-2/3's whole gradient until each step's last batch."""
     try:
         opts = PlannerOptions.from_any(options)
         hardware, notes = detect_hardware(accelerator=accelerator, devices=devices, num_nodes=num_nodes, options=opts)
         hardware = _with_rates(hardware, opts, notes)
         spec, how = model_spec_from_module(module)
-        training = _settings(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, options=opts)
+        training = _settings(precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len, options=opts,
+                             accumulate_grad_batches=accumulate_grad_batches, global_batch_size=global_batch_size)
     except ValueError as err:  # LayoutError included: every refusal says it is lp_auto's
         text = str(err)
         raise LayoutError(text if text.startswith("lp_auto") else f"lp_auto: {text}") from None

@@ -358,6 +358,8 @@ class LightningParallelCLI(LightningCLI):
             self.model, accelerator=config.get("accelerator", "auto"), devices=config.get("devices", "auto"),
             num_nodes=int(config.get("num_nodes") or 1), precision=config.get("precision"),
             micro_batch_size=batch, seq_len=seq, options=options,
+            accumulate_grad_batches=int(config.get("accumulate_grad_batches") or 1),
+            global_batch_size=keep.get("global_batch_size"),
         )
         text = decision.text()
         if _launching_process():

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default) tries none, selective and full for every layout",
     )
     tr.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default 4 x stages)")
+    tr.add_argument("--accumulate-grad-batches", type=int, default=None,
+                    help="batches accumulated per optimizer step (default: the recipe's trainer value, else 1); "
+                         "ZeRO-2/3 then keep the whole gradient until the step's last batch")
+    tr.add_argument("--global-batch-size", type=int, default=None,
+                    help="samples per optimizer step whatever the layout (the recipe's parallel.global_batch_size): "
+                         "each layout accumulates global / (batch x dp) batches")
     cal = parser.add_argument_group("calibration (the rates the step-time model runs on)")
     cal.add_argument("--calibrate", action="store_true", help="measure this machine (matmul by shape and dtype, "
                      "memory bandwidth, the four collectives over --calibrate-ranks processes, host overhead), cache "
@@ -194,6 +200,8 @@ def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettin
         seq_len=_first_given(args.seq_len, hints.get("seq_len")),
         activation_checkpointing=args.activation_checkpointing,
         num_micro_batches=args.micro_batches,
+        accumulate_grad_batches=_first_given(args.accumulate_grad_batches, hints.get("accumulate_grad_batches"), 1),
+        global_batch_size=_first_given(args.global_batch_size, hints.get("global_batch_size")),
     )
 
 
@@ -203,7 +211,8 @@ def _first_given(*values: Any) -> Any:
 
 
 _AT_LEAST = {"layers": 1, "hidden": 1, "heads": 1, "vocab": 1, "block_size": 1, "nodes": 1, "gpus_per_node": 1,
-             "micro_batch_size": 1, "seq_len": 1, "micro_batches": 1, "max_steps": 1, "top": 0}
+             "micro_batch_size": 1, "seq_len": 1, "micro_batches": 1, "max_steps": 1, "top": 0,
+             "accumulate_grad_batches": 1, "global_batch_size": 1}
 """The integer options and their smallest value: a value below it is refused (``0`` never means "the default")."""
 
 

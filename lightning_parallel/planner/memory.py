@@ -19,7 +19,9 @@ where the offloaded weight partition is the optimizer's copy).
 Inside pipeline stages ZeRO-2/3 run as FSDP2 whose reduce-scatter waits for a step's last micro-batch: at the peak
 of a step the stage's gradient is whole (``g P``) and, unless resharded after forward (ZeRO-3), so are its
 parameters: ZeRO-2 ``(p + g) P + K P / N_d`` (ZeRO-1's figure), ZeRO-3 ``g P + (p + K) P / N_d``; between steps
-``(p + g + K) P / N_d``. HSDP (``data_parallel_shard_size = s``) divides by ``s`` instead of ``N_d``.
+``(p + g + K) P / N_d``. HSDP (``data_parallel_shard_size = s``) divides by ``s`` instead of ``N_d``. Gradient
+accumulation does the same outside pipelines: ZeRO-2/3 (without offload) reduce once per step, after its last batch,
+so every batch before it leaves the whole local gradient (``g P``) in place (``TrainingSettings.accumulation``).
 
 Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
 and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
@@ -71,7 +73,7 @@ class ModelStates:
 
 def model_states(
     n_params: int, state: StateBytes, *, dp: int = 1, zero_stage: int = 0, offload: str = "none",
-    shard: int | None = None, pipeline: bool = False, reshard: bool = True,
+    shard: int | None = None, pipeline: bool = False, reshard: bool = True, accumulate: bool = False,
 ) -> ModelStates:
     """The ZeRO paper's formulas for ``n_params`` parameters on a device, sharded ``zero_stage``-deep over dp.
 
@@ -79,13 +81,17 @@ def model_states(
     replicas). ``pipeline``: ZeRO-2/3 over FSDP2 inside pipeline stages, at the peak of a step: each micro-batch's
     gradient adds into the stage's whole, unsharded gradient until the step's last micro-batch reduce-scatters it
     (``g P``), and the parameters stay gathered through the step unless ``reshard`` (ZeRO-3's default) frees them
-    after each forward; between steps everything is sharded, ``(p + g + K) P / s``."""
+    after each forward; between steps everything is sharded, ``(p + g + K) P / s``. ``accumulate``: the step
+    accumulates gradients over several batches; ZeRO-2/3 without offload keep each batch's gradient local and whole
+    until the step's last batch reduces it (one reduction per step), so the peak holds ``g P`` as in a pipeline
+    (DeepSpeed's offload engine reduces every batch: its gradient stays sharded)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3.")
     full, shard_n = n_params, math.ceil(n_params / (shard or dp))
     in_pipeline = pipeline and zero_stage >= 2
+    whole_grad = in_pipeline or (accumulate and offload == "none")
     params = state.param * (shard_n if zero_stage >= 3 and (reshard or not in_pipeline) else full)
-    grads = state.grad * (full if in_pipeline or zero_stage < 2 else shard_n)
+    grads = state.grad * (full if whole_grad or zero_stage < 2 else shard_n)
     optimizer = state.optimizer * (shard_n if zero_stage >= 1 else full)
     shard = shard_n
     if offload == "none":
@@ -149,7 +155,8 @@ def estimate_memory(
     state = training.state_bytes
     shard = layout.data_parallel_shard_size
     states = model_states(n_local, state, dp=dp * cp, zero_stage=layout.zero, offload=layout.offload_device,
-                          shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout))
+                          shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout),
+                          accumulate=training.accumulation(dp, pp) > 1)
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:

@@ -220,10 +220,12 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     """Read a recipe's model section (GPT init args) and the hints the planner uses from the rest of it.
 
     The recipe is read as the CLI reads it: its ``defaults`` fragments merged in and its ``${...}`` interpolations
-    resolved. Returns the shape and ``{"batch_per_replica", "seq_len", "precision", "trainer"}`` where the recipe sets
-    them (``batch_per_replica``: the data module's ``batch_size``, sequences per data-parallel rank and step, which a
-    pipeline splits into micro-batches; ``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the
-    hardware is found for when no ``--hardware``/``--gpu-memory`` is given).
+    resolved. Returns the shape and ``{"batch_per_replica", "seq_len", "precision", "trainer",
+    "accumulate_grad_batches", "global_batch_size"}`` where the recipe sets them (``batch_per_replica``: the data
+    module's ``batch_size``, sequences per data-parallel rank and step, which a pipeline splits into micro-batches;
+    ``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the hardware is found for when no
+    ``--hardware``/``--gpu-memory`` is given; the accumulation: the trainer's, and the ``parallel`` section's
+    ``global_batch_size``).
     """
     file = Path(path)
     if not file.is_file():
@@ -258,4 +260,9 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     if precision is not None:
         hints["precision"] = str(precision)
     hints["trainer"] = {k: trainer[k] for k in ("accelerator", "devices", "num_nodes") if k in trainer}
+    if trainer.get("accumulate_grad_batches") is not None:
+        hints["accumulate_grad_batches"] = int(trainer["accumulate_grad_batches"])
+    global_batch = (data.get("parallel") or {}).get("global_batch_size")
+    if global_batch is not None:
+        hints["global_batch_size"] = int(global_batch)
     return shape, hints

@@ -122,7 +122,8 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
         f"Model: {'' if m.name == 'model' else m.name + ', '}{format_count(m.n_params)} parameters"
         + (f", largest layer {format_count(m.largest_layer_params)}" if m.largest_layer_params else ""),
         f"Training: {t.precision}, {t.optimizer} ({sb.param}+{sb.grad}+{sb.optimizer} bytes of model state per "
-        f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}",
+        f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}"
+        + (f", {t.accumulation_text}" if t.accumulation_text else ""),
         f"Hardware: {plan.hardware.describe()}",
         f"Allowance per device (the buffers column): {plan.hardware.reserved_text()} reserved for the runtime, + 10% "
         "of model states and activations (fragmentation, communication buckets), + under ZeRO-3 the gathered "
@@ -306,6 +307,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "state_bytes_per_param": vars(plan.training.state_bytes),
             "micro_batch_size": plan.training.micro_batch_size,
             "batch_per_replica": plan.training.batch_per_replica,
+            "accumulate_grad_batches": plan.training.accumulate_grad_batches,
+            "global_batch_size": plan.training.global_batch_size,
             "activation_checkpointing": plan.training.activation_checkpointing,
         },
         "hardware": vars(plan.hardware),

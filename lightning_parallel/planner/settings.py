@@ -81,6 +81,12 @@ class TrainingSettings:
     a pipeline layout then splits it into ``m`` micro-batches of ``batch_per_replica / m`` sequences, as the run does
     (``m``: its largest divisor from the stage count to 4 x stages; none: as without it), instead of taking
     ``micro_batch_size`` per micro-batch."""
+    accumulate_grad_batches: int = 1
+    """Batches whose gradients add up before each optimizer step (the Trainer's ``accumulate_grad_batches``)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step whatever the layout (the ``parallel`` section's ``global_batch_size``): a layout of
+    ``dp`` replicas then accumulates ``global_batch_size / (batch x dp)`` batches (:meth:`accumulation`), as the run
+    sets it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
@@ -90,7 +96,8 @@ class TrainingSettings:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r}: use auto, none, selective or full."
             )
-        for key in ("micro_batch_size", "seq_len", "num_micro_batches", "batch_per_replica"):
+        for key in ("micro_batch_size", "seq_len", "num_micro_batches", "batch_per_replica", "accumulate_grad_batches",
+                    "global_batch_size"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be a positive integer.")
@@ -135,6 +142,27 @@ class TrainingSettings:
             if fitting:  # else no split keeps every stage busy: the micro-batch is taken as given
                 return max(fitting)
         return 4 * pp
+
+    def accumulation(self, dp: int, pp: int = 1) -> int:
+        """Batches accumulated per optimizer step by a layout of ``dp`` replicas and ``pp`` stages: with
+        :attr:`global_batch_size`, ``global_batch_size / (batch x dp)`` (the batch a replica reads per step: the
+        data module's, else ``micro_batch_size`` x the pipeline's micro-batches; at least 1), else
+        :attr:`accumulate_grad_batches`."""
+        if self.global_batch_size is None:
+            return self.accumulate_grad_batches
+        batch = self.batch_per_replica or self.micro_batch_size * self.micro_batches(pp)
+        return max(1, self.global_batch_size // (batch * dp))
+
+    @property
+    def accumulation_text(self) -> str:
+        """How the steps accumulate, for the reports ("" when they do not)."""
+        if self.global_batch_size is not None:
+            return (f"global batch {self.global_batch_size} (each layout accumulates global / (batch x dp) batches; "
+                    "ZeRO-2/3 keep the whole gradient until a step's last)")
+        if self.accumulate_grad_batches > 1:
+            return (f"{self.accumulate_grad_batches} batches accumulated per step (ZeRO-2/3 keep the whole gradient "
+                    "until a step's last)")
+        return ""
 
     def for_pipeline(self, pp: int) -> TrainingSettings:
         """The settings a layout of ``pp`` stages runs with: with :attr:`batch_per_replica` and ``pp > 1``,

@@ -86,17 +86,29 @@ CASES = [(1, "native"), (2, "native"), (3, "native"), (1, "fairscale"), (2, "fai
 
 class _GradientsSentDuringTheBackward(pl.Callback):
     """Raises in the rank unless the step's last backward (not the accumulation micro-batch's) sent some of ZeRO-2's
-    gradient chunks and freed their gradients before it ended: once per optimizer step."""
+    gradient chunks and freed their gradients before it ended: once per optimizer step; and unless the gradient an
+    accumulation micro-batch leaves is whole, the bytes the planner counts for ZeRO-2 with accumulation."""
 
     def __init__(self) -> None:
         self.freed = 0
+        self.between = 0  # bytes of local gradient left by an accumulation micro-batch (the largest seen)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = list(pl_module.parameters())
-        self.freed += sum(p.grad is not None for p in params) < len(params)
+        if sum(p.grad is not None for p in params) < len(params):
+            self.freed += 1
+        else:
+            self.between = max(self.between, sum(p.grad.numel() * p.grad.element_size() for p in params
+                                                 if p.grad is not None))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_parallel.planner.memory import model_states
+        from lightning_parallel.planner.settings import StateBytes
+
         assert self.freed == trainer.global_step, (self.freed, trainer.global_step)
+        psi, fp32 = sum(p.numel() for p in pl_module.parameters()), StateBytes(param=4, grad=4, optimizer=8)
+        assert self.between == model_states(psi, fp32, dp=2, zero_stage=2, accumulate=True).grads == 4 * psi
+        assert model_states(psi, fp32, dp=2, zero_stage=2).grads < self.between
 
 
 @pytest.mark.parametrize(("stage", "backend"), CASES)

@@ -6,6 +6,7 @@ import importlib.util
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,23 @@ def test_lp_auto_picks_the_fastest_layout_that_fits() -> None:
     assert decision.chosen.cost.tokens_per_s > decision.guide_choice.cost.tokens_per_s  # type: ignore[union-attr]
     with pytest.raises(LayoutError, match="use fastest or guide"):
         plan_for_module(model, accelerator="cpu", devices=2, options={"gpu_memory": "1GB", "select": "quickest"})
+
+
+def test_lp_auto_counts_the_whole_gradient_that_accumulation_keeps() -> None:
+    """With the Trainer's accumulation (or a fixed global batch), lp_auto plans ZeRO-2/3 with the whole local
+    gradient they keep until a step's last batch, and says the global batch it trains on."""
+    model = _quickstart_gpt()
+
+    def zero2(decision: Any) -> Any:
+        return next(c for c in decision.plan.candidates if c.layout.zero == 2 and c.layout.offload_device == "none"
+                    and c.layout.data_parallel_size == 2 and c.layout.activation_checkpointing == "full")
+
+    plain = _decide(model, "1GB")
+    twice = plan_for_module(model, accelerator="cpu", devices=2, precision="32-true", micro_batch_size=16,
+                            seq_len=128, options={"gpu_memory": "1GB", "select": "guide"}, accumulate_grad_batches=2)
+    fixed = plan_for_module(model, accelerator="cpu", devices=2, precision="32-true", micro_batch_size=16,
+                            seq_len=128, options={"gpu_memory": "1GB", "select": "guide"}, global_batch_size=128)
+    assert 2 * zero2(plain).memory.grads == zero2(twice).memory.grads == zero2(fixed).memory.grads
+    assert "global batch = batch x dp x accumulation = 16 x 2 x 2" in twice.text()
+    assert "global batch 128 = batch x dp x accumulation = 16 x 2 x 4" in fixed.text()
+    assert "global batch = batch x dp = 16 x 2 (" in plain.text()

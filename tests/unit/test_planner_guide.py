@@ -14,11 +14,14 @@ from lightning_parallel.config import ParallelConfig
 from lightning_parallel.layouts import available_strategies
 from lightning_parallel.planner import (
     MODEL_PRESETS,
+    ModelShape,
     ModelSpec,
     TrainingSettings,
+    estimate_memory,
     load_profile,
     make_hardware,
     make_plan,
+    model_states,
 )
 from lightning_parallel.planner import plan as plan_module
 from lightning_parallel.planner.cli import main
@@ -283,3 +286,53 @@ def test_a_recipes_batch_is_per_replica_and_a_pipeline_splits_it(tmp_path: Path,
     assert (training["batch_per_replica"], training["micro_batch_size"]) == (None, 4)
     split = TrainingSettings(micro_batch_size=16, batch_per_replica=16).for_pipeline(2)
     assert split.micro_batch_size * split.micro_batches(2) == 16 and split.micro_batches(2) > 1
+
+
+def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """ZeRO-2/3 (without offload) reduce once per step, after its last batch: with accumulation the peak holds the
+    whole local gradient (measured for the flat ZeRO-2 in tests/trainer/test_sharded.py). DDP, ZeRO-1 and the
+    offload engine (which reduces every batch) keep their figures; a pipeline already held the whole gradient."""
+    psi, fp32 = 1000, TrainingSettings(precision="fp32").state_bytes
+    for zero in (2, 3):
+        alone = model_states(psi, fp32, dp=4, zero_stage=zero)
+        accumulating = model_states(psi, fp32, dp=4, zero_stage=zero, accumulate=True)
+        assert (alone.grads, accumulating.grads) == (4 * 250, 4 * psi)
+        assert (accumulating.params, accumulating.optimizer) == (alone.params, alone.optimizer)
+        offloaded = model_states(psi, fp32, dp=4, zero_stage=zero, offload="cpu", accumulate=True)
+        assert offloaded == model_states(psi, fp32, dp=4, zero_stage=zero, offload="cpu")
+        in_pipeline = model_states(psi, fp32, dp=4, zero_stage=zero, pipeline=True)
+        assert model_states(psi, fp32, dp=4, zero_stage=zero, pipeline=True, accumulate=True) == in_pipeline
+    for zero in (0, 1):
+        assert (model_states(psi, fp32, dp=4, zero_stage=zero, accumulate=True)
+                == model_states(psi, fp32, dp=4, zero_stage=zero))
+    # how many batches a layout accumulates: as given, or the run's rule global / (batch x dp)
+    assert TrainingSettings(accumulate_grad_batches=3).accumulation(dp=8) == 3
+    fixed = TrainingSettings(batch_per_replica=4, global_batch_size=64)
+    assert [fixed.accumulation(dp) for dp in (1, 2, 4, 8, 16, 32)] == [16, 8, 4, 2, 1, 1]
+    assert TrainingSettings(micro_batch_size=2, num_micro_batches=4, global_batch_size=64).accumulation(2, pp=2) == 4
+    with pytest.raises(ValueError, match="accumulate_grad_batches=0 must be a positive integer"):
+        TrainingSettings(accumulate_grad_batches=0)
+    # estimate_memory applies it per layout; the CLI takes it from the flag or the recipe (trainer, parallel)
+    model = ModelSpec.from_shape(ModelShape(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=256))
+    hw = make_hardware(gpus_per_node=8, gpu_memory="80GB")
+    zero3 = ParallelConfig(data_parallel_size=8, zero_stage=3)
+    grads = [estimate_memory(model, t, hw, zero3).grads for t in (
+        TrainingSettings(), TrainingSettings(accumulate_grad_batches=2),
+        TrainingSettings(batch_per_replica=4, global_batch_size=32), TrainingSettings(batch_per_replica=4,
+                                                                                     global_batch_size=64))]
+    assert grads[0] == grads[2] < grads[1] == grads[3] == 2 * model.n_params
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"class_path": "lightning_parallel.models.GPT",
+                  "init_args": {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256}},
+        "trainer": {"accumulate_grad_batches": 4}, "parallel": {"global_batch_size": 64},
+        "data": {"class_path": "lightning_parallel.data.TextDataModule", "init_args": {"batch_size": 16}}}))
+    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--json"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["accumulate_grad_batches"], training["global_batch_size"]) == (4, 64)
+    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--accumulate-grad-batches", "2",
+                 "--global-batch-size", "128"]) == 0
+    assert "global batch 128 (each layout accumulates" in capsys.readouterr().out
+    assert main(["--params", "1M", "--gpu-memory", "1GB", "--accumulate-grad-batches", "0"]) != 0
+    assert "--accumulate-grad-batches=0 must be at least 1" in capsys.readouterr().err
