@@ -73,7 +73,8 @@ bubble, the micro-batches in flight and the saved activations (``--pp``, ``--m-f
 ``offload`` -- ZeRO-2/3 with and without CPU offload: device and host bytes per rank against the formulas and
 DeepSpeed's estimator, step time against no offload (with ``--device cuda``: the largest GPT that trains on one GPU);
 ``compile`` -- ``parallel.compile`` on and off under every strategy: step time compiled over eager and the loss
-difference. ``--compile`` makes the table's library runs compile their blocks.
+difference; ``accumulate`` -- each layout's optimizer step with 1 and ``--accumulate`` batches, measured next to the
+planner's prediction (``--cases``). ``--compile`` makes the table's library runs compile their blocks.
 
 On a machine with fewer cores than ranks (this CPU: 2 cores; 4 and 8 single-threaded ranks) the ranks share cores:
 the absolute times are slow, the ratios between variants of one case still compare the same work.

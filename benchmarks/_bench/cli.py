@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                         "no table")
     p.add_argument("--render", metavar="RESULTS_JSON",
                    help="write the markdown table and the plots again from a results.json; run nothing")
-    s = p.add_argument_group("studies", "what the table does not show, one question each (--cases, --roles and "
-                             "--dp do not apply; the size options do, over the study's own defaults)")
+    s = p.add_argument_group("studies", "what the table does not show, one question each (--roles and --dp do not "
+                             "apply, nor --cases but to accumulate; the size options do, over the study's own "
+                             "defaults)")
     s.add_argument("--study", choices=list(STUDIES),
                    help="; ".join(f"{name}: {what}" for name, what in STUDIES.items()))
     s.add_argument("--time", action="store_true", help="recompute: also time a step against `none` (idle machine)")
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     s.add_argument("--m-factors", type=_ints, metavar="F[,F...]",
                    help="bubble: micro-batch counts as multiples of p (default 1,2,4; --quick 1,2)")
     s.add_argument("--schedules", help="bubble: comma-separated schedules (default all four)")
+    s.add_argument("--accumulate", type=int, default=None, metavar="A",
+                   help="accumulate: batches per optimizer step compared with 1 (default 4); --cases picks the cases "
+                        "(default ddp,zero1,zero2,zero3,tp,pp)")
     s.add_argument("--budget-mib", type=float, default=None,
                    help="context: per-rank budget of saved activations, MiB (default 16; --quick 4)")
     a = p.parse_args(argv)
@@ -82,6 +86,16 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
         p.error(f"--hidden {a.hidden} must be divisible by --heads {a.heads}.")
     if a.budget_mib is None:
         a.budget_mib = 4.0 if a.quick else 16.0
+    if a.accumulate is not None and a.study != "accumulate":
+        p.error("--accumulate goes with --study accumulate (the table's steps are one batch each).")
+    if a.study == "accumulate":
+        if a.accumulate is not None and a.accumulate < 2:
+            p.error(f"--accumulate {a.accumulate}: the study compares a >= 2 batches per step with 1.")
+        given = [c for c in a.cases.split(",") if c]
+        bad = [c for c in given if c not in CASES or CASES[c].key == "dp"] if given != list(CASES) else []
+        if bad:
+            p.error(f"--study accumulate --cases {','.join(bad)}: not a case with a planner layout; the cases are "
+                    f"{', '.join(k for k in CASES if CASES[k].key != 'dp')}.")
     if a.study is not None:
         if a.profile is not None or a.render is not None or a.overhead is not None:
             p.error("--study runs on its own: without --profile, --overhead or --render.")

@@ -53,7 +53,8 @@ def predict_case(a: argparse.Namespace, case: Case, rates: Any) -> Any:
     m = a.micro_batches if case.pp > 1 else 1
     micro = max(1, a.batch // (dp * m))
     training = TrainingSettings(precision="fp32", micro_batch_size=micro, seq_len=a.seq,
-                                activation_checkpointing="none", num_micro_batches=m if case.pp > 1 else None)
+                                activation_checkpointing="none", num_micro_batches=m if case.pp > 1 else None,
+                                accumulate_grad_batches=int(getattr(a, "accumulate", None) or 1))
     layout = ParallelConfig.from_dict({
         "data_parallel_size": dp, "pipeline_parallel_size": case.pp, "tensor_parallel_size": case.tp,
         "zero_stage": case.zero, "offload": case.offload, "context_parallel_size": case.cp,

@@ -38,6 +38,11 @@ class Ctx:
         return self.a.warmup + self.a.steps + 1  # the last one is counted (count runs) and never timed
 
     @property
+    def accumulate(self) -> int:
+        """Batches per optimizer step (``--study accumulate``; 1 in the table): a timed step is all of them."""
+        return int(getattr(self.a, "accumulate", None) or 1)
+
+    @property
     def coords(self) -> Any:
         return self.dims.coords(self.rank)
 

@@ -32,6 +32,9 @@ def _probe(ctx: Ctx) -> Any:
                 python_allreduce_hook(trainer.strategy.model)
 
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % ctx.accumulate:  # an optimizer step is timed from its first batch to its last
+                return
+            batch_idx //= ctx.accumulate
             exchanges = self._exchanges(trainer, batch_idx)
             if exchanges is not None:
                 exchanges.reset()
@@ -45,6 +48,9 @@ def _probe(ctx: Ctx) -> Any:
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
+            if (batch_idx + 1) % ctx.accumulate:
+                return
+            batch_idx //= ctx.accumulate
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if ctx.case.cp > 1:  # the loss of this rank's tokens; the logged one is averaged over dp x cp
                 loss = trainer.callback_metrics["train_loss"]
@@ -186,7 +192,8 @@ def run_trainer(ctx: Ctx) -> dict[str, Any]:
     probe = _probe(ctx)
     devices = ctx.case.dp if ctx.case.key == "dp" else ctx.world
     trainer = pl.Trainer(accelerator=ctx.device.type, devices=devices, strategy=strategy,
-                         max_steps=ctx.total_steps, logger=False, enable_checkpointing=False,
+                         max_steps=ctx.total_steps, accumulate_grad_batches=ctx.accumulate, logger=False,
+                         enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])
     trainer.fit(model, datamodule=_data_module(ctx))

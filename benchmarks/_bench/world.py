@@ -71,7 +71,8 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
             counter = CommCount(local_rank, dims)
             counter.install()
         g = torch.Generator().manual_seed(1234)
-        tokens = torch.randint(0, a.vocab, (a.batch * (a.warmup + a.steps + 1), a.seq + 1), generator=g)
+        batches = (a.warmup + a.steps + 1) * int(getattr(a, "accumulate", None) or 1)
+        tokens = torch.randint(0, a.vocab, (a.batch * batches, a.seq + 1), generator=g)
         ctx = Ctx(a=a, case=case, role=role, rank=local_rank, world=world, device=device, dims=dims,
                   counter=counter, tokens=tokens, profile=job.get("profile"))
         result = HAND[case.key](ctx) if role == "torch" else run_trainer(ctx)

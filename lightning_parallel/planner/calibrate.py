@@ -729,11 +729,12 @@ def _run_world(ranks: int, device_type: str, progress: Progress | None, offload:
     return result
 
 
-def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
+def measure_host_overhead(*, steps: int = 40, ranks: int = 1, accumulate: int = 1) -> float:
     """Seconds per training step of a Lightning ``fit`` of a one-layer model on CPU: the framework's own time. With
     ``ranks`` > 1, the library's ``lp_ddp`` over that many forked ranks (threads shared out over the cores), so that
     a distributed step's fixed costs are in it: the gradient all-reduce and the logged value's all-reduce as a step
-    meets them (the other rank's arrival included), Lightning's distributed hooks."""
+    meets them (the other rank's arrival included), Lightning's distributed hooks. ``accumulate``: batches per
+    optimizer step (``accumulate_grad_batches``); the seconds are per optimizer step."""
     import contextlib
     import tempfile
 
@@ -768,7 +769,7 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
             if trainer.global_rank == 0:
                 self.path.write_text(json.dumps(self.stamps))
 
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2 * ranks, 8)),
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 2 * ranks * accumulate, 8)),
                                        batch_size=2)
     quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning",
                                                    "lightning_parallel")]
@@ -784,6 +785,7 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = pl.Trainer(accelerator="cpu", devices=ranks, max_steps=steps, logger=False,
+                                 accumulate_grad_batches=accumulate,
                                  strategy="lp_ddp_fork" if ranks > 1 else "auto",
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=[Clock(Path(folder) / "stamps.json")])
@@ -796,7 +798,7 @@ def measure_host_overhead(*, steps: int = 40, ranks: int = 1) -> float:
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
         stack.close()
-    warm = stamps[steps // 4:]
+    warm = stamps[accumulate - 1::accumulate][steps // 4:]  # the ends of the optimizer steps
     return float((warm[-1] - warm[0]) / (len(warm) - 1))
 
 
@@ -861,6 +863,9 @@ def calibrate(*, ranks: int = 2, save: bool = True, progress: Progress | None = 
     if "distributed_overhead" in frameworks:
         say(f"host overhead per step over {ranks} ranks (lp_ddp fit of a one-layer model): "
             f"{frameworks['distributed_overhead'] * 1e3:.2f} ms")
+    if "host_batch_share" in frameworks:
+        say(f"host overhead that recurs with every batch of an accumulating step (the same fit accumulating 4 "
+            f"batches): {frameworks['host_batch_share']:.0%}")
     rates = _assemble(compute, links, overhead, device_type=device_type, ranks=ranks, base=base,
                       frameworks=frameworks)
     say(f"calibrated peak: {max(rates.peak_flops.values()) / 1e12:.4g} TFLOP/s; done in "
@@ -892,6 +897,10 @@ def _measure_once(ranks: int, device_type: str, say: Progress | None, offload: b
     overhead = measure_host_overhead()
     if ranks > 1 and device_type == "cpu":
         frameworks["distributed_overhead"] = measure_host_overhead(ranks=ranks)
+    # how much of it recurs with every batch of an accumulating step: a fit accumulating 4 batches against 1
+    one = frameworks.get("distributed_overhead", overhead)
+    four = measure_host_overhead(ranks=ranks if "distributed_overhead" in frameworks else 1, accumulate=4)
+    frameworks["host_batch_share"] = min(max((four - one) / 3 / one, 0.0), 1.0) if one > 0 else 1.0
     return compute, collectives, frameworks, overhead
 
 
@@ -977,7 +986,8 @@ def _assemble(compute: dict[str, Any], links: dict[str, Any], overhead: float, *
 
 _FRAMEWORK_KEYS = {"optimizer_dtensor": ("optimizer_dtensor_us", 1e6), "cp_element": ("cp_element_ns", 1e9),
                    "offload_param": ("offload_param_ns", 1e9),
-                   "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0)}
+                   "host_optimizer_params_per_s": ("host_optimizer_params_per_s", 1.0),
+                   "host_batch_share": ("host_batch_share", 1.0)}
 """The rates key and scale of each :func:`measure_frameworks` / :func:`measure_offload` figure that is not in
 seconds per step (those become ``<name>_ms``)."""
 
@@ -1006,7 +1016,9 @@ def format_rates(rates: Rates) -> str:
                  f"{rates.elementwise_rate / 1e9:,.1f}); op dispatch {rates.op_overhead_s * 1e6:.1f} us; host overhead "
                  f"{rates.host_overhead_s * 1e3:.2f} ms/step"
                  + (f" ({rates.distributed_overhead_s * 1e3:.2f} over {rates.calibrated_ranks} ranks)"
-                    if rates.distributed_overhead_s else "") + f"; overlap {rates.overlap:g}")
+                    if rates.distributed_overhead_s else "")
+                 + (f", {rates.host_batch_share:.0%} of it again per batch accumulated"
+                    if rates.host_batch_share != 1.0 else "") + f"; overlap {rates.overlap:g}")
     if rates.optimizer_tensor_s or rates.optimizer_bandwidth:
         lines.append(f"  optimizer step: {rates.optimizer_tensor_s * 1e6:.1f} us per tensor"
                      + (f" ({rates.optimizer_dtensor_s * 1e6:.1f} per DTensor)" if rates.optimizer_dtensor_s else "")

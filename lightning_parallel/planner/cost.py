@@ -47,7 +47,11 @@ chunks per stage:
   CPU work (compute, overheads, and the calibrated CPU share of each axis's costs, :attr:`Rates.busy`) stretched by
   :meth:`~lightning_parallel.planner.rates.Rates.core_share` -- while one rank waits at a collective, another
   computes -- every part scaled alike; a calibrated collective's latency follows the ring of the group
-  (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`).
+  (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`);
+* gradient accumulation (``a`` batches per optimizer step, :meth:`TrainingSettings.accumulation`): the compute, the
+  per-batch collectives (tp, pp, cp, FSDP2's all-gathers) and the dispatch ``a`` times, each pipeline batch with its
+  bubble; the gradient reduction and the optimizer step once; the host overhead ``1 + (a - 1) r`` times
+  (:attr:`Rates.host_batch_share`); the step's tokens ``a`` times a batch's.
 
 The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
 
@@ -337,20 +341,23 @@ def _traffic(
     cp = layout.context_parallel_size
     state, e = training.state_bytes, training.activation_bytes
     b, m = training.micro_batch_size, training.micro_batches(pp)
+    acc = training.accumulation(dp, pp)
     out: dict[str, float] = {}
     if cp > 1 and model.shape is not None:  # ring attention: k/v blocks forward and backward, dk/dv accumulators
         block = 2 * b * (seq_len / cp) * model.shape.n_embd / tp
         per_layer = (2 * (cp - 1) * e + cp * 4) * block
-        out["cp"] = per_layer * math.ceil(model.shape.n_layer / pp) * m
+        out["cp"] = per_layer * math.ceil(model.shape.n_layer / pp) * m * acc
     dp = dp * cp  # the replicas the gradients are exchanged over: dp x cp
     if dp > 1:
         if pp > 1 and layout.zero >= 2:
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
             # resharding after forward (ZeRO-3), one per micro-batch and one more
-            gathers = m + 1 if reshards(layout) else 1
+            gathers = (m + 1 if reshards(layout) else 1) * acc
             per_param = gathers * state.param + state.grad
+        elif layout.zero == 3:  # FSDP2: its all-gathers every batch, the reduce-scatter once per step
+            per_param = (2 if reshards(layout) else 1) * acc * state.param + state.grad
         else:
-            per_param = (3 if layout.zero == 3 else 2) * state.grad
+            per_param = 2 * state.grad
         s = (layout.data_parallel_shard_size or dp // cp) * cp
         if s < dp:  # HSDP: FSDP2's collectives inside each shard group, then an all-reduce of the shards across
             r = dp // s
@@ -362,9 +369,9 @@ def _traffic(
     if shape is not None and tp > 1:
         collectives = 6 if layout.activation_checkpointing == "full" else 4
         per_layer = collectives * 2 * (tp - 1) / tp * e * (seq_len // cp) * b * shape.n_embd
-        out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m
+        out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m * acc
     if shape is not None and pp > 1:
-        out["pp"] = 2 * m * e * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
+        out["pp"] = 2 * m * acc * e * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
     if layout.offload_device != "none":
         shard = local / dp
         out["offload"] = 2 * state.grad * shard + (2 * state.param * shard if layout.zero == 3 else 0)
@@ -474,25 +481,26 @@ def _fsdp_exchange(layout: ParallelConfig, axis: str) -> bool:
     return layout.zero == 3 or (layout.pipeline_parallel_size > 1 and layout.zero >= 2) or axis in DP_PARTS
 
 
-def _fsdp_collectives(layout: ParallelConfig, axis: str, m: int) -> int:
+def _fsdp_collectives(layout: ParallelConfig, axis: str, m: int, acc: int = 1) -> int:
     """FSDP2's collectives per unit and step on a dp axis: under HSDP one all-reduce of the unit's gradient shard
     over the replicas (``dp_replicate``); else the reduce-scatter of its gradient and its all-gathers -- one in
     forward and one in backward when it reshards after forward (ZeRO-3), one when not (ZeRO-2); inside pipeline
     stages one per micro-batch and one more when resharding (measured: the schedule's backwards keep the parameters
-    gathered until the last), else one per step."""
+    gathered until the last), else one per step; the all-gathers again for each of the ``acc`` batches a step
+    accumulates (the reduction waits for the last)."""
     if axis == "dp_replicate":
         return 1
     if layout.pipeline_parallel_size > 1:
-        return (m + 1 if reshards(layout) else 1) + 1
-    return (2 if reshards(layout) else 1) + 1
+        return (m + 1 if reshards(layout) else 1) * acc + 1
+    return (2 if reshards(layout) else 1) * acc + 1
 
 
 def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageTimes, m: int, rates: Rates,
-                last_bucket: float) -> float:
-    """The part of a dp-axis exchange the step waits for."""
+                last_bucket: float, acc: int = 1) -> float:
+    """The part of a dp-axis exchange the step waits for (``acc``: batches accumulated per step)."""
     if _fsdp_exchange(layout, axis):  # gathers prefetched under forward and backward, reduce-scatters under backward
-        hide = rates.overlap * m * (stage.total - stage.forward / max(stage.layers, 1))
-        first_gather = seconds / max(_fsdp_collectives(layout, axis, m) * (stage.layers + 1), 1)
+        hide = rates.overlap * m * acc * (stage.total - stage.forward / max(stage.layers, 1))
+        first_gather = seconds / max(_fsdp_collectives(layout, axis, m, acc) * (stage.layers + 1), 1)
         return max(seconds - hide, 0.0) + first_gather
     if layout.zero in (1, 2) or layout.pipeline_parallel_size > 1:
         return seconds  # flat shards after the backward; a pipeline's dp all-reduce after the schedule
@@ -509,6 +517,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     shape = model.shape
     s = training.sequence_length(shape.block_size if shape else 2048)
     b, m = training.micro_batch_size, training.micro_batches(pp)
+    acc = training.accumulation(dp, pp)  # batches per optimizer step: each runs m micro-batches, one reduction
     local = model.params_per_device(pp=pp, tp=tp)
     stage = stage_times(model, training, layout, rates, kernels=kernels, recompute=recompute)
     bubble = bubble_factor(layout, m)
@@ -519,11 +528,11 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     exposed: dict[str, float] = {}
     if "tp" in traffic:  # on the critical path of every micro-batch, and so stretched by the bubble like compute
         passes = 1.5 if layout.activation_checkpointing == "full" else 1.0  # a recomputed forward: half again
-        calls = 4 * passes * layers * m
+        calls = 4 * passes * layers * m * acc
         if rates.tp_pair_s > 0:  # the calibrated cost of a column + row pair of DTensor linears, per two linears
             linears = (shape.block_linears if shape is not None else 4) * layers + (2 if pp == 1 else 1)
             comm["tp"] = _per_unit(_link(rates, links["tp"]), "all_reduce", traffic["tp"],
-                                   linears / 2 * passes * m * rates.tp_pair_s
+                                   linears / 2 * passes * m * acc * rates.tp_pair_s
                                    * rates.ring_latency_scale("all_reduce", tp))
         else:
             comm["tp"] = _send(_link(rates, links["tp"]), "all_reduce", traffic["tp"], calls, rates=rates, ranks=tp)
@@ -531,19 +540,20 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     if "pp" in traffic:
         v = layout.virtual_pipeline_stages
         if rates.pp_micro_batch_s > 0:  # the calibrated cost of a micro-batch through the runtime, per chunk
-            comm["pp"] = _per_unit(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, m * v * rates.pp_micro_batch_s)
+            comm["pp"] = _per_unit(_link(rates, links["pp"]), "p2p", traffic["pp"] * v,
+                                   m * acc * v * rates.pp_micro_batch_s)
         else:
-            comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * v)
+            comm["pp"] = _send(_link(rates, links["pp"]), "p2p", traffic["pp"] * v, 2 * m * acc * v)
         exposed["pp"] = comm["pp"] * bubble
     if "cp" in traffic:
         if rates.cp_layer_s > 0:  # the calibrated ring of the calibration's ranks, stretched to cp - 1 hops
             hops = (cp - 1) / max(rates.calibrated_ranks - 1, 1)
             queries = b * (s / cp) * (shape.n_embd / tp if shape is not None else 0.0)  # a rank's, per layer
             comm["cp"] = _per_unit(_link(rates, links["cp"]), "p2p", traffic["cp"],
-                                   layers * m * (rates.cp_layer_s + rates.cp_element_s * queries) * hops)
+                                   layers * m * acc * (rates.cp_layer_s + rates.cp_element_s * queries) * hops)
         else:
-            comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m)
-        attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m
+            comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m * acc)
+        attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m * acc
         exposed["cp"] = max(comm["cp"] - rates.overlap * attention_s, 0.0)
     state = training.state_bytes
     shard_size = layout.data_parallel_shard_size or dp * cp
@@ -560,7 +570,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         else:
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
             fsdp = _fsdp_exchange(layout, axis)
-            per_unit = _fsdp_collectives(layout, axis, m)
+            per_unit = _fsdp_collectives(layout, axis, m, acc)
             calls = per_unit * (layers + 1) if fsdp else 2
             if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
                 units = layers + (3 if pp == 1 else 2)
@@ -584,7 +594,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0
-        exposed[axis] = _dp_exposed(axis, comm[axis], layout, stage, m, rates, last)
+        exposed[axis] = _dp_exposed(axis, comm[axis], layout, stage, m, rates, last, acc)
     offload = 0.0
     if "offload" in traffic:
         offload = (traffic["offload"] / rates.host_link_bandwidth
@@ -593,13 +603,16 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                    + rates.offload_step_s + rates.offload_tensor_s * _stage_tensors(layout, layers, shape)
                    + _offload_residual(rates) * local)
         comm["offload"] = exposed["offload"] = offload
-    compute = m * stage.total * bubble
+    compute = acc * m * stage.total * bubble
     sharded = local / shard_size if layout.zero >= 1 else local  # HSDP: sharded over its shard groups only
     optimizer, adam_ops = _optimizer_step(sharded, layout, layers, rates, state.param, state.grad, state.optimizer,
                                           shape)
-    dispatch = (m * (OPS_PER_LAYER * layers + OPS_PER_STEP) + adam_ops) * rates.op_overhead_s
+    dispatch = (acc * m * (OPS_PER_LAYER * layers + OPS_PER_STEP) + adam_ops) * rates.op_overhead_s
     launch = dispatch if rates.overlap == 0 else max(dispatch - compute, 0.0)  # GPUs run while the host enqueues
-    overhead = optimizer + rates.host_overhead(dp * pp * tp * cp) + launch
+    # the framework's time: its calibrated share recurs with every batch a step accumulates (the loop, its hooks,
+    # the logged values), the rest once per step, as the optimizer
+    framework = (1 + (acc - 1) * rates.host_batch_share) * rates.host_overhead(dp * pp * tp * cp)
+    overhead = optimizer + framework + launch
     # CPU ranks beyond the machine's cores take turns on them: a rank's CPU work stretches by the share, its waits
     # do not; the step is the longer of the two (all ranks' CPU work over the cores, or the step as calibrated)
     share = rates.core_share(min(dp * pp * tp * cp, hardware.gpus_per_node))
@@ -612,13 +625,13 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
         exposed = {k: v * share for k, v in exposed.items()}
     flops = 0.0
     if shape is not None:
-        flops = model_flops_per_token(shape, seq=s) * b * s * m / (pp * tp * cp)
+        flops = model_flops_per_token(shape, seq=s) * b * s * m * acc / (pp * tp * cp)
     else:
-        flops = 6.0 * model.n_params * b * s * m / (pp * tp * cp)
+        flops = 6.0 * model.n_params * b * s * m * acc / (pp * tp * cp)
     return StepCost(
         compute_s=compute,
         comm_s=comm,
-        tokens=dp * m * b * s,
+        tokens=dp * m * acc * b * s,
         links=links,
         exposed_s=exposed,
         overhead_s=overhead * share,

@@ -143,6 +143,11 @@ class Rates:
     optimizer_dtensor_s: float = 0.0
     """The same per ``DTensor`` parameter (FSDP2 shards, tensor-parallel weights: every op of the step goes through
     DTensor's sharding propagation); calibrated. 0: :attr:`optimizer_tensor_s`."""
+    host_batch_share: float = 1.0
+    """Share of the host overhead (:meth:`host_overhead`) that recurs with every batch when a step accumulates several
+    (Lightning's loop and hooks, the logged values); the rest -- the optimizer step of the one-layer model, its
+    gradient sync -- comes once per step. Calibrated (the same fit accumulating 4 batches against 1: about half on
+    CPU); 1 when unknown (an upper bound)."""
     distributed_overhead_s: float = 0.0
     """Framework time per step of a data-parallel fit over :attr:`calibrated_ranks` ranks (the library's ``lp_ddp``,
     a one-layer model: Lightning's loop, the gradient and logged-value all-reduces as a step meets them);
@@ -259,6 +264,7 @@ class Rates:
             "links": {kind: {c: {"alpha_us": r.alpha * 1e6, "beta_gbs": r.beta / 1e9}
                              for c, r in link.collectives.items()} for kind, link in self.links.items()},
             "host_overhead_ms": self.host_overhead_s * 1e3,
+            **({"host_batch_share": self.host_batch_share} if self.host_batch_share != 1.0 else {}),
             "attention_efficiency": self.attention_efficiency,
             **({"attention_call_us": self.attention_call_s * 1e6} if self.attention_call_s else {}),
             "host_link_gbs": self.host_link_bandwidth / 1e9,
@@ -292,7 +298,7 @@ _KEYS = {"matmul_tflops", "matmul_tflops_by_shape", "peak_tflops", "memory_bandw
          "overlap", "elementwise_gbs", "op_overhead_us", "distributed_overhead_ms", "fsdp_unit_ms", "tp_pair_ms",
          "pp_micro_batch_ms", "cp_layer_ms", "cores", "calibrated_ranks", "optimizer_gbs", "optimizer_tensor_us",
          "optimizer_dtensor_us", "offload_step_ms", "offload_tensor_ms", "offload_param_ns", "cp_element_ns", "busy",
-         "source"}
+         "host_batch_share", "source"}
 
 
 def _link(data: Mapping[str, Any], where: str) -> LinkRates:
@@ -330,10 +336,13 @@ def rates_from_dict(data: Mapping[str, Any], *, source: str = "") -> Rates:
               "optimizer_gbs": ("optimizer_bandwidth", 1e9), "optimizer_tensor_us": ("optimizer_tensor_s", 1e-6),
               "optimizer_dtensor_us": ("optimizer_dtensor_s", 1e-6), "offload_step_ms": ("offload_step_s", 1e-3),
               "offload_tensor_ms": ("offload_tensor_s", 1e-3), "offload_param_ns": ("offload_param_s", 1e-9),
-              "cp_element_ns": ("cp_element_s", 1e-9)}
+              "cp_element_ns": ("cp_element_s", 1e-9), "host_batch_share": ("host_batch_share", 1.0)}
     for key, (name, scale) in scaled.items():
         if key in data:
             optional[name] = float(data[key]) * scale
+    if not 0.0 <= optional.get("host_batch_share", 1.0) <= 1.0:
+        raise ValueError(f"rates.host_batch_share={data['host_batch_share']!r}: a share of the host overhead, within "
+                         "[0, 1].")
     for key in ("cores", "calibrated_ranks"):
         if key in data:
             optional[key] = int(data[key])

@@ -120,3 +120,22 @@ def test_bubble_study_runs_a_1f1b_pipeline_against_the_formula(tmp_path: Path) -
     assert all(0.0 <= r["idle_fraction"] < 1.0 for r in config["ranks"])
     assert [r["peak_in_flight"] for r in config["ranks"]] == [2, 1]
     assert (tmp_path / "bubble.png").stat().st_size > 0
+
+
+def test_accumulate_study_times_optimizer_steps_next_to_the_prediction(tmp_path: Path) -> None:
+    """``--study accumulate`` on one case (lp_ddp x 2, a = 2, one repetition of a tiny GPT): both variants train and
+    are timed per optimizer step; the prediction with accumulation is the planner's, whose compute doubles and whose
+    gradient all-reduce does not (the step model's own test pins the parts); the rankings are written."""
+    bench = _bench()
+    rc = bench.main(["--study", "accumulate", "--cases", "ddp", "--accumulate", "2", "--layers", "1", "--hidden", "32",
+                     "--heads", "2", "--seq", "16", "--batch", "4", "--warmup", "1", "--steps", "2", "--reps", "1",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "accumulate.json").read_text())["rows"]
+    assert row["case"] == "ddp" and row["accumulate"] == 2
+    assert len(row["one_ms"]) == len(row["many_ms"]) == 1 and min(row["one_ms"] + row["many_ms"]) > 0
+    assert row["predicted_many_ms"] > row["predicted_one_ms"] > 0
+    text = (tmp_path / "accumulate.md").read_text()
+    assert "Ranking by measured step at a=2: ddp" in text and "| lp_ddp x2 |" in text
+    with pytest.raises(SystemExit):
+        bench.main(["--accumulate", "2", "--cases", "ddp"])  # the table's steps are one batch each

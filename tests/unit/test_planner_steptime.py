@@ -334,3 +334,45 @@ def test_the_offload_engine_pays_its_calibrated_step_tensors_and_parameters() ->
     assert bare.comm_s["dp"] - engine.comm_s["dp"] == pytest.approx(2 * 2 * 100e-6)
     below = cost(offload_step_ms=3.0, offload_param_ns=counted * 1e9 / 2)  # the model counts more: nothing added
     assert below.exposed_s["offload"] - bare.exposed_s["offload"] == pytest.approx(3e-3)
+
+
+def test_accumulation_repeats_the_batches_and_reduces_once() -> None:
+    """A step accumulating ``a`` batches runs ``a`` times the compute and every per-batch collective (tensor- and
+    context-parallel, pipeline sends, FSDP2's all-gathers) but one gradient reduction and one optimizer step: DDP's
+    all-reduce and ZeRO-1/2's flat exchange stay as they are, ZeRO-3 pays ``2a`` all-gathers and one reduce-scatter
+    per unit, and the tokens per step grow ``a`` times -- so accumulation favours the layouts whose traffic is once
+    per step."""
+    def both(layout: dict[str, object]) -> tuple[StepCost, StepCost]:
+        hardware = load_profile("dgx-a100-80gb")
+        rates = rates_for(hardware)
+        spec = ModelSpec.from_shape(MODEL_PRESETS["gpt3-1.3b"])
+        config = ParallelConfig.from_dict({"activation_checkpointing": "none", **layout})
+        one, four = (TrainingSettings(micro_batch_size=4, seq_len=2048, activation_checkpointing="none",
+                                      accumulate_grad_batches=a) for a in (1, 4))
+        return (estimate_step(spec, one, hardware, config, rates=rates),
+                estimate_step(spec, four, hardware, config, rates=rates))
+
+    for layout in ({"data_parallel_size": 8}, {"data_parallel_size": 8, "zero_stage": 1},
+                   {"data_parallel_size": 8, "zero_stage": 2}):
+        one, four = both(layout)
+        assert four.compute_s == pytest.approx(4 * one.compute_s)
+        assert four.comm_s["dp"] == pytest.approx(one.comm_s["dp"])  # one reduction per step
+        assert four.tokens == 4 * one.tokens and four.model_flops == pytest.approx(4 * one.model_flops)
+        assert four.tokens_per_s > one.tokens_per_s  # the exchange spread over four batches
+    one, four = both({"data_parallel_size": 8, "zero_stage": 3})
+    assert four.comm_s["dp"] == pytest.approx(3 * one.comm_s["dp"])  # (2 x 4 all-gathers + 1) against (2 + 1)
+    tp_one, tp_four = both({"data_parallel_size": 4, "tensor_parallel_size": 2})
+    assert tp_four.comm_s["tp"] == pytest.approx(4 * tp_one.comm_s["tp"])
+    assert tp_four.comm_s["dp"] == pytest.approx(tp_one.comm_s["dp"])
+    pp_one, pp_four = both({"data_parallel_size": 4, "pipeline_parallel_size": 2, "num_micro_batches": 8})
+    assert pp_four.comm_s["pp"] == pytest.approx(4 * pp_one.comm_s["pp"])
+    assert pp_four.compute_s == pytest.approx(4 * pp_one.compute_s)  # each batch's schedule pays its own bubble
+    # a fixed global batch: the layouts of fewer replicas accumulate more batches per step
+    fixed = TrainingSettings(micro_batch_size=4, batch_per_replica=4, seq_len=2048, activation_checkpointing="none",
+                             global_batch_size=256)
+    hardware = load_profile("dgx-a100-80gb")
+    spec = ModelSpec.from_shape(MODEL_PRESETS["gpt3-1.3b"])
+    tokens = {dp: estimate_step(spec, fixed, hardware, ParallelConfig.from_dict(
+        {"data_parallel_size": dp, "activation_checkpointing": "none"}), rates=rates_for(hardware)).tokens
+        for dp in (2, 4, 8)}
+    assert tokens == {2: 256 * 2048, 4: 256 * 2048, 8: 256 * 2048}

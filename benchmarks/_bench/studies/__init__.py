@@ -6,8 +6,11 @@ Each module has ``PRESETS`` (its own default sizes per preset, under the command
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import statistics
 from types import ModuleType
+from typing import Any
 
 STUDIES: dict[str, str] = {
     "recompute": "bytes one step keeps for backward under activation checkpointing none / selective / full, measured "
@@ -22,8 +25,37 @@ STUDIES: dict[str, str] = {
                "the losses move",
     "context": "context parallelism: activation bytes per rank at cp = 1, 2, 4 next to the formula, and the longest "
                "sequence that trains within a per-rank activation budget at cp = 1 and 4",
+    "accumulate": "gradient accumulation: each layout's optimizer step with 1 and a batches, measured next to the "
+                  "planner's prediction, and the layouts' ranking at both",
 }
 
 
 def load_study(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def median_ms(res: dict[str, Any]) -> float:
+    """Rank 0's median step of one run, in milliseconds."""
+    return float(statistics.median(res["ranks"][0]["step_s"])) * 1e3
+
+
+def interleaved(study: str, case: Any, variants: dict[Any, argparse.Namespace], reps: int
+                ) -> tuple[list[dict[Any, dict[str, Any]]], str | None]:
+    """``reps`` repetitions of the library's run of ``case`` under each of two ``variants`` (the arguments of each
+    run), in alternating order (no variant always first), each printed as it ends; every repetition's results by
+    variant, and the first error (printed; None when every run trained)."""
+    from ..world import run_world
+
+    names = list(variants)
+    out: list[dict[Any, dict[str, Any]]] = []
+    for rep in range(reps):
+        order = names if rep % 2 == 0 else names[::-1]
+        results = {name: run_world(variants[name], case, "ours", count=False) for name in order}
+        for name, res in results.items():
+            status = "failed" if "error" in res else f"median {median_ms(res):.1f} ms"
+            print(f"[bench] {study} {case.key} rep {rep + 1}/{reps} {name}: {status}", flush=True)
+        out.append(results)
+    errors = [r[n]["error"] for r in out for n in r if "error" in r[n]]
+    if errors:
+        print(f"[bench] {study} {case.key} failed:\n{errors[0]}", flush=True)
+    return out, (errors[0] if errors else None)

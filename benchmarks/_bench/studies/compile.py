@@ -25,17 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cases import CASES
-from ..world import run_world
+from . import interleaved, median_ms
 
 KEYS = ("ddp", "zero1", "zero3", "offload", "tp", "pp", "hybrid")
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(layers=4, hidden=128, heads=4, seq=64, batch=8, warmup=3, steps=8, reps=3),
     "quick": dict(layers=2, hidden=64, heads=4, seq=32, batch=8, warmup=3, steps=6, reps=3),
 }
-
-
-def _median_ms(res: dict[str, Any]) -> float:
-    return float(statistics.median(res["ranks"][0]["step_s"])) * 1e3
 
 
 def run(a: argparse.Namespace, folder: Path, header: str) -> int:
@@ -49,23 +45,14 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
         case = CASES[key]
         variants = {name: argparse.Namespace(**{**vars(a), "compile": name == "compiled"})
                     for name in ("eager", "compiled")}
-        reps: list[dict[str, dict[str, Any]]] = []
-        for rep in range(a.reps):
-            order = ["eager", "compiled"] if rep % 2 == 0 else ["compiled", "eager"]
-            results = {name: run_world(variants[name], case, "ours", count=False) for name in order}
-            for name, res in results.items():
-                status = "failed" if "error" in res else f"median {_median_ms(res):.1f} ms"
-                print(f"[bench] compile {key} rep {rep + 1}/{a.reps} {name}: {status}", flush=True)
-            reps.append(results)
-        errors = [r[n]["error"] for r in reps for n in r if "error" in r[n]]
-        if errors:
+        reps, error = interleaved("compile", case, variants, a.reps)
+        if error is not None:
             failed += 1
-            print(f"[bench] compile {key} failed:\n{errors[0]}", flush=True)
             lines.append(f"| {case.title} | failed | failed | | |")
-            records.append({"case": key, "error": errors[0]})
+            records.append({"case": key, "error": error})
             continue
-        eager = [_median_ms(r["eager"]) for r in reps]
-        compiled = [_median_ms(r["compiled"]) for r in reps]
+        eager = [median_ms(r["eager"]) for r in reps]
+        compiled = [median_ms(r["compiled"]) for r in reps]
         ratios = [c / e for c, e in zip(compiled, eager, strict=True)]
         first = reps[0]
         dloss = max(abs(x - y) for x, y in zip(first["eager"]["ranks"][0]["losses"],
