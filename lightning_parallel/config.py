@@ -161,6 +161,13 @@ class ParallelConfig:
     again in backward) or keep them to the backward (false: ZeRO-2's traffic). 'auto': zero_stage 3 reshards, 2 does
     not; in a pipeline the last stage does not either under the 1F1B-family schedules, where each micro-batch's
     backward follows its forward at once."""
+    reduce_each_batch: bool = False
+    """With gradient accumulation under ZeRO-2/3 (``lp_sharded``; ``lp_tensor``'s FSDP2 over dp): reduce each batch's
+    gradient to its shards during that batch's backward, so that only the gradient shard is kept between the batches
+    of a step (DeepSpeed's ZeRO-2, FSDP2 left syncing), at one reduction per batch instead of one per step. False:
+    one reduction per step, after its last batch; every batch before it keeps the whole local gradient. Needs
+    zero_stage 2 or 3, no pipeline and no offload (a pipeline's schedule and the offload engine reduce each batch
+    anyway)."""
     num_micro_batches: int | None = None
     """Micro-batches per pipeline step; None = pipeline_parallel_size. Bounds: >= 1 (>= pp for 1F1B schedules)."""
     pipeline_schedule: PipelineSchedule = "1f1b"
@@ -353,6 +360,22 @@ class ParallelConfig:
                 f"parallel.reshard_after_forward={self.reshard_after_forward} is an FSDP2 setting (zero_stage 2 or "
                 f"3), but zero_stage={z}. Fix: remove reshard_after_forward, or zero_stage=3."
             )
+        self._validate_reduce_each_batch(z)
+
+    def _validate_reduce_each_batch(self, z: int) -> None:
+        if not isinstance(self.reduce_each_batch, bool):
+            raise LayoutError(f"parallel.reduce_each_batch={self.reduce_each_batch!r} must be true or false.")
+        if not self.reduce_each_batch:
+            return
+        why = (f"zero_stage={z}: DDP and ZeRO-1 keep the whole gradient anyway" if self.zero_stage is not None
+               and z < 2 else f"pipeline_parallel_size={self.pipeline_parallel_size}: a pipeline's schedule reduces "
+               "at the end of each batch already" if self.pipeline_parallel_size > 1 else
+               f"offload={self.offload_device!r}: the offload engine reduces each batch already"
+               if self.offload_device != "none" else None)
+        if why is not None:
+            raise LayoutError(f"parallel.reduce_each_batch=true shards the gradient of each accumulated batch under "
+                              f"ZeRO-2/3, but {why}. Fix: remove reduce_each_batch"
+                              + (", or zero_stage=2 or 3." if "zero_stage" in why else "."))
 
     def _validate_pipeline(self) -> None:
         pp, m, v = self.pipeline_parallel_size, self.micro_batches, self.virtual_pipeline_stages
@@ -435,6 +458,8 @@ class ParallelConfig:
             text += f" recompute={self.activation_checkpointing}"
         if self.data_parallel_shard_size is not None:
             text += f" shard={self.data_parallel_shard_size}"
+        if self.reduce_each_batch:
+            text += " reduce_each_batch"
         if self.compile:
             text += " compile" if self.compile is True else f" compile={self.compile}"
         if self.mesh_order != "dp-pp-tp":

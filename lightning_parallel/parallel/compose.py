@@ -98,6 +98,9 @@ class DataParallelPlan:
     """``sync="fsdp"``: the dtype the gradients are reduce-scattered in (None: ``param_dtype``'s)."""
     axis: str = "dp"
     """The mesh dim of the replicas the plan keeps equal: ``dp``, or ``dp_cp`` with context parallelism."""
+    reduce_each_batch: bool = False
+    """ZeRO-2/3 (``sync`` "zero" at stage 2, "fsdp"): every accumulated batch's backward reduces its gradient to the
+    shards (``parallel.reduce_each_batch``); False: the step's last batch reduces the sum."""
     fsdp_axes: tuple[str, ...] = ("dp",)
     """The mesh dims FSDP2 shards over (``sync="fsdp"``): ``(axis,)``, or HSDP's ``(dp_replicate, dp_shard)``
     (``dp_shard_cp`` with context parallelism)."""
@@ -118,6 +121,14 @@ def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: S
     once per step, gradients reduce-scattered once per step -- ZeRO-2's traffic.
     """
     plan = _data_parallel_plan(layout, dims, backend=backend, ddp_options=ddp_options)
+    if layout.reduce_each_batch:
+        if plan.zero_stage < 2 or plan.sync == "fairscale" or dims.pp > 1:
+            raise LayoutError(
+                f"parallel.reduce_each_batch=true shards each accumulated batch's gradient under ZeRO-2/3 (lp_sharded, "
+                f"lp_tensor's FSDP2), but this layout runs zero_stage={plan.zero_stage} with backend {backend!r} and "
+                f"pipeline_parallel_size={dims.pp}. Fix: remove reduce_each_batch, or zero_stage=2 or 3 with the "
+                "native backend and no pipeline.")
+        plan = replace(plan, reduce_each_batch=True)
     if dims.cp == 1:
         return plan
     if plan.sync == "fairscale":

@@ -103,10 +103,13 @@ class TrainStep:
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self, model: Any) -> Generator[None, None, None]:
-        """An accumulation micro-batch: its gradients stay local (no dp communication) until the step's last."""
+        """An accumulation micro-batch: its gradients stay local (no dp communication) until the step's last -- but
+        under ``reduce_each_batch`` (ZeRO-2/3), where each batch reduces its gradient to the shards as it goes."""
         self.accumulating = True
         try:
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            if self.plan.reduce_each_batch:  # FSDP2 keeps syncing; the flat ZeRO-2 is armed (prepare_gradients)
+                yield None
+            elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
                 model.set_requires_gradient_sync(False)
                 try:
                     yield None
@@ -136,9 +139,9 @@ class TrainStep:
             opt.reduce_gradients()
 
     def prepare_gradients(self, optimizers: Iterable[Any]) -> None:
-        """Before a backward: the step's last (outside :meth:`no_sync`) reduces ZeRO-2's gradient chunks as it
-        completes them (:meth:`ZeroOptimizer.overlap_backward`)."""
-        if self.accumulating:
+        """Before a backward: the step's last (outside :meth:`no_sync`; every one under ``reduce_each_batch``)
+        reduces ZeRO-2's gradient chunks as it completes them (:meth:`ZeroOptimizer.overlap_backward`)."""
+        if self.accumulating and not self.plan.reduce_each_batch:
             return
         for opt in _zero_optimizers(optimizers):
             opt.overlap_backward()

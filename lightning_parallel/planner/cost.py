@@ -349,20 +349,24 @@ def _traffic(
         out["cp"] = per_layer * math.ceil(model.shape.n_layer / pp) * m * acc
     dp = dp * cp  # the replicas the gradients are exchanged over: dp x cp
     if dp > 1:
+        s = (layout.data_parallel_shard_size or dp // cp) * cp
         if pp > 1 and layout.zero >= 2:
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
             # resharding after forward (ZeRO-3), one per micro-batch and one more
             gathers = (m + 1 if reshards(layout) else 1) * acc
             per_param = gathers * state.param + state.grad
-        elif layout.zero == 3:  # FSDP2: its all-gathers every batch, the reduce-scatter once per step
-            per_param = (2 if reshards(layout) else 1) * acc * state.param + state.grad
+        elif layout.zero == 3 or (layout.zero == 2 and s < dp):  # FSDP2 (ZeRO-3; ZeRO-2 under HSDP): its
+            # all-gathers every batch, the reduce-scatter once per step (each batch's under reduce_each_batch)
+            per_param = (2 if reshards(layout) else 1) * acc * state.param + _reductions(layout, acc) * state.grad
+        elif layout.zero == 2:  # the flat shards: the gradient's reduction (per batch under reduce_each_batch), the
+            # parameters' all-gather once
+            per_param = (_reductions(layout, acc) + 1) * state.grad
         else:
             per_param = 2 * state.grad
-        s = (layout.data_parallel_shard_size or dp // cp) * cp
         if s < dp:  # HSDP: FSDP2's collectives inside each shard group, then an all-reduce of the shards across
             r = dp // s
             out["dp_shard"] = per_param * local * (s - 1) / s
-            out["dp_replicate"] = 2 * state.grad * (local / s) * (r - 1) / r
+            out["dp_replicate"] = 2 * _reductions(layout, acc) * state.grad * (local / s) * (r - 1) / r
         else:
             out["dp"] = per_param * local * (dp - 1) / dp
     shape = model.shape
@@ -475,6 +479,12 @@ def _link(rates: Rates, link_name: str) -> LinkRates:
     return rates.links["inter_node" if link_name.startswith("inter-node") else "intra_node"]
 
 
+def _reductions(layout: ParallelConfig, acc: int) -> int:
+    """Gradient reductions per step of ``acc`` accumulated batches: one, or each batch's under
+    ``reduce_each_batch``."""
+    return acc if layout.reduce_each_batch else 1
+
+
 def _fsdp_exchange(layout: ParallelConfig, axis: str) -> bool:
     """Whether a dp axis's exchange is FSDP2's per unit (ZeRO-3; ZeRO-2 inside pipeline stages; HSDP's two parts)
     rather than a DDP all-reduce or ZeRO-1/2's flat shards."""
@@ -489,10 +499,10 @@ def _fsdp_collectives(layout: ParallelConfig, axis: str, m: int, acc: int = 1) -
     gathered until the last), else one per step; the all-gathers again for each of the ``acc`` batches a step
     accumulates (the reduction waits for the last)."""
     if axis == "dp_replicate":
-        return 1
+        return _reductions(layout, acc)
     if layout.pipeline_parallel_size > 1:
         return (m + 1 if reshards(layout) else 1) * acc + 1
-    return (2 if reshards(layout) else 1) * acc + 1
+    return (2 if reshards(layout) else 1) * acc + _reductions(layout, acc)
 
 
 def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageTimes, m: int, rates: Rates,
@@ -582,12 +592,14 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                 offloaded = layout.offload_device != "none"
                 flat_calls = 0 if offloaded and rates.offload_step_s > 0 else FLAT_GROUPS
                 if layout.zero == 2 and not offloaded:  # ZeRO-2: a reduce per rank's chunk, under the backward
-                    n = group[axis]
-                    reduces = _send(link, "reduce_scatter", traffic[axis] / 2, n * flat_calls, rates=rates, ranks=n)
-                    gather = _send(link, "all_gather", traffic[axis] / 2, flat_calls, rates=rates, ranks=n)
-                    last = _send(link, "reduce_scatter", traffic[axis] / 2 / n, flat_calls, rates=rates, ranks=n)
+                    n, each = group[axis], _reductions(layout, acc)  # (of every batch under reduce_each_batch)
+                    sent = traffic[axis] / (each + 1)  # the bytes of one reduction, and of the all-gather
+                    reduces = _send(link, "reduce_scatter", sent * each, n * flat_calls * each, rates=rates, ranks=n)
+                    gather = _send(link, "all_gather", sent, flat_calls, rates=rates, ranks=n)
+                    last = _send(link, "reduce_scatter", sent / n, flat_calls, rates=rates, ranks=n)
                     comm[axis] = reduces + gather
-                    exposed[axis] = gather + max(reduces - rates.overlap * stage.backward, min(last, reduces))
+                    hide = rates.overlap * stage.backward * each
+                    exposed[axis] = gather + max(reduces - hide, min(last, reduces))
                     continue
                 comm[axis] = sum(_send(link, c, traffic[axis] / 2, flat_calls, rates=rates, ranks=group[axis])
                                  for c in ("reduce_scatter", "all_gather"))

@@ -156,7 +156,7 @@ def estimate_memory(
     shard = layout.data_parallel_shard_size
     states = model_states(n_local, state, dp=dp * cp, zero_stage=layout.zero, offload=layout.offload_device,
                           shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout),
-                          accumulate=training.accumulation(dp, pp) > 1)
+                          accumulate=training.accumulation(dp, pp) > 1 and not layout.reduce_each_batch)
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:

@@ -163,6 +163,10 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
             raise LayoutError(
                 f"parallel.reshard_after_forward={layout.reshard_after_forward} is an FSDP2 setting; "
                 f"{self.strategy_name} runs DeepSpeed's engine, which decides that itself. Fix: remove it.")
+        if layout.reduce_each_batch:
+            raise LayoutError(
+                f"parallel.reduce_each_batch=true: {self.strategy_name} runs DeepSpeed's engine, which reduces each "
+                "accumulated batch's gradient already. Fix: remove it.")
         if layout.data_parallel_shard_size is not None:
             raise LayoutError(
                 f"{self.strategy_name} runs DeepSpeed's ZeRO over the whole dp axis, but parallel."

@@ -132,6 +132,42 @@ def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None
     assert diff < 1e-5
 
 
+class _ReducedDuringAccumulation(pl.Callback):
+    """Raises in the rank unless every accumulation batch's backward (not only the step's last) already reduced its
+    gradient to the shards: the flat ZeRO-2 has freed the gradients it sent (what is left is less than the whole
+    local gradient), FSDP2 holds each parameter's sharded gradient."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage, self.checked = stage, 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.strategy.train_step.accumulating:  # type: ignore[attr-defined]
+            return
+        params = list(pl_module.parameters())
+        if self.stage == 2:
+            left = sum(p.grad.numel() for p in params if p.grad is not None)
+            assert left < sum(p.numel() for p in params), left
+        else:
+            assert all(p.grad is not None for p in params)
+        self.checked += 1
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.checked == trainer.global_step, (self.checked, trainer.global_step)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reduce_each_batch_equals_one_device(reference: GPT, stage: int) -> None:
+    """``reduce_each_batch``: with accumulation (2) and clipping, every batch reduces its gradient to the shards (only
+    the shard kept between batches), and training still equals one device's."""
+    strategy = LPShardedStrategy({"zero_stage": stage, "reduce_each_batch": True}, start_method="fork")
+    model, _ = _fit(strategy, 2, callbacks=[_ReducedDuringAccumulation(stage)])
+    diff = _diff(model, reference)
+    print(f"lp_sharded zero_stage={stage} reduce_each_batch: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 1e-5
+    with pytest.raises(LayoutError, match="reduce_each_batch=true"):
+        LPShardedStrategy({"zero_stage": 1, "reduce_each_batch": True})
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_built_in_measurement_follows_the_formula(stage: int) -> None:
     """ZeroStats logs rank 0's bytes after a step: parameters, gradients, AdamW state and traffic vs the formula."""

@@ -322,6 +322,8 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
         TrainingSettings(batch_per_replica=4, global_batch_size=32), TrainingSettings(batch_per_replica=4,
                                                                                      global_batch_size=64))]
     assert grads[0] == grads[2] < grads[1] == grads[3] == 2 * model.n_params
+    each = ParallelConfig(data_parallel_size=8, zero_stage=3, reduce_each_batch=True)  # the shard kept, not the whole
+    assert estimate_memory(model, TrainingSettings(accumulate_grad_batches=2), hw, each).grads == grads[0]
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"class_path": "lightning_parallel.models.GPT",

@@ -367,6 +367,13 @@ def test_accumulation_repeats_the_batches_and_reduces_once() -> None:
     pp_one, pp_four = both({"data_parallel_size": 4, "pipeline_parallel_size": 2, "num_micro_batches": 8})
     assert pp_four.comm_s["pp"] == pytest.approx(4 * pp_one.comm_s["pp"])
     assert pp_four.compute_s == pytest.approx(4 * pp_one.compute_s)  # each batch's schedule pays its own bubble
+    # reduce_each_batch: ZeRO-2/3 reduce every batch's gradient (a reductions a step, the gradient kept sharded)
+    for zero, gathers in ((2, 1), (3, 2)):
+        _, kept = both({"data_parallel_size": 8, "zero_stage": zero})
+        _, each = both({"data_parallel_size": 8, "zero_stage": zero, "reduce_each_batch": True})
+        assert each.comm_s["dp"] > kept.comm_s["dp"]
+        kept_units, each_units = (gathers * (4 if zero == 3 else 1) + 1), (gathers * (4 if zero == 3 else 1) + 4)
+        assert each.comm_s["dp"] / kept.comm_s["dp"] == pytest.approx(each_units / kept_units, rel=0.05)
     # a fixed global batch: the layouts of fewer replicas accumulate more batches per step
     fixed = TrainingSettings(micro_batch_size=4, batch_per_replica=4, seq_len=2048, activation_checkpointing="none",
                              global_batch_size=256)
