@@ -50,8 +50,9 @@ chunks per stage:
   (:meth:`~lightning_parallel.planner.rates.Rates.ring_latency_scale`);
 * gradient accumulation (``a`` batches per optimizer step, :meth:`TrainingSettings.accumulation`): the compute, the
   per-batch collectives (tp, pp, cp, FSDP2's all-gathers) and the dispatch ``a`` times, each pipeline batch with its
-  bubble; the gradient reduction and the optimizer step once; the host overhead ``1 + (a - 1) r`` times
-  (:attr:`Rates.host_batch_share`); the step's tokens ``a`` times a batch's.
+  bubble; the optimizer step once, the gradient reduction once too -- but each batch's in a pipeline at ZeRO-2/3
+  (torch's schedule reduces at the end of every batch), under ``reduce_each_batch`` and in the offload engine; the
+  host overhead ``1 + (a - 1) r`` times (:attr:`Rates.host_batch_share`); the step's tokens ``a`` times a batch's.
 
 The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
 
@@ -354,7 +355,7 @@ def _traffic(
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
             # resharding after forward (ZeRO-3), one per micro-batch and one more
             gathers = (m + 1 if reshards(layout) else 1) * acc
-            per_param = gathers * state.param + state.grad
+            per_param = gathers * state.param + _reductions(layout, acc) * state.grad
         elif layout.zero == 3 or (layout.zero == 2 and s < dp):  # FSDP2 (ZeRO-3; ZeRO-2 under HSDP): its
             # all-gathers every batch, the reduce-scatter once per step (each batch's under reduce_each_batch)
             per_param = (2 if reshards(layout) else 1) * acc * state.param + _reductions(layout, acc) * state.grad
@@ -378,7 +379,10 @@ def _traffic(
         out["pp"] = 2 * m * acc * e * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
     if layout.offload_device != "none":
         shard = local / dp
-        out["offload"] = 2 * state.grad * shard + (2 * state.param * shard if layout.zero == 3 else 0)
+        # each batch's gradient out (the engine reduces every batch), the weights back once; at stage 3 the weights
+        # both ways every batch
+        out["offload"] = ((acc + 1) * state.grad * shard
+                          + (2 * acc * state.param * shard if layout.zero == 3 else 0))
         out["host_optimizer"] = shard
         if layout.offload_device == "nvme":
             ranks = min(hardware.gpus_per_node, dp)
@@ -480,9 +484,13 @@ def _link(rates: Rates, link_name: str) -> LinkRates:
 
 
 def _reductions(layout: ParallelConfig, acc: int) -> int:
-    """Gradient reductions per step of ``acc`` accumulated batches: one, or each batch's under
-    ``reduce_each_batch``."""
-    return acc if layout.reduce_each_batch else 1
+    """Gradient reductions per step of ``acc`` accumulated batches: one (DDP, ZeRO-1, the flat ZeRO-2 and FSDP2
+    outside pipelines keep the batches' gradients local), or each batch's -- under ``reduce_each_batch``, in a
+    pipeline at ZeRO-2/3 (torch's schedule reduce-scatters at the end of each of its steps) and in the offload
+    engine."""
+    each = (layout.reduce_each_batch or layout.offload_device != "none"
+            or (layout.pipeline_parallel_size > 1 and layout.zero >= 2))
+    return acc if each else 1
 
 
 def _fsdp_exchange(layout: ParallelConfig, axis: str) -> bool:
@@ -501,7 +509,7 @@ def _fsdp_collectives(layout: ParallelConfig, axis: str, m: int, acc: int = 1) -
     if axis == "dp_replicate":
         return _reductions(layout, acc)
     if layout.pipeline_parallel_size > 1:
-        return (m + 1 if reshards(layout) else 1) * acc + 1
+        return (m + 1 if reshards(layout) else 1) * acc + _reductions(layout, acc)
     return (2 if reshards(layout) else 1) * acc + _reductions(layout, acc)
 
 
@@ -510,7 +518,7 @@ def _dp_exposed(axis: str, seconds: float, layout: ParallelConfig, stage: StageT
     """The part of a dp-axis exchange the step waits for (``acc``: batches accumulated per step)."""
     if _fsdp_exchange(layout, axis):  # gathers prefetched under forward and backward, reduce-scatters under backward
         hide = rates.overlap * m * acc * (stage.total - stage.forward / max(stage.layers, 1))
-        first_gather = seconds / max(_fsdp_collectives(layout, axis, m, acc) * (stage.layers + 1), 1)
+        first_gather = acc * seconds / max(_fsdp_collectives(layout, axis, m, acc) * (stage.layers + 1), 1)
         return max(seconds - hide, 0.0) + first_gather
     if layout.zero in (1, 2) or layout.pipeline_parallel_size > 1:
         return seconds  # flat shards after the backward; a pipeline's dp all-reduce after the schedule
@@ -527,7 +535,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
     shape = model.shape
     s = training.sequence_length(shape.block_size if shape else 2048)
     b, m = training.micro_batch_size, training.micro_batches(pp)
-    acc = training.accumulation(dp, pp)  # batches per optimizer step: each runs m micro-batches, one reduction
+    acc = training.accumulation(dp, pp)  # batches per optimizer step, each of m micro-batches (_reductions)
     local = model.params_per_device(pp=pp, tp=tp)
     stage = stage_times(model, training, layout, rates, kernels=kernels, recompute=recompute)
     bubble = bubble_factor(layout, m)

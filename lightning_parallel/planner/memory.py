@@ -20,8 +20,10 @@ Inside pipeline stages ZeRO-2/3 run as FSDP2 whose reduce-scatter waits for a st
 of a step the stage's gradient is whole (``g P``) and, unless resharded after forward (ZeRO-3), so are its
 parameters: ZeRO-2 ``(p + g) P + K P / N_d`` (ZeRO-1's figure), ZeRO-3 ``g P + (p + K) P / N_d``; between steps
 ``(p + g + K) P / N_d``. HSDP (``data_parallel_shard_size = s``) divides by ``s`` instead of ``N_d``. Gradient
-accumulation does the same outside pipelines: ZeRO-2/3 (without offload) reduce once per step, after its last batch,
-so every batch before it leaves the whole local gradient (``g P``) in place (``TrainingSettings.accumulation``).
+accumulation does the same outside pipelines: ZeRO-2/3 (without offload or ``reduce_each_batch``) reduce once per
+step, after its last batch, so every batch before it leaves the whole local gradient in place
+(``TrainingSettings.accumulation``). That whole gradient is counted in fp32 (:data:`WHOLE_GRAD_BYTES`) whatever the
+precision.
 
 Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
 and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
@@ -53,6 +55,10 @@ __all__ = [
 BUFFER_FRACTION = 0.10
 """Share of model states + activations allowed for fragmentation and communication buckets."""
 HOST_FP32_GRAD_BYTES = 4
+WHOLE_GRAD_BYTES = 4
+"""Bytes per element of the whole gradient ZeRO-2/3 keep while a step's micro-batches or accumulated batches add
+into it: fp32 whatever the precision (FSDP2 upcasts it to its fp32 ``reduce_dtype`` while the sync is off; the flat
+ZeRO-2 runs under autocast, whose parameters and gradients are fp32)."""
 """Bytes per parameter of the fp32 gradient partition ZeRO-Offload keeps next to the host optimizer."""
 
 
@@ -89,9 +95,10 @@ def model_states(
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3.")
     full, shard_n = n_params, math.ceil(n_params / (shard or dp))
     in_pipeline = pipeline and zero_stage >= 2
-    whole_grad = in_pipeline or (accumulate and offload == "none")
+    whole_grad = zero_stage >= 2 and (in_pipeline or (accumulate and offload == "none"))
     params = state.param * (shard_n if zero_stage >= 3 and (reshard or not in_pipeline) else full)
-    grads = state.grad * (full if whole_grad or zero_stage < 2 else shard_n)
+    grads = (max(state.grad, WHOLE_GRAD_BYTES) * full if whole_grad
+             else state.grad * (full if zero_stage < 2 else shard_n))
     optimizer = state.optimizer * (shard_n if zero_stage >= 1 else full)
     shard = shard_n
     if offload == "none":

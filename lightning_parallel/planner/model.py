@@ -262,7 +262,7 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     hints["trainer"] = {k: trainer[k] for k in ("accelerator", "devices", "num_nodes") if k in trainer}
     if trainer.get("accumulate_grad_batches") is not None:
         hints["accumulate_grad_batches"] = int(trainer["accumulate_grad_batches"])
-    global_batch = (data.get("parallel") or {}).get("global_batch_size")
-    if global_batch is not None:
-        hints["global_batch_size"] = int(global_batch)
+    parallel = data.get("parallel")  # a mapping, or `auto` (lp_auto)
+    if isinstance(parallel, dict) and parallel.get("global_batch_size") is not None:
+        hints["global_batch_size"] = int(parallel["global_batch_size"])
     return shape, hints

@@ -56,6 +56,9 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     strategy = ("lp_ddp" if recompute else "auto") if single else chosen.strategy
     parallel = _parallel_section(layout, multi_node=hw.nodes > 1) if not single else (
         {"activation_checkpointing": layout.activation_checkpointing} if recompute else {})
+    if training.global_batch_size is not None:  # the plan's fixed global batch: the run derives its accumulation
+        parallel["global_batch_size"] = training.global_batch_size
+        strategy = "lp_ddp" if strategy == "auto" else strategy  # a layout key: Lightning's own strategy takes none
     recipe: dict[str, Any] = {
         "seed_everything": 1234,
         "trainer": {
@@ -65,6 +68,9 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
             "num_nodes": hw.nodes,
             "precision": training.trainer_precision,
             "max_steps": max_steps,
+            # the accumulation the plan was made for (its memory and step time count it)
+            **({"accumulate_grad_batches": training.accumulate_grad_batches}
+               if training.accumulate_grad_batches > 1 and training.global_batch_size is None else {}),
         },
         "parallel": parallel,
         "model": {

@@ -321,20 +321,35 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
         TrainingSettings(), TrainingSettings(accumulate_grad_batches=2),
         TrainingSettings(batch_per_replica=4, global_batch_size=32), TrainingSettings(batch_per_replica=4,
                                                                                      global_batch_size=64))]
-    assert grads[0] == grads[2] < grads[1] == grads[3] == 2 * model.n_params
+    # bf16-mixed: the whole gradient is kept in fp32 (FSDP2's reduce_dtype, the flat ZeRO-2's autocast), 4 bytes
+    assert grads[0] == grads[2] < grads[1] == grads[3] == 4 * model.n_params
     each = ParallelConfig(data_parallel_size=8, zero_stage=3, reduce_each_batch=True)  # the shard kept, not the whole
     assert estimate_memory(model, TrainingSettings(accumulate_grad_batches=2), hw, each).grads == grads[0]
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"class_path": "lightning_parallel.models.GPT",
-                  "init_args": {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256}},
-        "trainer": {"accumulate_grad_batches": 4}, "parallel": {"global_batch_size": 64},
-        "data": {"class_path": "lightning_parallel.data.TextDataModule", "init_args": {"batch_size": 16}}}))
-    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--json"]) == 0
+    def recipe(name: str, **sections: object) -> str:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump({
+            "model": {"class_path": "lightning_parallel.models.GPT",
+                      "init_args": {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 256}},
+            "trainer": {"accumulate_grad_batches": 4},
+            "data": {"class_path": "lightning_parallel.data.TextDataModule", "init_args": {"batch_size": 16}},
+            **sections}))
+        return str(path)
+
+    fixed_recipe = recipe("fixed.yaml", parallel={"global_batch_size": 64})
+    assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--json"]) == 0
     training = json.loads(capsys.readouterr().out)["training"]
     assert (training["accumulate_grad_batches"], training["global_batch_size"]) == (4, 64)
-    assert main(["--recipe", str(path), "--hardware", "cpu-2proc", "--accumulate-grad-batches", "2",
+    assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--accumulate-grad-batches", "2",
                  "--global-batch-size", "128"]) == 0
     assert "global batch 128 (each layout accumulates" in capsys.readouterr().out
+    # the recipe it writes trains with the accumulation it was planned for
+    written = tmp_path / "planned.yaml"
+    assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--write-recipe", str(written)]) == 0
+    assert yaml.safe_load(written.read_text())["parallel"]["global_batch_size"] == 64
+    assert main(["--recipe", recipe("plain.yaml"), "--hardware", "cpu-2proc", "--write-recipe", str(written)]) == 0
+    assert yaml.safe_load(written.read_text())["trainer"]["accumulate_grad_batches"] == 4
+    # `parallel: auto` (lp_auto) reads as no layout, not a crash
+    assert main(["--recipe", recipe("auto.yaml", parallel="auto"), "--hardware", "cpu-2proc", "--json"]) == 0
+    capsys.readouterr()
     assert main(["--params", "1M", "--gpu-memory", "1GB", "--accumulate-grad-batches", "0"]) != 0
     assert "--accumulate-grad-batches=0 must be at least 1" in capsys.readouterr().err

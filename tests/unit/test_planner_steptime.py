@@ -367,6 +367,11 @@ def test_accumulation_repeats_the_batches_and_reduces_once() -> None:
     pp_one, pp_four = both({"data_parallel_size": 4, "pipeline_parallel_size": 2, "num_micro_batches": 8})
     assert pp_four.comm_s["pp"] == pytest.approx(4 * pp_one.comm_s["pp"])
     assert pp_four.compute_s == pytest.approx(4 * pp_one.compute_s)  # each batch's schedule pays its own bubble
+    # in a pipeline at ZeRO-2/3 torch's schedule reduce-scatters at the end of every batch: all of dp's traffic a times
+    for zero in (2, 3):
+        pz_one, pz_four = both({"data_parallel_size": 4, "pipeline_parallel_size": 2, "num_micro_batches": 8,
+                                "zero_stage": zero})
+        assert pz_four.comm_s["dp"] == pytest.approx(4 * pz_one.comm_s["dp"])
     # reduce_each_batch: ZeRO-2/3 reduce every batch's gradient (a reductions a step, the gradient kept sharded)
     for zero, gathers in ((2, 1), (3, 2)):
         _, kept = both({"data_parallel_size": 8, "zero_stage": zero})
