@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     s.add_argument("--schedules", help="bubble: comma-separated schedules (default all four)")
     s.add_argument("--accumulate", type=int, default=None, metavar="A",
                    help="accumulate: batches per optimizer step compared with 1 (default 4); --cases picks the cases "
-                        "(default ddp,zero1,zero2,zero3,tp,pp)")
+                        "(default ddp,zero1,zero2,zero3,tp,pp,ppzero3,hsdp)")
     s.add_argument("--budget-mib", type=float, default=None,
                    help="context: per-rank budget of saved activations, MiB (default 16; --quick 4)")
     a = p.parse_args(argv)

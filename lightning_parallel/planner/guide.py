@@ -293,7 +293,8 @@ def evaluate(
     if not layer_fits and layout.zero == 3:
         tiles = max(2, math.ceil(layer / (TILE_FRACTION * limit)))
     memory = estimate_memory(model, training, hardware, layout, tiles=tiles)
-    why = _why_not(memory, hardware, layout)
+    why = _why_not(memory, hardware, layout) or training.global_batch_refusal(
+        int(layout.data_parallel_size), layout.pipeline_parallel_size)
     if not layer_fits and tiles == 1 and not why:
         why = f"largest layer {format_bytes(layer)} (weights + gradients) does not fit in {format_bytes(limit)}"
     strategy = strategy_name(layout, world_size=world)

@@ -150,8 +150,7 @@ class TrainingSettings:
         :attr:`accumulate_grad_batches`."""
         if self.global_batch_size is None:
             return self.accumulate_grad_batches
-        batch = self.batch_per_replica or self.micro_batch_size * self.micro_batches(pp)
-        return max(1, self.global_batch_size // (batch * dp))
+        return max(1, self.global_batch_size // (self._replica_batch(pp) * dp))
 
     @property
     def accumulation_text(self) -> str:
@@ -163,6 +162,21 @@ class TrainingSettings:
             return (f"{self.accumulate_grad_batches} batches accumulated per step (ZeRO-2/3 keep the whole gradient "
                     "until a step's last)")
         return ""
+
+    def _replica_batch(self, pp: int) -> int:
+        """Sequences a replica reads per batch: the data module's, else a micro-batch times the pipeline's."""
+        return self.batch_per_replica or self.micro_batch_size * self.micro_batches(pp)
+
+    def global_batch_refusal(self, dp: int, pp: int = 1) -> str:
+        """Why a layout of ``dp`` replicas cannot train :attr:`global_batch_size` (the run refuses a world where
+        ``global / (batch x dp)`` is not a whole number >= 1), with the arithmetic; "" when it can or none is set."""
+        if self.global_batch_size is None:
+            return ""
+        batch = self._replica_batch(pp)
+        if self.global_batch_size % (batch * dp) == 0:
+            return ""
+        return (f"global_batch_size {self.global_batch_size} is not a multiple of batch x dp = {batch} x {dp} = "
+                f"{batch * dp} ({self.global_batch_size} % {batch * dp} = {self.global_batch_size % (batch * dp)})")
 
     def for_pipeline(self, pp: int) -> TrainingSettings:
         """The settings a layout of ``pp`` stages runs with: with :attr:`batch_per_replica` and ``pp > 1``,

@@ -263,3 +263,10 @@ def test_lp_auto_counts_the_whole_gradient_that_accumulation_keeps() -> None:
     assert "global batch = batch x dp x accumulation = 16 x 2 x 2" in twice.text()
     assert "global batch 128 = batch x dp x accumulation = 16 x 2 x 4" in fixed.text()
     assert "global batch = batch x dp = 16 x 2 (" in plain.text()
+    # a global batch that dp replicas cannot split into whole batches: those layouts are passed over, as the run
+    # would refuse them (48 = 16 x 3: one replica accumulating 3 batches trains it, two cannot)
+    odd = plan_for_module(model, accelerator="cpu", devices=2, precision="32-true", micro_batch_size=16,
+                          seq_len=128, options={"gpu_memory": "1GB", "select": "guide"}, global_batch_size=48)
+    assert odd.layout.data_parallel_size == 1
+    refused = next(c for c in odd.plan.candidates if c.layout.data_parallel_size == 2)
+    assert not refused.fits and "48 is not a multiple of batch x dp = 16 x 2 = 32 (48 % 32 = 16)" in refused.why_not

@@ -1,7 +1,7 @@
 """``--study accumulate``: what gradient accumulation does to each layout's optimizer step, measured next to the
 planner's prediction.
 
-    python benchmarks/bench.py --study accumulate --quick                  # a = 4: ddp, zero1, zero2, zero3, tp, pp
+    python benchmarks/bench.py --study accumulate --quick   # a = 4: ddp, zero1-3, tp, pp, ppzero3, hsdp
     python benchmarks/bench.py --study accumulate --accumulate 8 --cases ddp,zero3
 
 A step that accumulates ``a`` batches runs the forward and backward of every batch (and every collective those run:
@@ -29,7 +29,7 @@ from ..cases import CASES
 from ..predict import predict_case, rates_here
 from . import interleaved, median_ms
 
-KEYS = ("ddp", "zero1", "zero2", "zero3", "tp", "pp")
+KEYS = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "ppzero3", "hsdp")
 DEFAULT_ACCUMULATE = 4
 PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(warmup=2, steps=6, reps=3),
