@@ -54,7 +54,7 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     # layout: lp_ddp on one process does that (no collective moves anything with one rank).
     recompute = layout.activation_checkpointing != "none"
     strategy = ("lp_ddp" if recompute else "auto") if single else chosen.strategy
-    parallel = _parallel_section(layout, multi_node=hw.nodes > 1) if not single else (
+    parallel: dict[str, Any] = _parallel_section(layout, multi_node=hw.nodes > 1) if not single else (
         {"activation_checkpointing": layout.activation_checkpointing} if recompute else {})
     if training.global_batch_size is not None:  # the plan's fixed global batch: the run derives its accumulation
         parallel["global_batch_size"] = training.global_batch_size
