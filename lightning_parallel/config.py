@@ -375,7 +375,8 @@ class ParallelConfig:
         if why is not None:
             raise LayoutError(f"parallel.reduce_each_batch=true shards the gradient of each accumulated batch under "
                               f"ZeRO-2/3, but {why}. Fix: remove reduce_each_batch"
-                              + (", or zero_stage=2 or 3." if "zero_stage" in why else "."))
+                              + (", or zero_stage=2 or 3 under lp_sharded (3 under lp_tensor)." if "zero_stage" in why
+                                 else "."))
 
     def _validate_pipeline(self) -> None:
         pp, m, v = self.pipeline_parallel_size, self.micro_batches, self.virtual_pipeline_stages

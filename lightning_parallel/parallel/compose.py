@@ -127,7 +127,7 @@ def data_parallel_plan(layout: ParallelConfig, dims: ParallelDims, *, backend: S
                 f"parallel.reduce_each_batch=true shards each accumulated batch's gradient under ZeRO-2/3 (lp_sharded, "
                 f"lp_tensor's FSDP2), but this layout runs zero_stage={plan.zero_stage} with backend {backend!r} and "
                 f"pipeline_parallel_size={dims.pp}. Fix: remove reduce_each_batch, or zero_stage=2 or 3 with the "
-                "native backend and no pipeline.")
+                "native backend and no pipeline (lp_sharded; lp_tensor at 3).")
         plan = replace(plan, reduce_each_batch=True)
     if dims.cp == 1:
         return plan

@@ -66,7 +66,9 @@ The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every me
   ``c - 1`` hops forward and ``c - 1`` backward, and its fp32 dk/dv accumulator ``2 x 4 b (s/c) h / t`` ``c`` hops;
   compute divides by ``c`` (each rank runs ``s / c`` tokens) and the dp exchange runs over the ``dp x c`` replicas;
 * offload: 16-bit gradients out and weights back over PCIe (``2 g P / N_d``; ZeRO-3 fetches weights in forward and
-  backward, ``+ 2 p P / N_d``), the host optimizer, NVMe reading and writing the optimizer state once per step.
+  backward, ``+ 2 p P / N_d``), the host optimizer, NVMe reading and writing the optimizer state once per step;
+  accumulating ``a`` batches, each batch's gradient goes out (``(a + 1) g P / N_d``) and ZeRO-3's weights move in
+  every batch (``2 a p P / N_d``).
 
 Each axis's traffic goes over the link its groups span (:func:`axis_links`), which follows ``parallel.mesh_order``:
 with ``dp-pp-tp`` on several nodes the dp gradient exchange crosses nodes, with ``pp-dp-tp`` it stays inside a node
@@ -609,8 +611,11 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
                     hide = rates.overlap * stage.backward * each
                     exposed[axis] = gather + max(reduces - hide, min(last, reduces))
                     continue
-                comm[axis] = sum(_send(link, c, traffic[axis] / 2, flat_calls, rates=rates, ranks=group[axis])
-                                 for c in ("reduce_scatter", "all_gather"))
+                each = _reductions(layout, acc)  # the offload engine reduces every batch
+                comm[axis] = (_send(link, "reduce_scatter", traffic[axis] * each / (each + 1), flat_calls * each,
+                                    rates=rates, ranks=group[axis])
+                              + _send(link, "all_gather", traffic[axis] / (each + 1), flat_calls, rates=rates,
+                                      ranks=group[axis]))
             else:
                 comm[axis] = _send(link, collective, traffic[axis], calls, rates=rates, ranks=group[axis])
             last = 0.0

@@ -55,11 +55,11 @@ __all__ = [
 BUFFER_FRACTION = 0.10
 """Share of model states + activations allowed for fragmentation and communication buckets."""
 HOST_FP32_GRAD_BYTES = 4
+"""Bytes per parameter of the fp32 gradient partition ZeRO-Offload keeps next to the host optimizer."""
 WHOLE_GRAD_BYTES = 4
 """Bytes per element of the whole gradient ZeRO-2/3 keep while a step's micro-batches or accumulated batches add
 into it: fp32 whatever the precision (FSDP2 upcasts it to its fp32 ``reduce_dtype`` while the sync is off; the flat
 ZeRO-2 runs under autocast, whose parameters and gradients are fp32)."""
-"""Bytes per parameter of the fp32 gradient partition ZeRO-Offload keeps next to the host optimizer."""
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,11 @@ class LPShardedStrategy(LayoutStrategy):
                 "backend='fairscale' runs ZeRO stages 1-2 (OSS, ShardedDataParallel); fairscale's stage 3 "
                 "(FullyShardedDataParallel) is CUDA-only. Fix: backend='native' for zero_stage=3 (torch FSDP2)."
             )
+        if self._backend == "fairscale" and layout.reduce_each_batch:
+            raise LayoutError(
+                "parallel.reduce_each_batch=true runs on the native engines (the flat ZeRO-2, FSDP2); backend="
+                "'fairscale' does not arm its reduction per batch. Fix: backend='native', or remove "
+                "reduce_each_batch.")
         if self._backend == "fairscale" and layout.data_parallel_shard_size is not None:
             raise LayoutError(
                 f"backend='fairscale' shards over the whole dp axis, but parallel.data_parallel_shard_size="

@@ -107,9 +107,9 @@ class ZeroOptimizer(Optimizer):
     def overlap_backward(self) -> None:
         """Stage 2: the next backward reduces each rank's chunk of the gradient as it completes it and frees the
         gradients sent (:class:`~lightning_parallel.parallel.zero.overlap.ChunkedReduce`), so the step's whole
-        gradient never exists at once; call it before the step's last backward (not an accumulation micro-batch's,
-        whose gradients should stay local), then :meth:`reduce_gradients` as always. Nothing at stage 1 or on one
-        rank."""
+        gradient never exists at once; call it before the step's last backward (and, to reduce every accumulation
+        micro-batch as it goes -- ``reduce_each_batch`` -- before each of theirs: the rounds add up), then
+        :meth:`reduce_gradients` as always. Nothing at stage 1 or on one rank."""
         if self._chunked is not None:
             self._chunked.arm()
 

@@ -3,7 +3,8 @@ exists at once and the reduction overlaps the rest of the backward.
 
 Each param group's flat layout (:class:`~lightning_parallel.parallel.zero.flat.FlatShard`) is ``N`` chunks of ``S``
 elements, chunk ``j`` owned by dp rank ``j``. During a backward that the strategy has armed (the step's last; an
-accumulation micro-batch's gradients stay local), a trainable parameter's post-accumulate-grad hook counts it done;
+accumulation micro-batch's gradients stay local unless ``reduce_each_batch`` arms every backward, whose rounds' chunks
+add up), a trainable parameter's post-accumulate-grad hook counts it done;
 once every trainable parameter overlapping chunk ``j`` is done, the chunk is assembled from their gradients into an
 ``S``-element buffer and reduced (sum) to rank ``j`` (``dist.reduce``, asynchronous), and the gradients of parameters
 whose every chunk has been sent are freed. The backward produces the end of the layout first, so the chunks go from
@@ -107,10 +108,12 @@ class ChunkedReduce:
 
     def arm(self) -> None:
         """The next backward reduces each chunk as it completes (a round left open by an earlier backward is sent
-        first: that backward is over)."""
+        first: that backward is over, and the rounds' reduced chunks are added into one, so that a step armed in
+        each of its accumulated batches keeps one chunk per param group, not one per batch)."""
         if self.world == 1:
             return
         self._send_rest()
+        self._fold()
         self._hook_trainable()
         self._pending = [list(counts) for counts in self._trainable_in]
         self._seen = [[False] * len(shard.params) for shard in self.shards]
@@ -146,6 +149,20 @@ class ChunkedReduce:
         """Whether this round has sent shard ``s``'s chunk ``j``: the chunks go in :attr:`order`, so those before
         the next one are."""
         return (self.world - 1 - j) * len(self.shards) + s < self._next
+
+    def _fold(self) -> None:
+        """Between two armed backwards: wait for this rank's own reduces (every rank has issued the same ones by
+        now: the round is complete), add its chunks of the rounds into one per shard, and drop the finished
+        reduces' buffers."""
+        for work in self._waits:
+            work.wait()
+        self._waits.clear()
+        for s, chunks in enumerate(self._owned):
+            if len(chunks) > 1:
+                for more in chunks[1:]:
+                    chunks[0].add_(more)
+                self._owned[s] = chunks[:1]
+        self._in_flight = [(work, buf) for work, buf in self._in_flight if not work.is_completed()]
 
     def _send_rest(self) -> None:
         while self._next < len(self.order):
