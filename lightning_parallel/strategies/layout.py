@@ -137,6 +137,11 @@ class LayoutMixin:
         why = refusal(self.strategy_name, layout, preset=self.preset)
         if why:
             raise LayoutError(why)
+        if layout.reduce_each_batch and getattr(self, "pipelined", False):
+            raise LayoutError(
+                f"parallel.reduce_each_batch=true: {self.strategy_name} runs every batch through its pipeline "
+                "schedule, which reduces each batch's gradient already (at any pipeline_parallel_size). Fix: remove "
+                "it.")
 
     def check_module(self, module: pl.LightningModule) -> None:
         """Refuse, before spawning, a module whose shape does not fit the layout (heads % tp, layers >= pp), or that

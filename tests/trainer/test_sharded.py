@@ -172,6 +172,10 @@ def test_reduce_each_batch_equals_one_device(stage: int) -> None:
         LPShardedStrategy({"zero_stage": 1, "reduce_each_batch": True})
     with pytest.raises(LayoutError, match="backend='fairscale' does not arm"):
         LPShardedStrategy({"zero_stage": 2, "reduce_each_batch": True}, backend="fairscale")
+    from lightning_parallel.strategies import LPPipelineStrategy
+
+    with pytest.raises(LayoutError, match="runs every batch through its pipeline schedule"):
+        LPPipelineStrategy({"pipeline_parallel_size": 1, "zero_stage": 3, "reduce_each_batch": True})
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -88,10 +88,15 @@ def test_gpt_equals_one_device(reference: GPT, layout: dict[str, Any], devices: 
     assert diff < 2e-5
 
 
-def test_gpt_dp2_tp2_zero3_equals_one_device(reference: GPT) -> None:
-    model, _ = fit(_tp(tensor_parallel_size=2, zero_stage=3), 4, 2, model=_gpt())
+@pytest.mark.parametrize("each", [False, True], ids=["reduce-per-step", "reduce_each_batch"])
+def test_gpt_dp2_tp2_zero3_equals_one_device(reference: GPT, each: bool) -> None:
+    """FSDP2 over dp on tensor-parallel shards, accumulating 2 batches: reducing once per step (the default) or each
+    batch's gradient as it goes (``reduce_each_batch``, sequence-parallel partial gradients settled at the step's
+    end)."""
+    model, _ = fit(_tp(tensor_parallel_size=2, zero_stage=3, reduce_each_batch=each), 4, 2, model=_gpt())
     diff = weight_diff(model, reference)
-    print(f"lp_tensor dp=2 x tp=2 zero_stage=3 on 4 ranks, {STEPS} AdamW steps: max |w - w_1dev| = {diff:.2e}")
+    print(f"lp_tensor dp=2 x tp=2 zero_stage=3 reduce_each_batch={each} on 4 ranks, {STEPS} AdamW steps: "
+          f"max |w - w_1dev| = {diff:.2e}")
     assert diff < 2e-5
 
 
