@@ -40,6 +40,7 @@ def rates_here(a: argparse.Namespace, world: int) -> Any:
 
 def predict_case(a: argparse.Namespace, case: Case, rates: Any) -> Any:
     """The planner's :class:`~lightning_parallel.planner.cost.StepCost` of ``case`` (None for lp_dp)."""
+    from _bench.timing import batches_per_step
     from lightning_parallel.config import ParallelConfig
     from lightning_parallel.planner.cost import estimate_step
     from lightning_parallel.planner.hardware import make_hardware
@@ -54,7 +55,7 @@ def predict_case(a: argparse.Namespace, case: Case, rates: Any) -> Any:
     micro = max(1, a.batch // (dp * m))
     training = TrainingSettings(precision="fp32", micro_batch_size=micro, seq_len=a.seq,
                                 activation_checkpointing="none", num_micro_batches=m if case.pp > 1 else None,
-                                accumulate_grad_batches=int(getattr(a, "accumulate", None) or 1))
+                                accumulate_grad_batches=batches_per_step(a))
     layout = ParallelConfig.from_dict({
         "data_parallel_size": dp, "pipeline_parallel_size": case.pp, "tensor_parallel_size": case.tp,
         "zero_stage": case.zero, "offload": case.offload, "context_parallel_size": case.cp,

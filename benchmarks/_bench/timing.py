@@ -17,6 +17,11 @@ from .cases import Case
 from .counting import CommCount
 
 
+def batches_per_step(a: argparse.Namespace) -> int:
+    """Batches accumulated per optimizer step: ``--study accumulate``'s variant, 1 in the table."""
+    return int(getattr(a, "accumulate", None) or 1)
+
+
 @dataclass
 class Ctx:
     a: argparse.Namespace
@@ -39,8 +44,8 @@ class Ctx:
 
     @property
     def accumulate(self) -> int:
-        """Batches per optimizer step (``--study accumulate``; 1 in the table): a timed step is all of them."""
-        return int(getattr(self.a, "accumulate", None) or 1)
+        """Batches per optimizer step (:func:`batches_per_step`): a timed step is all of them."""
+        return batches_per_step(self.a)
 
     @property
     def coords(self) -> Any:

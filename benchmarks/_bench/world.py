@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .anchors import HAND
 from .cases import Case
 from .counting import CommCount
-from .timing import Ctx
+from .timing import Ctx, batches_per_step
 from .trainer import run_trainer
 
 
@@ -71,7 +71,7 @@ def _rank_main(local_rank: int, job: dict[str, Any]) -> None:
             counter = CommCount(local_rank, dims)
             counter.install()
         g = torch.Generator().manual_seed(1234)
-        batches = (a.warmup + a.steps + 1) * int(getattr(a, "accumulate", None) or 1)
+        batches = (a.warmup + a.steps + 1) * batches_per_step(a)
         tokens = torch.randint(0, a.vocab, (a.batch * batches, a.seq + 1), generator=g)
         ctx = Ctx(a=a, case=case, role=role, rank=local_rank, world=world, device=device, dims=dims,
                   counter=counter, tokens=tokens, profile=job.get("profile"))

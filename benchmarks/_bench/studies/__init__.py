@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -59,3 +62,41 @@ def interleaved(study: str, case: Any, variants: dict[Any, argparse.Namespace], 
     if errors:
         print(f"[bench] {study} {case.key} failed:\n{errors[0]}", flush=True)
     return out, (errors[0] if errors else None)
+
+
+def paired_rows(study: str, keys: list[str], variants: dict[Any, argparse.Namespace], reps: int,
+                row: Callable[[Any, list[dict[Any, dict[str, Any]]]], tuple[str, dict[str, Any]]], columns: int
+                ) -> tuple[list[str], list[dict[str, Any]], int]:
+    """A table of paired runs: for each case of ``keys``, :func:`interleaved` repetitions of the two ``variants``,
+    then ``row(case, repetitions)`` -> its table line (of ``columns`` cells) and its record; a
+    case whose runs failed gets a line saying so and its error. The lines, the records and how many cases failed."""
+    from ..cases import CASES
+
+    lines: list[str] = []
+    records: list[dict[str, Any]] = []
+    failed = 0
+    for key in keys:
+        case = CASES[key]
+        results, error = interleaved(study, case, variants, reps)
+        if error is not None:
+            failed += 1
+            lines.append(f"| {case.title} | failed | failed |" + " |" * (columns - 3))
+            records.append({"case": key, "error": error})
+            continue
+        line, record = row(case, results)
+        lines.append(line)
+        records.append(record)
+        print(line, flush=True)
+    return lines, records, failed
+
+
+def write_study(folder: Path, name: str, header: str, lines: list[str], records: list[dict[str, Any]],
+                failed: int) -> int:
+    """``NAME.md`` (the header and ``lines``) and ``NAME.json`` (the records) in ``folder``, printed; the exit status
+    (1 when a case failed)."""
+    text = f"{header}\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    (folder / f"{name}.md").write_text(text)
+    (folder / f"{name}.json").write_text(json.dumps({"header": header, "rows": records}, indent=1))
+    print(f"[bench] wrote {folder / f'{name}.md'}, {folder / f'{name}.json'}")
+    return 1 if failed else 0

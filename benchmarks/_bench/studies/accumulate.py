@@ -20,14 +20,13 @@ this machine's cached calibration, else the defaults: ``lightning-parallel plan 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from ..cases import CASES
 from ..predict import predict_case, rates_here
-from . import interleaved, median_ms
+from . import median_ms, paired_rows, write_study
 
 KEYS = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "ppzero3", "hsdp")
 DEFAULT_ACCUMULATE = 4
@@ -46,21 +45,9 @@ def _keys(a: argparse.Namespace) -> list[str]:
 def run(a: argparse.Namespace, folder: Path, header: str) -> int:
     acc = int(a.accumulate or DEFAULT_ACCUMULATE)
     keys = _keys(a)
-    lines = [f"Batches per optimizer step: 1 and {acc}; the batch per rank the same (global batch {a.batch} per "
-             f"batch); {a.steps} timed steps after {a.warmup} warm-up, {a.reps} interleaved repetitions.", "",
-             f"| case | ms/step a=1 | ms/step a={acc} | measured x a=1 (range) | predicted a=1 | predicted a={acc} | "
-             f"predicted x a=1 | predicted / measured x |", "|---|---|---|---|---|---|---|---|"]
-    records: list[dict[str, Any]] = []
-    failed = 0
-    for key in keys:
-        case = CASES[key]
-        variants = {n: argparse.Namespace(**{**vars(a), "accumulate": n}) for n in (1, acc)}
-        reps, error = interleaved("accumulate", case, variants, a.reps)
-        if error is not None:
-            failed += 1
-            lines.append(f"| {case.title} | failed | failed | | | | | |")
-            records.append({"case": key, "error": error})
-            continue
+    variants = {n: argparse.Namespace(**{**vars(a), "accumulate": n}) for n in (1, acc)}
+
+    def row(case: Any, reps: list[dict[Any, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
         one = [median_ms(r[1]) for r in reps]
         many = [median_ms(r[acc]) for r in reps]
         ratios = [m / o for m, o in zip(many, one, strict=True)]
@@ -68,12 +55,17 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
         p_one = predict_case(variants[1], case, rates).step_s * 1e3
         p_many = predict_case(variants[acc], case, rates).step_s * 1e3
         measured, predicted = statistics.median(ratios), p_many / p_one
-        lines.append(f"| {case.title} | {statistics.median(one):.1f} | {statistics.median(many):.1f} | "
-                     f"{measured:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {p_one:.1f} | {p_many:.1f} | "
-                     f"{predicted:.2f} | {predicted / measured:.2f} |")
-        records.append({"case": key, "accumulate": acc, "one_ms": one, "many_ms": many, "ratios": ratios,
-                        "predicted_one_ms": p_one, "predicted_many_ms": p_many, "rates": rates.source})
-        print(lines[-1], flush=True)
+        return (f"| {case.title} | {statistics.median(one):.1f} | {statistics.median(many):.1f} | "
+                f"{measured:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {p_one:.1f} | {p_many:.1f} | "
+                f"{predicted:.2f} | {predicted / measured:.2f} |",
+                {"case": case.key, "accumulate": acc, "one_ms": one, "many_ms": many, "ratios": ratios,
+                 "predicted_one_ms": p_one, "predicted_many_ms": p_many, "rates": rates.source})
+
+    body, records, failed = paired_rows("accumulate", keys, variants, a.reps, row, columns=8)
+    lines = [f"Batches per optimizer step: 1 and {acc}; the batch per rank the same (global batch {a.batch} per "
+             f"batch); {a.steps} timed steps after {a.warmup} warm-up, {a.reps} interleaved repetitions.", "",
+             f"| case | ms/step a=1 | ms/step a={acc} | measured x a=1 (range) | predicted a=1 | predicted a={acc} | "
+             f"predicted x a=1 | predicted / measured x |", "|---|---|---|---|---|---|---|---|", *body]
     done = [r for r in records if "error" not in r]
     if done:
         lines += ["", f"Rates: {done[0]['rates']}.",
@@ -83,9 +75,4 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
                       done, key=lambda r: statistics.median(r["many_ms"]))),
                   f"Ranking by predicted step at a={acc}: " + " < ".join(r["case"] for r in sorted(
                       done, key=lambda r: r["predicted_many_ms"]))]
-    text = f"{header}\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    (folder / "accumulate.md").write_text(text)
-    (folder / "accumulate.json").write_text(json.dumps({"header": header, "rows": records}, indent=1))
-    print(f"[bench] wrote {folder / 'accumulate.md'}, {folder / 'accumulate.json'}")
-    return 1 if failed else 0
+    return write_study(folder, "accumulate", header, lines, records, failed)

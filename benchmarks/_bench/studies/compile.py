@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
-from ..cases import CASES
-from . import interleaved, median_ms
+from . import median_ms, paired_rows, write_study
 
 KEYS = ("ddp", "zero1", "zero3", "offload", "tp", "pp", "hybrid")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -38,19 +36,10 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     a.micro_batches = min(a.micro_batches, a.batch // 2)
     keys = [k for k in KEYS if k != "offload" or importlib.util.find_spec("deepspeed") is not None]
-    lines = ["| case | eager ms/step | compiled ms/step | x eager (range) | dloss |", "|---|---|---|---|---|"]
-    records: list[dict[str, Any]] = []
-    failed = 0
-    for key in keys:
-        case = CASES[key]
-        variants = {name: argparse.Namespace(**{**vars(a), "compile": name == "compiled"})
-                    for name in ("eager", "compiled")}
-        reps, error = interleaved("compile", case, variants, a.reps)
-        if error is not None:
-            failed += 1
-            lines.append(f"| {case.title} | failed | failed | | |")
-            records.append({"case": key, "error": error})
-            continue
+    variants = {name: argparse.Namespace(**{**vars(a), "compile": name == "compiled"})
+                for name in ("eager", "compiled")}
+
+    def row(case: Any, reps: list[dict[Any, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
         eager = [median_ms(r["eager"]) for r in reps]
         compiled = [median_ms(r["compiled"]) for r in reps]
         ratios = [c / e for c, e in zip(compiled, eager, strict=True)]
@@ -58,13 +47,10 @@ def run(a: argparse.Namespace, folder: Path, header: str) -> int:
         dloss = max(abs(x - y) for x, y in zip(first["eager"]["ranks"][0]["losses"],
                                                first["compiled"]["ranks"][0]["losses"], strict=True)
                     if x is not None and y is not None)
-        lines.append(f"| {case.title} | {statistics.median(eager):.1f} | {statistics.median(compiled):.1f} | "
-                     f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {dloss:.1e} |")
-        records.append({"case": key, "eager_ms": eager, "compiled_ms": compiled, "ratios": ratios, "dloss": dloss})
-        print(lines[-1], flush=True)
-    text = f"{header}\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    (folder / "compile.md").write_text(text)
-    (folder / "compile.json").write_text(json.dumps({"header": header, "rows": records}, indent=1))
-    print(f"[bench] wrote {folder / 'compile.md'}, {folder / 'compile.json'}")
-    return 1 if failed else 0
+        return (f"| {case.title} | {statistics.median(eager):.1f} | {statistics.median(compiled):.1f} | "
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {dloss:.1e} |",
+                {"case": case.key, "eager_ms": eager, "compiled_ms": compiled, "ratios": ratios, "dloss": dloss})
+
+    body, records, failed = paired_rows("compile", keys, variants, a.reps, row, columns=5)
+    lines = ["| case | eager ms/step | compiled ms/step | x eager (range) | dloss |", "|---|---|---|---|---|", *body]
+    return write_study(folder, "compile", header, lines, records, failed)
