@@ -35,7 +35,7 @@ from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.detect import PlannerOptions, detect_hardware, model_spec_from_module
 from lightning_parallel.planner.guide import BRANCH_FAMILIES, NVME_PATH, Candidate
 from lightning_parallel.planner.hardware import Hardware
-from lightning_parallel.planner.memory import ModelStates, model_states
+from lightning_parallel.planner.memory import ModelStates, layout_state_bytes, model_states
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.plan import _BRANCH_TEXT, Plan, _facts, make_plan, mesh_order_sentence
 from lightning_parallel.planner.settings import TrainingSettings
@@ -105,10 +105,11 @@ class AutoDecision:
         """Model-state bytes per rank the planner counts for the chosen layout (busiest pipeline stage)."""
         layout, model = self.layout, self.plan.model
         pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
-        dp = int(layout.data_parallel_size)
+        dp, cp, shard = int(layout.data_parallel_size), layout.context_parallel_size, layout.data_parallel_shard_size
         n_local = model.params_per_device(pp=pp, tp=tp)
-        return model_states(n_local, self.plan.training.state_bytes, dp=dp, zero_stage=layout.zero,
-                            offload=layout.offload_device)
+        # at rest (the report measures after each batch's step): sharded over dp x cp, or HSDP's shard groups
+        return model_states(n_local, layout_state_bytes(self.plan.training, layout), dp=dp * cp,
+                            zero_stage=layout.zero, offload=layout.offload_device, shard=shard * cp if shard else None)
 
     def make_strategy(self, run_settings: dict[str, Any] | None = None, **strategy_kwargs: Any) -> Any:
         """The strategy instance (or ``"auto"``) for ``Trainer(strategy=...)``; ``strategy_kwargs`` go to its

@@ -54,10 +54,13 @@ chunks per stage:
   (torch's schedule reduces at the end of every batch), under ``reduce_each_batch`` and in the offload engine; the
   host overhead ``1 + (a - 1) r`` times (:attr:`Rates.host_batch_share`); the step's tokens ``a`` times a batch's.
 
-The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order:
+The bytes each axis moves (:func:`axis_bytes_per_rank`) are the same in every mesh order; ``g`` and ``p`` are the
+bytes per element of the gradients reduced and the weights gathered as the layout's engine holds them
+(:func:`~lightning_parallel.planner.memory.layout_state_bytes`): under Lightning's mixed precision fp32 gradients
+(4) and weights (4), bf16 weights (2) for FSDP2's all-gathers under ``bf16-mixed``; 2 and 2 in the offload engine:
 
-* dp: ``2 g P (N_d - 1) / N_d`` bytes (all-reduce, or reduce-scatter + all-gather under ZeRO-1/2), ``3 g P``-based
-  under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
+* dp: ``2 g P (N_d - 1) / N_d`` bytes (all-reduce, or reduce-scatter + all-gather under ZeRO-1/2), ``(g + 2 p)
+  P``-based under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
 * tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
   ``2 (t - 1) / t``, on the intra-node link (6 with full recompute);
 * pp: one activation ``e s b h`` forward and one gradient backward per micro-batch and stage boundary (``/ t``
@@ -88,7 +91,7 @@ from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDim
 from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.flops import Kernels, head_work, layer_work, model_flops_per_token
 from lightning_parallel.planner.hardware import Hardware
-from lightning_parallel.planner.memory import reshards
+from lightning_parallel.planner.memory import layout_state_bytes, reshards
 from lightning_parallel.planner.model import ModelShape, ModelSpec
 from lightning_parallel.planner.rates import LinkRates, Rates
 from lightning_parallel.planner.settings import TrainingSettings
@@ -342,7 +345,7 @@ def _traffic(
     """Bytes per device and step on each axis (``host_optimizer`` is a parameter count, not bytes)."""
     dp, pp, tp = int(layout.data_parallel_size), layout.pipeline_parallel_size, layout.tensor_parallel_size
     cp = layout.context_parallel_size
-    state, e = training.state_bytes, training.activation_bytes
+    state, e = layout_state_bytes(training, layout), training.activation_bytes
     b, m = training.micro_batch_size, training.micro_batches(pp)
     acc = training.accumulation(dp, pp)
     out: dict[str, float] = {}
@@ -357,19 +360,20 @@ def _traffic(
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
             # resharding after forward (ZeRO-3), one per micro-batch and one more
             gathers = (m + 1 if reshards(layout) else 1) * acc
-            per_param = gathers * state.param + _reductions(layout, acc) * state.grad
+            per_param = gathers * state.gathered + _reductions(layout, acc) * state.reduced
         elif layout.zero == 3 or (layout.zero == 2 and s < dp):  # FSDP2 (ZeRO-3; ZeRO-2 under HSDP): its
             # all-gathers every batch, the reduce-scatter once per step (each batch's under reduce_each_batch)
-            per_param = (2 if reshards(layout) else 1) * acc * state.param + _reductions(layout, acc) * state.grad
+            per_param = ((2 if reshards(layout) else 1) * acc * state.gathered
+                         + _reductions(layout, acc) * state.reduced)
         elif layout.zero == 2:  # the flat shards: the gradient's reduction (per batch under reduce_each_batch), the
             # parameters' all-gather once
-            per_param = (_reductions(layout, acc) + 1) * state.grad
-        else:
-            per_param = 2 * state.grad
+            per_param = _reductions(layout, acc) * state.reduced + state.gathered
+        else:  # DDP's all-reduce, or ZeRO-1's reduce-scatter and all-gather
+            per_param = state.reduced + (state.gathered if layout.zero == 1 else state.reduced)
         if s < dp:  # HSDP: FSDP2's collectives inside each shard group, then an all-reduce of the shards across
             r = dp // s
             out["dp_shard"] = per_param * local * (s - 1) / s
-            out["dp_replicate"] = 2 * _reductions(layout, acc) * state.grad * (local / s) * (r - 1) / r
+            out["dp_replicate"] = 2 * _reductions(layout, acc) * state.reduced * (local / s) * (r - 1) / r
         else:
             out["dp"] = per_param * local * (dp - 1) / dp
     shape = model.shape
@@ -575,7 +579,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             comm["cp"] = _send(_link(rates, links["cp"]), "p2p", traffic["cp"], 2 * (cp - 1) * layers * m * acc)
         attention_s = 0.0 if shape is None else _attention_share(model, training, layout, rates) * m * acc
         exposed["cp"] = max(comm["cp"] - rates.overlap * attention_s, 0.0)
-    state = training.state_bytes
+    state = layout_state_bytes(training, layout)
     shard_size = layout.data_parallel_shard_size or dp * cp
     group = {"dp": dp * cp, "dp_shard": shard_size, "dp_replicate": max(1, dp * cp // shard_size)}
     for axis in ("dp", "dp_shard", "dp_replicate"):
@@ -583,7 +587,7 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             continue
         link = _link(rates, links[axis])
         if axis == "dp" and layout.zero == 0 and pp == 1:
-            buckets = ddp_bucket_bytes(local * state.grad)
+            buckets = ddp_bucket_bytes(local * state.reduced)
             comm[axis] = _send(link, "all_reduce", traffic[axis], len(buckets), rates=rates, ranks=group[axis])
             last = _send(link, "all_reduce", traffic[axis] * buckets[-1] / max(sum(buckets), 1.0), 1,
                          rates=rates, ranks=group[axis])

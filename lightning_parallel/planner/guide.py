@@ -37,7 +37,7 @@ from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.layouts import entry, strategy_for, zero_and_offload
 from lightning_parallel.planner.cost import StepCost, cross_node_bytes_by_order, estimate_step
 from lightning_parallel.planner.hardware import LINK_BANDWIDTH, Hardware
-from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory
+from lightning_parallel.planner.memory import MemoryEstimate, estimate_memory, layout_state_bytes
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import format_bytes
@@ -244,11 +244,14 @@ NVME_PATH = "/local_nvme/lightning_parallel"
 """Placeholder folder written for NVMe offload; point it at a fast local disk."""
 
 
-def _layer_bytes(model: ModelSpec, training: TrainingSettings, *, tp: int) -> int | None:
+def _layer_bytes(model: ModelSpec, training: TrainingSettings, *, tp: int, layout: ParallelConfig | None = None
+                 ) -> int | None:
+    """The largest layer's weights and gradients on a device, in the bytes ``layout``'s engine gathers and reduces
+    them in (without a layout: DDP's)."""
     if model.largest_layer_params is None:
         return None
-    state = training.state_bytes
-    return (state.param + state.grad) * model.largest_layer_per_device(tp=tp)
+    state = training.state_bytes if layout is None else layout_state_bytes(training, layout)
+    return (state.gathered + state.reduced) * model.largest_layer_per_device(tp=tp)
 
 
 DEFAULT_MESH_ORDER = "dp-pp-tp"
@@ -287,7 +290,7 @@ def evaluate(
         if order != layout.mesh_order:
             layout = layout.replace(mesh_order=order)
     limit = hardware.gpu_memory
-    layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size) or 0
+    layer = _layer_bytes(model, training, tp=layout.tensor_parallel_size, layout=layout) or 0
     layer_fits = layer + hardware.reserved <= limit
     tiles = 1
     if not layer_fits and layout.zero == 3:

@@ -2,12 +2,17 @@
 
 Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 5 / Fig. 1), bytes per device, with ``P`` parameters on the
 device before ZeRO (``Psi / (pp x tp)``, the busiest stage when the shape is known), ``N_d`` = data_parallel_size,
-``p, g, K`` the bytes per parameter of weight, gradient and optimizer state, shards rounded up to whole elements::
+``p, g, K`` the bytes per parameter of weight, gradient and optimizer state as the layout's engine keeps them
+(:func:`layout_state_bytes`), shards rounded up to whole elements. In fp32 and under Lightning's mixed precision
+(autocast over fp32 weights: every engine of the library but the offload one) ``p = g = 4`` and ``K`` is the
+optimizer's state alone (Adam: 8); with 16-bit weights and an fp32 master copy in the optimizer (the offload
+engine, DeepSpeed; Megatron-LM) ``p = g = 2``, ``K = 4 +`` the state -- the ZeRO paper's::
 
-    stage 0 (DDP)   (p + g + K) P                 mixed-precision Adam: 16 P
-    stage 1         (p + g) P + K P / N_d                               4 P + 12 P / N_d
-    stage 2         p P + (g + K) P / N_d                               2 P + 14 P / N_d
-    stage 3         (p + g + K) P / N_d                                 16 P / N_d
+                                            Adam, fp32 weights          16-bit weights + fp32 master
+    stage 0 (DDP)   (p + g + K) P           16 P                        16 P
+    stage 1         (p + g) P + K P / N_d   8 P + 8 P / N_d             4 P + 12 P / N_d
+    stage 2         p P + (g + K) P / N_d   4 P + 12 P / N_d            2 P + 14 P / N_d
+    stage 3         (p + g + K) P / N_d     16 P / N_d                  16 P / N_d
 
 ZeRO-Offload (stage 2 or 3, ``offload`` cpu or nvme) moves the optimizer state and an fp32 gradient partition,
 ``(K + 4) P / N_d`` bytes per rank, to the host (DeepSpeed's estimator: 16 bytes per parameter); stage 3 moves
@@ -17,17 +22,19 @@ N_d`` (measured with DeepSpeed's CPU offload: 16 bytes per partition element on 
 where the offloaded weight partition is the optimizer's copy).
 
 Inside pipeline stages ZeRO-2/3 run as FSDP2 whose reduce-scatter waits for a step's last micro-batch: at the peak
-of a step the stage's gradient is whole (``g P``) and, unless resharded after forward (ZeRO-3), so are its
-parameters: ZeRO-2 ``(p + g) P + K P / N_d`` (ZeRO-1's figure), ZeRO-3 ``g P + (p + K) P / N_d``; between steps
-``(p + g + K) P / N_d``. HSDP (``data_parallel_shard_size = s``) divides by ``s`` instead of ``N_d``. Gradient
-accumulation does the same outside pipelines: ZeRO-2/3 (without offload or ``reduce_each_batch``) reduce once per
-step, after its last batch, so every batch before it leaves the whole local gradient in place
+of a step the stage's gradient is whole (``g P``) and, unless resharded after forward (ZeRO-3), the weights stay
+gathered beside their shards (``a P + p P / N_d``, ``a`` the gathered copy's bytes: 2 under ``bf16-mixed``, else
+``p``): ZeRO-2 ``(a + g) P + (p + K) P / N_d``, ZeRO-3 ``g P + (p + K) P / N_d``; between steps ``(p + g + K) P /
+N_d``. HSDP (``data_parallel_shard_size = s``) runs ZeRO-2 as FSDP2 too and divides by ``s`` instead of ``N_d``.
+Gradient accumulation does the same outside pipelines: ZeRO-2/3 (without offload or ``reduce_each_batch``) reduce
+once per step, after its last batch, so every batch before it leaves the whole local gradient in place
 (``TrainingSettings.accumulation``). That whole gradient is counted in fp32 (:data:`WHOLE_GRAD_BYTES`) whatever the
 precision.
 
 Buffers: a stated allowance = the hardware's reserved memory (CUDA context, workspaces) + 10 % of model states
 and activations (allocator fragmentation, communication buckets) + under ZeRO-3 the gathered largest layer,
-``(p + g) x largest layer / tp`` (DeepSpeed's ``4 x largest_layer_params``).
+``(a + r) x largest layer / tp``, ``r`` the bytes the gradients are reduced in (DeepSpeed's ``4 x
+largest_layer_params`` for 16-bit weights and gradients).
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ __all__ = [
     "MemoryEstimate",
     "ModelStates",
     "estimate_memory",
+    "layout_state_bytes",
     "model_states",
     "model_states_bytes",
     "reshards",
+    "uses_fsdp",
 ]
 
 BUFFER_FRACTION = 0.10
@@ -83,11 +92,13 @@ def model_states(
 ) -> ModelStates:
     """The ZeRO paper's formulas for ``n_params`` parameters on a device, sharded ``zero_stage``-deep over dp.
 
-    ``shard``: HSDP's shard-group size (model states divide by it instead of ``dp``; the other dp ranks hold
-    replicas). ``pipeline``: ZeRO-2/3 over FSDP2 inside pipeline stages, at the peak of a step: each micro-batch's
+    ``state``: the bytes of the layout's engine (:meth:`TrainingSettings.state_bytes_for`). ``shard``: HSDP's
+    shard-group size (model states divide by it instead of ``dp``; the other dp ranks hold replicas; ZeRO-2 then runs
+    as FSDP2). ``pipeline``: ZeRO-2/3 over FSDP2 inside pipeline stages, at the peak of a step: each micro-batch's
     gradient adds into the stage's whole, unsharded gradient until the step's last micro-batch reduce-scatters it
-    (``g P``), and the parameters stay gathered through the step unless ``reshard`` (ZeRO-3's default) frees them
-    after each forward; between steps everything is sharded, ``(p + g + K) P / s``. ``accumulate``: the step
+    (``g P``). FSDP2 (ZeRO-3; ZeRO-2 in pipelines and under HSDP) keeps its weights' shards and, unless ``reshard``
+    (ZeRO-3's default) frees them after each forward, the gathered weights through the step (``gather`` bytes
+    each: 2 under ``bf16-mixed``); between steps everything is sharded, ``(p + g + K) P / s``. ``accumulate``: the step
     accumulates gradients over several batches; ZeRO-2/3 without offload keep each batch's gradient local and whole
     until the step's last batch reduces it (one reduction per step), so the peak holds ``g P`` as in a pipeline
     (DeepSpeed's offload engine reduces every batch: its gradient stays sharded)."""
@@ -96,7 +107,13 @@ def model_states(
     full, shard_n = n_params, math.ceil(n_params / (shard or dp))
     in_pipeline = pipeline and zero_stage >= 2
     whole_grad = zero_stage >= 2 and (in_pipeline or (accumulate and offload == "none"))
-    params = state.param * (shard_n if zero_stage >= 3 and (reshard or not in_pipeline) else full)
+    fsdp = offload == "none" and (zero_stage >= 3 or (zero_stage == 2 and (pipeline or shard is not None)))
+    if not fsdp:  # DDP, the flat ZeRO-1/2 (and the offload engine): every rank keeps the whole weights
+        params = state.param * (shard_n if zero_stage >= 3 else full)
+    elif reshard:  # FSDP2 frees each unit's gathered weights after its forward and its backward
+        params = state.param * shard_n
+    else:  # FSDP2 keeps the gathered (``gather``-byte) weights from the forward to the step, beside its shards
+        params = state.gathered * full + state.param * shard_n
     grads = (max(state.grad, WHOLE_GRAD_BYTES) * full if whole_grad
              else state.grad * (full if zero_stage < 2 else shard_n))
     optimizer = state.optimizer * (shard_n if zero_stage >= 1 else full)
@@ -159,7 +176,7 @@ def estimate_memory(
     dp, pp, tp = _degrees(layout)
     cp = layout.context_parallel_size  # the cp ranks are replicas too: ZeRO shards over dp x cp (HSDP: shard x cp)
     n_local = model.params_per_device(pp=pp, tp=tp)
-    state = training.state_bytes
+    state = layout_state_bytes(training, layout)
     shard = layout.data_parallel_shard_size
     states = model_states(n_local, state, dp=dp * cp, zero_stage=layout.zero, offload=layout.offload_device,
                           shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout),
@@ -167,7 +184,7 @@ def estimate_memory(
     acts = activation_bytes(model, training, layout) if model.shape is not None else None
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:
-        buffers += math.ceil((state.param + state.grad) * model.largest_layer_per_device(tp=tp) / tiles)
+        buffers += math.ceil((state.gathered + state.reduced) * model.largest_layer_per_device(tp=tp) / tiles)
     ranks_per_node = min(hardware.gpus_per_node, dp * pp * tp * cp)
     return MemoryEstimate(
         params=states.params,
@@ -178,6 +195,21 @@ def estimate_memory(
         host_per_node=round(states.host * ranks_per_node * (1 + BUFFER_FRACTION)),
         nvme_per_node=states.nvme * ranks_per_node,
     )
+
+
+def uses_fsdp(layout: ParallelConfig) -> bool:
+    """Whether the layout's data-parallel engine is FSDP2: ZeRO-3, and ZeRO-2 inside pipeline stages or under HSDP
+    (the flat ZeRO-1/2 shards otherwise; the offload layouts run DeepSpeed's engine)."""
+    if layout.offload_device != "none":
+        return False
+    return layout.zero == 3 or (layout.zero == 2 and (layout.pipeline_parallel_size > 1
+                                                        or layout.data_parallel_shard_size is not None))
+
+
+def layout_state_bytes(training: TrainingSettings, layout: ParallelConfig) -> StateBytes:
+    """The bytes per parameter of ``layout``'s model states as its engine keeps them
+    (:meth:`TrainingSettings.state_bytes_for`)."""
+    return training.state_bytes_for(offload=layout.offload_device, fsdp=uses_fsdp(layout))
 
 
 def reshards(layout: ParallelConfig) -> bool:

@@ -28,7 +28,7 @@ from lightning_parallel.planner.cost import estimate_step
 from lightning_parallel.planner.flops import KERNELS
 from lightning_parallel.planner.hardware import load_profile
 from lightning_parallel.planner.model import ModelShape, ModelSpec
-from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.settings import MasterWeights, TrainingSettings
 
 __all__ = ["PUBLISHED", "Prediction", "Published", "format_table", "predict", "predict_all"]
 
@@ -58,6 +58,10 @@ class Published:
     memory_bandwidth: float | None = None
     """The source's device memory bandwidth (B/s) where it differs from the profile's."""
     setup: str = ""
+    master_weights: MasterWeights = "model"
+    """Where the run kept its fp32 weights (:attr:`TrainingSettings.master_weights`): torchtitan's FSDP2 steps its
+    fp32 shards and gathers bf16 copies (``model``); Megatron-LM holds 16-bit weights and gradients, an fp32 copy in
+    its optimizer (``optimizer``)."""
 
     @property
     def dp(self) -> int:
@@ -92,7 +96,7 @@ def _megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: in
     return Published(
         name=f"Megatron-LM GPT {params}", source=_MEGATRON, shape=shape, gpus=gpus, tp=tp, pp=pp, zero=0,
         global_batch=batch, seq=2048, recompute="full", profile="dgx-a100-80gb", kernels="megatron-2021",
-        figure=tflops, unit="TFLOP/s/GPU",
+        figure=tflops, unit="TFLOP/s/GPU", master_weights="optimizer",
         setup=f"{gpus} A100-80GB, t={tp} p={pp} d={gpus // (tp * pp)}, batch {batch}, full recomputation")
 
 
@@ -128,7 +132,8 @@ def predict(row: Published) -> Prediction:
     local = row.global_batch // row.dp
     micro = 1 if row.pp > 1 else local
     m = local // micro if row.pp > 1 else None
-    training = TrainingSettings(precision="bf16-mixed", micro_batch_size=micro, seq_len=row.seq,
+    training = TrainingSettings(precision="bf16-mixed", master_weights=row.master_weights, micro_batch_size=micro,
+                                seq_len=row.seq,
                                 activation_checkpointing="full" if row.recompute == "full" else "selective",
                                 num_micro_batches=m)
     layout = ParallelConfig.from_dict({

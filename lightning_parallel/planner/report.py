@@ -16,6 +16,7 @@ from typing import Any
 from lightning_parallel.parallel.dims import MESH_AXES
 from lightning_parallel.planner.guide import Candidate
 from lightning_parallel.planner.plan import Plan
+from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.planner.units import format_bytes, format_count
 
 __all__ = ["candidate_json", "cross_node_json", "format_cross_node", "format_plan", "plan_json",
@@ -114,14 +115,22 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _state_text(training: TrainingSettings) -> str:
+    """``p+g+K`` of the library's engines, and the offload engine's where it differs (16-bit weights)."""
+    sb, off = training.state_bytes, training.state_bytes_for(offload="cpu")
+    text = f"{sb.param}+{sb.grad}+{sb.optimizer}"
+    if (off.param, off.grad, off.optimizer) != (sb.param, sb.grad, sb.optimizer):
+        text += f"; {off.param}+{off.grad}+{off.optimizer} in the offload engine"
+    return text
+
+
 def format_plan(plan: Plan, *, top: int = 12) -> str:
     """Header, the table of candidates (sizes in GB = 1e9 bytes per device), the recommendation and its reason."""
     m, t = plan.model, plan.training
-    sb = t.state_bytes
     lines = [
         f"Model: {'' if m.name == 'model' else m.name + ', '}{format_count(m.n_params)} parameters"
         + (f", largest layer {format_count(m.largest_layer_params)}" if m.largest_layer_params else ""),
-        f"Training: {t.precision}, {t.optimizer} ({sb.param}+{sb.grad}+{sb.optimizer} bytes of model state per "
+        f"Training: {t.precision}, {t.optimizer} ({_state_text(t)} bytes of model state per "
         f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}"
         + (f", {t.accumulation_text}" if t.accumulation_text else ""),
         f"Hardware: {plan.hardware.describe()}",
@@ -305,6 +314,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "precision": plan.training.precision,
             "optimizer": plan.training.optimizer,
             "state_bytes_per_param": vars(plan.training.state_bytes),
+            "offload_state_bytes_per_param": vars(plan.training.state_bytes_for(offload="cpu")),
+            "master_weights": plan.training.master_weights,
             "micro_batch_size": plan.training.micro_batch_size,
             "batch_per_replica": plan.training.batch_per_replica,
             "accumulate_grad_batches": plan.training.accumulate_grad_batches,

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-__all__ = ["Checkpointing", "Optimizer", "Precision", "StateBytes", "TrainingSettings", "normalize_precision"]
+__all__ = ["Checkpointing", "MasterWeights", "Optimizer", "Precision", "StateBytes", "TrainingSettings",
+           "normalize_precision"]
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 Optimizer = Literal["adamw", "adam", "sgd-momentum", "sgd"]
 Checkpointing = Literal["auto", "none", "selective", "full"]
+MasterWeights = Literal["model", "optimizer"]
 """Activation checkpointing; ``auto`` lets the planner try none, selective and full for every layout."""
 
 _PRECISION_ALIASES: dict[str, Precision] = {
@@ -46,26 +48,49 @@ def normalize_precision(value: str) -> Precision:
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter of each model state."""
+    """Bytes per parameter of each model state, and of the copies the data-parallel exchange moves."""
 
     param: int
-    """The weight the forward pass reads (16-bit under mixed precision)."""
+    """The weight the device keeps: fp32 under Lightning's mixed precision (autocast casts it for each op), 16-bit
+    where a separate fp32 master copy lives in the optimizer (:attr:`TrainingSettings.master_weights`)."""
     grad: int
-    """Its gradient."""
+    """Its gradient (the weight's dtype)."""
     optimizer: int
-    """K: fp32 master weight (mixed precision only) + the optimizer's state."""
+    """K: the optimizer's state, plus the fp32 master weight where the model's weight is 16-bit."""
+    gather: int = 0
+    """Bytes per element of the weights a sharded stage all-gathers (0: :attr:`param`'s): 2 for FSDP2 under
+    ``bf16-mixed``, whose ``MixedPrecisionPolicy`` gathers bf16 copies of its fp32 shards."""
+    reduce: int = 0
+    """Bytes per element of the gradients the dp exchange reduces (0: :attr:`grad`'s)."""
 
     @property
     def total(self) -> int:
         return self.param + self.grad + self.optimizer
 
+    @property
+    def gathered(self) -> int:
+        """:attr:`gather`, or the weight's bytes when unset."""
+        return self.gather or self.param
+
+    @property
+    def reduced(self) -> int:
+        """:attr:`reduce`, or the gradient's bytes when unset."""
+        return self.reduce or self.grad
+
 
 @dataclass(frozen=True)
 class TrainingSettings:
-    """Precision, optimizer and batch geometry; defaults are bf16 mixed precision with AdamW (2 + 2 + 12 bytes)."""
+    """Precision, optimizer and batch geometry; defaults are bf16 mixed precision with AdamW (16 bytes of model state
+    per parameter: 4 + 4 + 8 as the library's engines keep them, 2 + 2 + 12 in the offload engine)."""
 
     precision: Precision = "bf16-mixed"
     """fp32, or bf16/fp16 mixed precision with fp32 master weights."""
+    master_weights: MasterWeights = "model"
+    """Where mixed precision keeps the fp32 weights the optimizer steps: ``model`` -- the model's own parameters stay
+    fp32 and autocast computes each op in 16-bit (Lightning's ``bf16-mixed``/``16-mixed``: every engine of the library
+    but the offload one; FSDP2 under ``bf16-mixed`` all-gathers bf16 copies of its fp32 shards); ``optimizer`` -- the
+    model holds 16-bit weights and gradients and the optimizer an fp32 master copy (Megatron-LM; DeepSpeed's engine,
+    which the library's offload layouts run whatever this says)."""
     optimizer: Optimizer = "adamw"
     """Adam/AdamW (8 bytes of state), SGD with momentum (4) or without (0)."""
     micro_batch_size: int = 1
@@ -92,6 +117,8 @@ class TrainingSettings:
         object.__setattr__(self, "precision", normalize_precision(self.precision))
         if self.optimizer not in get_args(Optimizer):
             raise ValueError(f"optimizer={self.optimizer!r} is not known. Use one of {list(get_args(Optimizer))}.")
+        if self.master_weights not in get_args(MasterWeights):
+            raise ValueError(f"master_weights={self.master_weights!r}: use model or optimizer.")
         if self.activation_checkpointing not in get_args(Checkpointing):
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r}: use auto, none, selective or full."
@@ -108,11 +135,26 @@ class TrainingSettings:
 
     @property
     def state_bytes(self) -> StateBytes:
-        """(2, 2, 4 + s) under mixed precision, (4, 4, s) in fp32, s = the optimizer's bytes of state."""
+        """:meth:`state_bytes_for` a layout without ZeRO-3 or offload (DDP, ZeRO-1/2's flat shards, tensor
+        parallelism): the same bytes per parameter at every stage of them."""
+        return self.state_bytes_for()
+
+    def state_bytes_for(self, *, offload: str = "none", fsdp: bool = False) -> StateBytes:
+        """Bytes per parameter of the model states on a device of a layout, as its engine keeps them:
+
+        * fp32: weight 4, gradient 4, the optimizer's state;
+        * mixed precision with ``master_weights="model"`` (Lightning's autocast, the library's engines): the same --
+          the fp32 weights are the optimizer's, the gradients fp32 and reduced in fp32 -- except that FSDP2
+          (``fsdp``: ZeRO-3, ZeRO-2 in pipeline stages, HSDP) under ``bf16-mixed`` all-gathers 2-byte copies;
+        * mixed precision with ``master_weights="optimizer"``, and the offload engine (``offload`` cpu/nvme: DeepSpeed
+          keeps 16-bit weights on the device whatever ``master_weights`` says): weight 2, gradient 2, and the fp32
+          master (4) with the optimizer's state -- the ZeRO paper's ``2 + 2 + K``."""
         state = _OPTIMIZER_STATE[self.optimizer]
-        if self.mixed:
+        if not self.mixed:
+            return StateBytes(param=4, grad=4, optimizer=state)
+        if self.master_weights == "optimizer" or offload != "none":
             return StateBytes(param=2, grad=2, optimizer=4 + state)
-        return StateBytes(param=4, grad=4, optimizer=state)
+        return StateBytes(param=4, grad=4, optimizer=state, gather=2 if fsdp and self.precision == "bf16-mixed" else 4)
 
     @property
     def activation_bytes(self) -> int:

@@ -25,7 +25,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_parallel.config import LayoutError
+from lightning_parallel.callbacks.model_states import measure_rank_states
+from lightning_parallel.config import LayoutError, ParallelConfig
+from lightning_parallel.planner.memory import layout_state_bytes, model_states
+from lightning_parallel.planner.settings import TrainingSettings
 from lightning_parallel.strategies import (
     LPDDPStrategy,
     LPDPStrategy,
@@ -70,14 +73,26 @@ if _deepspeed_ready():
     STRATEGIES["lp_zero_offload x2"] = (lambda: LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, **FORK),
                                         2, 2)
 FSDP2 = ("lp_sharded z3 x2", "lp_tensor dp2 x tp2 z3")
+PLANNED = {"lp_ddp x2": 0, "lp_sharded z1 x2": 1, "lp_sharded z2 x2": 2, "lp_sharded z3 x2": 3}
+"""The dp-only layouts whose model-state bytes per rank are held against the planner's (``planner.memory``) under
+``32-true`` and ``bf16-mixed``: fp32 weights and gradients under autocast, so ZeRO-1 keeps ``8 P + 8 P / N`` and ZeRO-2
+``4 P + 12 P / N``, not the ZeRO paper's 16-bit weights with an fp32 master."""
 TABLE: dict[tuple[str, str], str] = {}
 
 
 class Report(Callback):
-    """Rank 0 writes the parameters' dtypes and (when counted) the bytes per mesh axis and collective."""
+    """Rank 0 writes the parameters' dtypes, (when counted) the bytes per mesh axis and collective, and its model-state
+    bytes after the last batch (parameters, gradients, optimizer state, as the planner counts them) with the number
+    of parameters."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.states: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_rank == 0 and trainer.world_size > 1:
+            self.states = measure_rank_states(trainer, pl_module)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         count = getattr(trainer.strategy, "count_communication", None)
@@ -89,7 +104,8 @@ class Report(Callback):
             return
         counter = getattr(trainer.strategy, "comm_counter", None)
         report = {"dtypes": sorted({str(p.dtype) for p in pl_module.parameters() if p.is_floating_point()}),
-                  "bytes": {k: b for k, (_, b) in counter.by_axis_and_kind().items()} if counter is not None else {}}
+                  "bytes": {k: b for k, (_, b) in counter.by_axis_and_kind().items()} if counter is not None else {},
+                  "states": self.states, "psi": sum(p.numel() for p in pl_module.parameters())}
         self.path.write_text(json.dumps(report))
 
 
@@ -154,6 +170,15 @@ def test_every_precision_under_the_strategy_matches_one_device(name: str, refere
         assert dtypes == expected, (name, precision, dtypes)
         assert rel < TOL_REL[precision], (name, precision, rel)
         assert diff < TOL[precision], (name, precision, diff)
+        if name in PLANNED and precision != "bf16-true":  # the planner's bytes per rank, as the engine holds them
+            psi, measured = report["psi"], report["states"]
+            layout = ParallelConfig(data_parallel_size=2, zero_stage=PLANNED[name])
+            predicted = model_states(psi, layout_state_bytes(TrainingSettings(precision=precision), layout), dp=2,
+                                     zero_stage=PLANNED[name])
+            print(f"{name} {precision}: model states on rank 0 measured {measured} against the planner's "
+                  f"{predicted}")
+            assert measured["params"] == predicted.params and measured["grads"] == predicted.grads
+            assert predicted.optimizer <= measured["optimizer"] <= predicted.optimizer + 8 * 64  # + AdamW's steps
     print(f"\n{name}: " + "; ".join(f"{p}: {TABLE[(name, p)]}" for p in PRECISIONS))
     if name in FSDP2:
         full, mixed = counted["32-true"], counted["bf16-mixed"]

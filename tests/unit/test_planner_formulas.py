@@ -21,7 +21,7 @@ from lightning_parallel.planner import (
 )
 from lightning_parallel.planner.activations import activation_bytes
 
-MIXED_ADAM = TrainingSettings().state_bytes  # 2 + 2 + 12, the ZeRO paper's K = 12
+MIXED_ADAM = TrainingSettings(master_weights="optimizer").state_bytes  # 2 + 2 + 12, the ZeRO paper's K = 12
 GIB = 2**30
 
 
@@ -56,12 +56,48 @@ def test_zero_paper_trillion_parameters() -> None:
     assert round(model_states_bytes(10**12, MIXED_ADAM, dp=1024)["zero3"] / 1e9, 1) == 15.6
 
 
+def _pgk(state: Any) -> tuple[int, int, int]:
+    return state.param, state.grad, state.optimizer
+
+
 def test_fp32_adam_is_4_4_8_and_sgd_variants() -> None:
-    assert vars(TrainingSettings(precision="fp32").state_bytes) == {"param": 4, "grad": 4, "optimizer": 8}
+    assert _pgk(TrainingSettings(precision="fp32").state_bytes) == (4, 4, 8)
     lightning_name: Any = "32-true"  # Lightning's spelling is accepted too
     assert TrainingSettings(precision=lightning_name, optimizer="sgd").state_bytes.total == 8
-    assert TrainingSettings(optimizer="sgd-momentum").state_bytes.optimizer == 8  # master 4 + momentum 4
-    assert TrainingSettings(optimizer="sgd").state_bytes.optimizer == 4  # fp32 master weights only
+    master = TrainingSettings(master_weights="optimizer", optimizer="sgd-momentum")
+    assert master.state_bytes.optimizer == 8  # master 4 + momentum 4
+    assert TrainingSettings(master_weights="optimizer", optimizer="sgd").state_bytes.optimizer == 4  # the master only
+    assert TrainingSettings(optimizer="sgd-momentum").state_bytes.optimizer == 4  # fp32 weights are the model's
+
+
+def test_lightning_mixed_precision_keeps_fp32_weights_and_gradients() -> None:
+    # Lightning's bf16-mixed/16-mixed: autocast over fp32 parameters, so DDP and the flat ZeRO-1/2 keep fp32 weights
+    # and gradients and reduce in fp32, the optimizer only its moments (measured per rank under bf16-mixed:
+    # tests/trainer/test_precision.py); FSDP2 under bf16-mixed gathers bf16 copies of its fp32 shards (16-mixed: no
+    # MixedPrecisionPolicy, fp32); the offload engine (DeepSpeed) keeps 16-bit weights and an fp32 master.
+    bf16, fp16 = TrainingSettings(), TrainingSettings(precision="fp16-mixed")
+    assert _pgk(bf16.state_bytes) == (4, 4, 8) and (bf16.state_bytes.gathered, bf16.state_bytes.reduced) == (4, 4)
+    assert bf16.state_bytes_for(fsdp=True).gathered == 2 and bf16.state_bytes_for(fsdp=True).reduced == 4
+    assert fp16.state_bytes_for(fsdp=True).gathered == 4
+    assert _pgk(bf16.state_bytes_for(offload="cpu")) == (2, 2, 12)
+    psi, n = 8_000_000, 8
+    got = model_states_bytes(psi, bf16.state_bytes, dp=n)
+    assert got == {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi // n, "zero2": 4 * psi + 12 * psi // n,
+                   "zero3": 16 * psi // n}
+    paper = model_states_bytes(psi, MIXED_ADAM, dp=n)  # what 16-bit weights with a master in the optimizer need
+    assert got["zero1"] - paper["zero1"] == 4 * psi * (n - 1) // n and got["zero2"] - paper["zero2"] == 2 * psi * (
+        n - 1) // n
+    # FSDP2 keeping its gathered weights through a pipeline step (ZeRO-2): bf16 copies beside the fp32 shards
+    fsdp = bf16.state_bytes_for(fsdp=True)
+    kept = model_states(psi, fsdp, dp=n, zero_stage=2, pipeline=True, reshard=False)
+    assert kept.params == 2 * psi + 4 * psi // n and kept.grads == 4 * psi and kept.optimizer == 8 * psi // n
+    layouts = {"zero1": ParallelConfig(data_parallel_size=n, zero_stage=1),
+               "zero3": ParallelConfig(data_parallel_size=n, zero_stage=3),
+               "offload": _dp8(2, "cpu")}
+    mem = {k: estimate_memory(ModelSpec.from_params(psi), bf16, _plain_hardware(), v) for k, v in layouts.items()}
+    assert (mem["zero1"].params, mem["zero1"].grads, mem["zero1"].optimizer) == (4 * psi, 4 * psi, 8 * psi // n)
+    assert mem["zero3"].model_states == 16 * psi // n
+    assert (mem["offload"].params, mem["offload"].host_per_node) == (2 * psi, round(16 * psi * 1.1))
 
 
 def test_shards_round_up_to_whole_elements() -> None:

@@ -127,12 +127,20 @@ def test_several_nodes_fast_uses_zero_as_the_zero_paper() -> None:
     plan = _plan(ModelSpec.from_params(7_500_000_000), nodes=8, gpus_per_node=8, gpu_memory="32GB")
     assert plan.branch == "several-nodes/does-not-fit/fast"
     # HSDP: ZeRO-3 sharded inside each node of 8, replicated across the 8 nodes -- only the all-reduce of the
-    # gradient shards crosses nodes, so it beats plain ZeRO-2 over all 64 ranks (which ZeRO-1 could not: 31.4 GB of
-    # states is too much)
+    # gradient shards crosses nodes, so it beats plain ZeRO-3 over all 64 ranks. Plain ZeRO-2 does not fit: the
+    # library's ZeRO-2 keeps fp32 weights under autocast, 4 P + 12 P / 64 = 31.4 GB of states (the ZeRO paper's
+    # 16-bit weights with an fp32 master in the optimizer, 2 P + 14 P / 64 = 16.6 GB, would)
     assert _rec(plan) == ("lp_sharded", 64, 1, 1, 3, "none")
     assert plan.recommended is not None and plan.recommended.layout.data_parallel_shard_size == 8
-    plain = [c for c in plan.candidates if c.fits and c.layout.data_parallel_shard_size is None and c.family == "zero"]
-    assert plain[0].layout.zero == 2 and plain[0].cost.step_s > plan.recommended.cost.step_s
+    plain = [c for c in plan.candidates if c.layout.data_parallel_shard_size is None and c.family == "zero"]
+    fitting = [c for c in plain if c.fits]
+    assert fitting[0].layout.zero == 3 and fitting[0].cost.step_s > plan.recommended.cost.step_s
+    zero2 = next(c for c in plain if c.layout.zero == 2)
+    assert not zero2.fits and zero2.memory.model_states == 4 * 7_500_000_000 + 12 * 7_500_000_000 // 64
+    paper = make_plan(ModelSpec.from_params(7_500_000_000), TrainingSettings(master_weights="optimizer"),
+                      make_hardware(nodes=8, gpus_per_node=8, gpu_memory="32GB"))
+    assert next(c for c in paper.candidates if c.fits and c.layout.data_parallel_shard_size is None
+                and c.family == "zero").layout.zero == 2
 
 
 def test_several_nodes_slow_uses_dp_pp_tp_zero1() -> None:
@@ -173,8 +181,10 @@ def test_every_candidate_is_a_valid_layout_with_tp_inside_a_node() -> None:
 def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "7.5e9", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory", "32GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["model_states_bytes"] == {"ddp": 120_000_000_000, "zero1": 31_406_250_000,
-                                         "zero2": 16_640_625_000, "zero3": 1_875_000_000}
+    # the library's engines keep fp32 weights under bf16-mixed: 8 P + 8 P / N, 4 P + 12 P / N (not the ZeRO paper's
+    # 16-bit weights: 31.4 and 16.6 GB)
+    assert out["model_states_bytes"] == {"ddp": 120_000_000_000, "zero1": 60_937_500_000,
+                                         "zero2": 31_406_250_000, "zero3": 1_875_000_000}
     rec = out["recommendation"]
     for key in ("strategy", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "zero_stage",
                 "offload", "tiled_layers", "branch", "reason"):

@@ -85,21 +85,21 @@ def test_missing_axes_move_nothing_and_bad_arguments_are_refused() -> None:
 def test_gpt3_175b_dp2_pp16_tp4_on_16_nodes_of_8() -> None:
     """The recommended layout of ``plan --model gpt3-175b --nodes 16 --gpus-per-node 8 --inter-node slow``."""
     model = ModelSpec.from_shape(MODEL_PRESETS["gpt3-175b"], name="gpt3-175b")
-    training = TrainingSettings()  # bf16-mixed: 2-byte gradients and activations, micro-batch 1
+    training = TrainingSettings()  # bf16-mixed: autocast over fp32 weights (4-byte gradients), 2-byte activations
     hardware = make_hardware(nodes=16, gpus_per_node=8, gpu_memory="80GB", inter_node="slow")
     layout = ParallelConfig(data_parallel_size=2, pipeline_parallel_size=16, tensor_parallel_size=4, zero_stage=1,
                             sequence_parallel=True, num_micro_batches=64)
     # P per rank (the first stage, h = 12288, V = 50304, s = 2048): 6 blocks x (12 h^2 / 4 + 6 h / 4 + 6 h)
     # = 6 x 453,076,992 = 2,718,461,952, plus the embedding V h / 4 + s h = 179,699,712 -> 2,898,161,664.
     assert model.params_per_device(pp=16, tp=4) == 2_898_161_664
-    # B_dp = 2 g P (d - 1) / d = 2 x 2 x 2,898,161,664 x 1/2 = 5,796,323,328 per rank.
+    # B_dp = 2 g P (d - 1) / d = 2 x 4 x 2,898,161,664 x 1/2 = 11,592,646,656 per rank (fp32 gradients).
     # B_pp = 2 m e s b h / t (sequence parallel) = 2 x 64 x 2 x 2048 x 1 x 12288 / 4 = 1,610,612,736 per rank.
     got = cross_node_bytes_by_order(model, training, hardware, layout)
     # dp-pp-tp: strides dp 64, pp 4, tp 1. 64 dp groups [r, r + 64], each over 2 nodes: 64 x 2 x B_dp
-    # = 741,929,385,984. 8 pp groups of stride 4: two stages per node, 7 boundaries between nodes: 56 x B_pp
+    # = 1,483,858,771,968. 8 pp groups of stride 4: two stages per node, 7 boundaries between nodes: 56 x B_pp
     # = 90,194,313,216. tp groups of 4 inside a node: 0.
-    assert got["dp-pp-tp"] == {"dp": 741_929_385_984, "pp": 90_194_313_216, "tp": 0,
-                               "total": 832_123_699_200}
+    assert got["dp-pp-tp"] == {"dp": 1_483_858_771_968, "pp": 90_194_313_216, "tp": 0,
+                               "total": 1_574_053_085_184}
     # pp-dp-tp: strides pp 8, dp 4, tp 1. dp groups [r, r + 4] inside a node: 0. 8 pp groups of stride 8: one stage
     # per node, 15 boundaries between nodes: 120 x B_pp = 193,273,528,320.
     assert got["pp-dp-tp"] == {"dp": 0, "pp": 193_273_528_320, "tp": 0, "total": 193_273_528_320}
@@ -150,10 +150,10 @@ def test_cli_text_shows_the_order_and_both_orders_bytes(capsys: pytest.CaptureFi
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#  strategy"))
     assert header.split()[:6] == ["#", "strategy", "dp", "pp", "tp", "order"]
     assert "mesh_order=pp-dp-tp)" in out.split("Branch:")[0]
-    assert "Mesh order pp-dp-tp: 193.3 GB between nodes per step instead of 832.1 GB with dp-pp-tp" in out
+    assert "Mesh order pp-dp-tp: 193.3 GB between nodes per step instead of 1.6 TB with dp-pp-tp" in out
     table = out.split("Bytes between nodes per step", 1)[1].splitlines()
     assert table[1].split() == ["order", "dp", "pp", "tp", "total"]
-    assert table[2].split() == ["dp-pp-tp", "741.9", "GB", "90.2", "GB", "0", "B", "832.1", "GB"]
+    assert table[2].split() == ["dp-pp-tp", "1.5", "TB", "90.2", "GB", "0", "B", "1.6", "TB"]
     assert table[3].split() == ["pp-dp-tp", "0", "B", "193.3", "GB", "0", "B", "193.3", "GB", "<-", "chosen"]
 
 
@@ -163,7 +163,7 @@ def test_cli_json_has_the_order_and_the_bytes(capsys: pytest.CaptureFixture[str]
     rec = out["recommendation"]
     assert rec["mesh_order"] == "pp-dp-tp"
     assert rec["cross_node_bytes_per_step"] == {
-        "dp-pp-tp": {"dp": 741_929_385_984, "pp": 90_194_313_216, "tp": 0, "total": 832_123_699_200},
+        "dp-pp-tp": {"dp": 1_483_858_771_968, "pp": 90_194_313_216, "tp": 0, "total": 1_574_053_085_184},
         "pp-dp-tp": {"dp": 0, "pp": 193_273_528_320, "tp": 0, "total": 193_273_528_320},
     }
     assert {c["mesh_order"] for c in out["candidates"]} == {"dp-pp-tp", "pp-dp-tp"}
