@@ -63,7 +63,8 @@ bytes per element of the gradients reduced and the weights gathered as the layou
   P``-based under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
 * tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
   ``2 (t - 1) / t``, on the intra-node link (6 with full recompute);
-* pp: one activation ``e s b h`` forward and one gradient backward per micro-batch and stage boundary (``/ t``
+* pp: one activation ``r s b h`` forward and one gradient backward per micro-batch and stage boundary (``r`` the
+  residual stream's bytes: 4 under Lightning's autocast, :meth:`TrainingSettings.residual_bytes`; ``/ t``
   with sequence parallelism);
 * cp (context parallelism, ring attention): per layer and micro-batch, the k/v block ``2 e b (s/c) h / t`` travels
   ``c - 1`` hops forward and ``c - 1`` backward, and its fp32 dk/dv accumulator ``2 x 4 b (s/c) h / t`` ``c`` hops;
@@ -382,7 +383,8 @@ def _traffic(
         per_layer = collectives * 2 * (tp - 1) / tp * e * (seq_len // cp) * b * shape.n_embd
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m * acc
     if shape is not None and pp > 1:
-        out["pp"] = 2 * m * acc * e * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
+        r = training.residual_bytes(offload=layout.offload_device)  # a stage sends the residual stream
+        out["pp"] = 2 * m * acc * r * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
     if layout.offload_device != "none":
         shard = local / dp
         # each batch's gradient out (the engine reduces every batch), the weights back once; at stage 3 the weights

@@ -159,10 +159,11 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Hardware, *,
                       context: bool = False) -> list[ParallelConfig]:
-    """Every layout the library can run on this machine: tp <= devices per node (dividing heads and vocabulary),
-    pp dividing the layers, dp the rest; ZeRO 1-3 over dp; offload (ZeRO 2/3, data parallel only). With
-    ``context`` (the guide's sequence branch) also every cp > 1 that keeps cp x tp inside a node, splits the sequence
-    into 2 x cp chunks and runs without attention dropout (ZeRO over dp x cp, no offload)."""
+    """Every layout the library can run on this machine: tp <= devices per node (dividing heads and vocabulary), pp
+    dividing the layers (and, with a fixed number of micro-batches, at most that many stages), dp the rest; ZeRO 1-3
+    over dp; offload (ZeRO 2/3, data parallel only). With ``context`` (the guide's sequence branch) also every cp > 1
+    that keeps cp x tp inside a node, splits the sequence into 2 x cp chunks and runs without attention dropout (ZeRO
+    over dp x cp, no offload)."""
     world, shape = hardware.world_size, model.shape
     # Without a shape activations are not estimated, so checkpointing options would only repeat each layout.
     checkpointing = training.checkpointing_options if shape is not None else training.checkpointing_options[:1]
@@ -173,6 +174,8 @@ def enumerate_layouts(model: ModelSpec, training: TrainingSettings, hardware: Ha
         for pp in _divisors(world // tp) if world % tp == 0 else []:
             if shape is not None and shape.n_layer % pp:
                 continue
+            if pp > 1 and training.num_micro_batches is not None and training.num_micro_batches < pp:
+                continue  # a fixed m under 1F1B needs a micro-batch per stage at least (the layout would be refused)
             layouts.extend(_layouts_for(world // (tp * pp), pp, tp, training, hardware, checkpointing))
             for cp in context_sizes(model, training, hardware, world=world // (tp * pp), tp=tp) if context else []:
                 layouts.extend(_layouts_for(world // (tp * pp * cp), pp, tp, training, hardware, checkpointing,

@@ -158,8 +158,18 @@ class TrainingSettings:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of one activation element: 2 under mixed precision, 4 in fp32."""
+        """Bytes of one activation element a 16-bit op writes (a matmul's output): 2 under mixed precision, 4 in
+        fp32."""
         return 2 if self.mixed else 4
+
+    def residual_bytes(self, *, offload: str = "none") -> int:
+        """Bytes of one element of the residual stream -- a block's input and output, the LayerNorms' inputs, what a
+        pipeline stage sends to the next: 4 in fp32 and under Lightning's autocast (``master_weights="model"``: the
+        embedding's fp32 output plus each block's 16-bit branches stays fp32), 2 where the weights are 16-bit
+        (``master_weights="optimizer"``; the offload engine's DeepSpeed module)."""
+        if not self.mixed or (self.master_weights == "model" and offload == "none"):
+            return 4
+        return 2
 
     @property
     def trainer_precision(self) -> str:

@@ -8,7 +8,9 @@ and the dtype the parameters trained in (rank 0, at the end of the fit): fp32 un
 a backend cannot honour is refused before any process starts: ``bf16-true`` under ``lp_zero_offload`` (DeepSpeed keeps
 fp32 master weights: that is ``bf16-mixed``). Under FSDP2 (``lp_sharded`` ZeRO-3, ``lp_tensor`` zero_stage 3),
 ``bf16-mixed`` runs FSDP2's ``MixedPrecisionPolicy``: the counted all-gather bytes over ``dp`` are half those of
-``32-true``, the reduce-scatter bytes the same (fp32). ``-s`` prints the table and the bytes.
+``32-true``, the reduce-scatter bytes the same (fp32); a pipeline stage sends fp32 under ``bf16-mixed`` (the residual
+stream of fp32 weights), bf16 under ``bf16-true``; the dp-only layouts hold the planner's model-state bytes per rank.
+``-s`` prints the table and the bytes.
 """
 
 from __future__ import annotations
@@ -180,6 +182,12 @@ def test_every_precision_under_the_strategy_matches_one_device(name: str, refere
             assert measured["params"] == predicted.params and measured["grads"] == predicted.grads
             assert predicted.optimizer <= measured["optimizer"] <= predicted.optimizer + 8 * 64  # + AdamW's steps
     print(f"\n{name}: " + "; ".join(f"{p}: {TABLE[(name, p)]}" for p in PRECISIONS))
+    if name == "lp_pipeline pp2":  # a stage sends the residual stream: fp32 under autocast (fp32 weights), as the
+        # planner counts it (TrainingSettings.residual_bytes), 16-bit only when the weights are
+        sent = {p: counted[p]["pp:send"] for p in PRECISIONS}
+        print(f"{name} pp bytes sent per rank, whole fit: {sent}")
+        assert sent["bf16-mixed"] == sent["32-true"]
+        assert sent["bf16-true"] == pytest.approx(sent["32-true"] / 2, rel=0.01)
     if name in FSDP2:
         full, mixed = counted["32-true"], counted["bf16-mixed"]
         print(f"{name} bytes per rank, whole fit, 32-true -> bf16-mixed: "

@@ -21,6 +21,7 @@ from lightning_parallel.parallel.activation_checkpointing import (
     remove_activation_checkpointing,
     saved_activation_bytes,
 )
+from lightning_parallel.planner import TrainingSettings, layer_activation_bytes
 
 CFG: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}
 STEPS = 3
@@ -171,6 +172,16 @@ def test_memory_kept_for_backward_shrinks_as_promised() -> None:
         per_block[mode] = saved["blocks.1"]
     assert per_block["full"] == 4 * s * b * h  # a block keeps exactly its fp32 input
     assert per_block["full"] < per_block["selective"] < per_block["none"]
+    # under Lightning's bf16-mixed (autocast over fp32 weights) the block's input is the fp32 residual stream still:
+    # the planner counts 4 bytes per element for it, not the paper's 2 (planner/activations.py)
+    model = _gpt(0.1)
+    apply_activation_checkpointing(model, "full")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = _saved_for_backward(model, x, y)["blocks.1"]
+    bf16 = TrainingSettings(precision="bf16-mixed")
+    planned = layer_activation_bytes(seq_len=s, micro_batch_size=b, hidden=h, heads=2, recompute="full",
+                                     element_bytes=bf16.activation_bytes, residual_bytes=bf16.residual_bytes())
+    assert mixed == planned == 4 * s * b * h
     # selective drops the attention core's s^2 tensors (softmax output, dropout mask and output: 3 fp32 ones on CPU)
     assert per_block["none"] - per_block["selective"] >= 3 * 4 * 2 * s * s * b
 

@@ -217,7 +217,8 @@ def test_1f1b_first_stage_holds_the_whole_model_worth_of_layers() -> None:
                                                             num_micro_batches=16))
     gpipe = activation_bytes(model, training, ParallelConfig(data_parallel_size=1, pipeline_parallel_size=4,
                                                              num_micro_batches=16, pipeline_schedule="gpipe"))
-    per_layer = layer_activation_bytes(seq_len=128, micro_batch_size=1, hidden=256, heads=8)
+    # bf16-mixed: 16-bit activations, the residual stream fp32 (autocast over fp32 weights)
+    per_layer = layer_activation_bytes(seq_len=128, micro_batch_size=1, hidden=256, heads=8, residual_bytes=4)
     assert four == 8 * per_layer + 4 * 128 * 256  # 4 in flight x (2 layers + the embedding's dropout mask)
     assert one > four  # one device also holds the head's logits
     assert gpipe == 16 * (2 * per_layer + 128 * 256)  # GPipe keeps all m micro-batches

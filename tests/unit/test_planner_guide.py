@@ -177,6 +177,17 @@ def test_every_candidate_is_a_valid_layout_with_tp_inside_a_node() -> None:
         assert int(lay.data_parallel_size) * lay.pipeline_parallel_size * lay.tensor_parallel_size == 16
 
 
+def test_fixed_micro_batches_leave_out_deeper_pipelines(capsys: pytest.CaptureFixture[str]) -> None:
+    # --micro-batches 16 on 64 x 8 GPUs: 32- and 64-stage pipelines cannot run 1F1B on 16 micro-batches; they are left
+    # out instead of failing the whole plan with the layout's refusal
+    argv = ["--layers", "128", "--hidden", "4096", "--heads", "32", "--nodes", "64", "--gpus-per-node", "8",
+            "--gpu-memory", "80GB", "--micro-batches", "16", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    stages = {c["pipeline_parallel_size"] for c in out["candidates"]}
+    assert max(stages) == 16 and 2 in stages
+
+
 # --------------------------------------------------------------------------- CLI, JSON, recipe
 def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "7.5e9", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory", "32GB", "--json"]) == 0

@@ -93,16 +93,17 @@ def test_gpt3_175b_dp2_pp16_tp4_on_16_nodes_of_8() -> None:
     # = 6 x 453,076,992 = 2,718,461,952, plus the embedding V h / 4 + s h = 179,699,712 -> 2,898,161,664.
     assert model.params_per_device(pp=16, tp=4) == 2_898_161_664
     # B_dp = 2 g P (d - 1) / d = 2 x 4 x 2,898,161,664 x 1/2 = 11,592,646,656 per rank (fp32 gradients).
-    # B_pp = 2 m e s b h / t (sequence parallel) = 2 x 64 x 2 x 2048 x 1 x 12288 / 4 = 1,610,612,736 per rank.
+    # B_pp = 2 m r s b h / t (sequence parallel; r = 4: the residual stream a stage sends is fp32 under autocast)
+    # = 2 x 64 x 4 x 2048 x 1 x 12288 / 4 = 3,221,225,472 per rank.
     got = cross_node_bytes_by_order(model, training, hardware, layout)
     # dp-pp-tp: strides dp 64, pp 4, tp 1. 64 dp groups [r, r + 64], each over 2 nodes: 64 x 2 x B_dp
     # = 1,483,858,771,968. 8 pp groups of stride 4: two stages per node, 7 boundaries between nodes: 56 x B_pp
-    # = 90,194,313,216. tp groups of 4 inside a node: 0.
-    assert got["dp-pp-tp"] == {"dp": 1_483_858_771_968, "pp": 90_194_313_216, "tp": 0,
-                               "total": 1_574_053_085_184}
+    # = 180,388,626,432. tp groups of 4 inside a node: 0.
+    assert got["dp-pp-tp"] == {"dp": 1_483_858_771_968, "pp": 180_388_626_432, "tp": 0,
+                               "total": 1_664_247_398_400}
     # pp-dp-tp: strides pp 8, dp 4, tp 1. dp groups [r, r + 4] inside a node: 0. 8 pp groups of stride 8: one stage
-    # per node, 15 boundaries between nodes: 120 x B_pp = 193,273,528,320.
-    assert got["pp-dp-tp"] == {"dp": 0, "pp": 193_273_528_320, "tp": 0, "total": 193_273_528_320}
+    # per node, 15 boundaries between nodes: 120 x B_pp = 386,547,056,640.
+    assert got["pp-dp-tp"] == {"dp": 0, "pp": 386_547_056_640, "tp": 0, "total": 386_547_056_640}
     # the whole layout as the planner evaluates it: pp-dp-tp chosen, and its estimated step follows the order
     chosen = evaluate(model, training, hardware, layout)
     assert chosen.layout.mesh_order == "pp-dp-tp" and chosen.cross_node_bytes == got
@@ -150,11 +151,11 @@ def test_cli_text_shows_the_order_and_both_orders_bytes(capsys: pytest.CaptureFi
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#  strategy"))
     assert header.split()[:6] == ["#", "strategy", "dp", "pp", "tp", "order"]
     assert "mesh_order=pp-dp-tp)" in out.split("Branch:")[0]
-    assert "Mesh order pp-dp-tp: 193.3 GB between nodes per step instead of 1.6 TB with dp-pp-tp" in out
+    assert "Mesh order pp-dp-tp: 386.5 GB between nodes per step instead of 1.7 TB with dp-pp-tp" in out
     table = out.split("Bytes between nodes per step", 1)[1].splitlines()
     assert table[1].split() == ["order", "dp", "pp", "tp", "total"]
-    assert table[2].split() == ["dp-pp-tp", "1.5", "TB", "90.2", "GB", "0", "B", "1.6", "TB"]
-    assert table[3].split() == ["pp-dp-tp", "0", "B", "193.3", "GB", "0", "B", "193.3", "GB", "<-", "chosen"]
+    assert table[2].split() == ["dp-pp-tp", "1.5", "TB", "180.4", "GB", "0", "B", "1.7", "TB"]
+    assert table[3].split() == ["pp-dp-tp", "0", "B", "386.5", "GB", "0", "B", "386.5", "GB", "<-", "chosen"]
 
 
 def test_cli_json_has_the_order_and_the_bytes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,8 +164,8 @@ def test_cli_json_has_the_order_and_the_bytes(capsys: pytest.CaptureFixture[str]
     rec = out["recommendation"]
     assert rec["mesh_order"] == "pp-dp-tp"
     assert rec["cross_node_bytes_per_step"] == {
-        "dp-pp-tp": {"dp": 1_483_858_771_968, "pp": 90_194_313_216, "tp": 0, "total": 1_574_053_085_184},
-        "pp-dp-tp": {"dp": 0, "pp": 193_273_528_320, "tp": 0, "total": 193_273_528_320},
+        "dp-pp-tp": {"dp": 1_483_858_771_968, "pp": 180_388_626_432, "tp": 0, "total": 1_664_247_398_400},
+        "pp-dp-tp": {"dp": 0, "pp": 386_547_056_640, "tp": 0, "total": 386_547_056_640},
     }
     assert {c["mesh_order"] for c in out["candidates"]} == {"dp-pp-tp", "pp-dp-tp"}
 
@@ -174,7 +175,7 @@ def test_recipe_writes_the_order_on_several_nodes(tmp_path: Path, capsys: pytest
     assert main([*ARGV_175B, "--write-recipe", str(path)]) == 0
     text = path.read_text()
     assert yaml.safe_load(text)["parallel"]["mesh_order"] == "pp-dp-tp"
-    assert "#   pp-dp-tp: dp 0 B, pp 193.3 GB, tp 0 B; total 193.3 GB <- chosen" in text
+    assert "#   pp-dp-tp: dp 0 B, pp 386.5 GB, tp 0 B; total 386.5 GB <- chosen" in text
     # several nodes, the default order: still written (the recipe says which axis crosses nodes)
     path = tmp_path / "ddp.yaml"
     assert main(["--model", "gpt3-125m", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "24GB",
