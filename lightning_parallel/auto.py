@@ -107,9 +107,11 @@ class AutoDecision:
         pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
         dp, cp, shard = int(layout.data_parallel_size), layout.context_parallel_size, layout.data_parallel_shard_size
         n_local = model.params_per_device(pp=pp, tp=tp)
-        # at rest (the report measures after each batch's step): sharded over dp x cp, or HSDP's shard groups
+        # at rest (the report measures after each batch's step): sharded over dp x cp, or HSDP's shard groups;
+        # FSDP2 (ZeRO-2 in pipelines and under HSDP too) has resharded everything after the step's last backward
         return model_states(n_local, layout_state_bytes(self.plan.training, layout), dp=dp * cp,
-                            zero_stage=layout.zero, offload=layout.offload_device, shard=shard * cp if shard else None)
+                            zero_stage=3 if layout.runs_fsdp2 else layout.zero, offload=layout.offload_device,
+                            shard=shard * cp if shard else None)
 
     def make_strategy(self, run_settings: dict[str, Any] | None = None, **strategy_kwargs: Any) -> Any:
         """The strategy instance (or ``"auto"``) for ``Trainer(strategy=...)``; ``strategy_kwargs`` go to its

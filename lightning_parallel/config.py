@@ -251,6 +251,17 @@ class ParallelConfig:
         """The offload target with "not set" read as ``none``."""
         return self.offload if self.offload is not None else "none"
 
+    @property
+    def runs_fsdp2(self) -> bool:
+        """Whether this layout's data-parallel engine is FSDP2: ZeRO-3, and ZeRO-2 inside pipeline stages or under
+        HSDP (``data_parallel_shard_size``); otherwise DDP or the flat ZeRO-1/2 shards, or DeepSpeed's engine with
+        offload."""
+        if self.offload_device != "none":
+            return False
+        shard, dp = self.data_parallel_shard_size, self.data_parallel_size
+        hsdp = shard is not None and (not isinstance(dp, int) or shard < dp)
+        return self.zero == 3 or (self.zero == 2 and (self.pipeline_parallel_size > 1 or hsdp))
+
     def with_preset(self, *, zero_stage: int | None = None, offload: str | None = None) -> ParallelConfig:
         """This layout with the keys it leaves unset (None) filled by a strategy's preset; set keys are kept."""
         changes: dict[str, Any] = {}

@@ -179,25 +179,32 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
     return names
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's, tensor parallelism's), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def saved_activation_bytes(
     module: nn.Module, forward: Callable[[], Any], *, layers: Mapping[str, nn.Module] | None = None
 ) -> dict[str, int]:
     """Run ``forward()`` (a forward of ``module`` with autograd recording; keep its result alive for backward
     yourself) and measure the activation memory it leaves for backward: the bytes of the distinct storages autograd
-    saves (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded, plus the inputs that checkpointed
+    saves (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded (also the unsharded ones FSDP2 gathers for
+    its forward, and a DTensor's local shard), plus the inputs that checkpointed
     submodules hold for their recompute (what autograd saves inside them is dropped, so it is not counted).
 
     Each storage is counted once and attributed to the entry of ``layers`` (name -> submodule, e.g. the
     ``pipeline_layers()``) whose forward was running when it was first saved, else to ``"other"`` (e.g. the loss);
     ``"total"`` is the sum. Returns ``{"total": ..., **per_layer, "other": ...}``.
     """
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     held: list[torch.Tensor] = []  # keep every counted tensor alive, so that no storage address is reused
     current: list[str] = []
 
     def record(t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or t.device.type == "meta":
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -216,6 +223,11 @@ def saved_activation_bytes(
     def leave(*_: Any) -> None:
         current.pop()
 
+    def own_parameters(sub: nn.Module, _: tuple[Any, ...]) -> None:
+        # as the module runs: FSDP2 has swapped in the unsharded parameters it gathered (their storages, and the
+        # views a linear saves of them, are weights, not activations)
+        params.update(_local(p).untyped_storage().data_ptr() for p in sub.parameters(recurse=False))
+
     def checkpoint_inputs(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():
             for value in (*args, *kwargs.values()):
@@ -227,6 +239,8 @@ def saved_activation_bytes(
             handles.append(layer.register_forward_pre_hook(enter(name)))
             handles.append(layer.register_forward_hook(leave, always_call=True))
         for sub in module.modules():
+            if any(True for _ in sub.parameters(recurse=False)):
+                handles.append(sub.register_forward_pre_hook(own_parameters))
             if isinstance(sub, _Checkpointed):
                 handles.append(sub.register_forward_pre_hook(checkpoint_inputs, with_kwargs=True))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -16,15 +16,26 @@ Where the numbers come from, for an element size ``e`` (2 bytes in 16 bits, 4 in
 (4h wide), mask; two LayerNorm inputs 4) and ``5 = 2 e + 1`` (softmax output, its dropout mask, dropout output,
 each a s^2 b). Without dropout the masks vanish: ``16 e`` and ``e``. The part that TP leaves whole is
 ``4 e + 2`` (= 10: LayerNorm inputs, masks, the QKV and MLP inputs); sequence parallelism splits it too.
-Selective recompute drops the ``a s^2 b`` term (attention core recomputed in backward).
+Selective recompute drops the ``a s^2 b`` term (attention core recomputed in backward). A fused attention kernel
+(SDPA's flash or memory-efficient kernel on GPUs, FlashAttention; this library's GPT runs SDPA) writes no ``s^2``
+tensor at all: its core keeps a log-sum-exp per query and head, ``4 a s b`` bytes (fp32), and regenerates its
+dropout mask in backward, so ``none`` keeps ``34 s b h + 4 a s b`` (16-bit, with dropout) and ``selective`` saves
+only that log-sum-exp (:data:`~lightning_parallel.planner.flops.KERNELS`: Megatron-LM of 2021 had no such kernel).
 
 The paper's model holds 16-bit weights, so its residual stream is 16-bit too. Under Lightning's mixed precision
-(autocast over fp32 weights) the embedding's output is fp32 and so is every block's input and output (the residual
-adds fp32 and the branches' 16-bit outputs): the residual stream's elements -- the two LayerNorm inputs, the block's
-input that full recomputation keeps, the final LayerNorm's input -- take ``r = 4`` bytes
-(:meth:`~lightning_parallel.planner.settings.TrainingSettings.residual_bytes`), the rest ``e``: ``2 r + 14 e + 2``
-per ``s b h`` (36 in place of 34), ``r s b h`` under full recomputation (measured: a block of the library's GPT keeps
-exactly ``4 s b h`` under ``bf16-mixed``, as in fp32).
+(autocast over fp32 weights, :meth:`~lightning_parallel.planner.settings.TrainingSettings.autocast_casts`) the
+embedding's output is fp32 and so is every block's input and output (the residual adds fp32 and the branches' 16-bit
+outputs): the residual stream's elements -- the two LayerNorm inputs, the block's input that full recomputation
+keeps, the final LayerNorm's input -- take ``r = 4`` bytes (``residual_bytes``), the rest ``e``. Autocast also casts
+a shared input once per linear that reads it (q, k and v: two more ``e s b h``; a gated MLP's two projections: one
+more) and keeps a 16-bit copy of every weight matrix a linear used until its backward: ``2 P`` bytes of the stage's
+matrices (the head's too; a block's only while it runs when fully recomputed). Without dropout, with a fused
+attention kernel: ``(2 r + 14 e + 2 e) s b h + 4 a s b = 40 s b h + 4 a s b`` per layer plus the weight copies,
+``4 s b h`` under full recomputation. Under FSDP2 with ``bf16-mixed`` the policy casts each unit's input to bf16
+before it runs: the residual stream is 16-bit (``r = 2``: the kept block input, what a stage sends) and nothing is
+left to cast, but CUDA's autocast still runs LayerNorm in fp32 and keeps that copy of its input (4 bytes; the CPU's
+keeps the bf16 input). Measured (the library's GPT, CPU, SDPA without dropout): within 2 % of this in fp32, under
+``bf16-mixed`` and under FSDP2's bf16 (``tests/unit/test_activation_checkpointing.py``).
 
 Context parallelism (``cp``) splits every sequence over ``cp`` ranks: each keeps the activations of ``s / cp``
 tokens, so every ``s b h`` term divides by ``cp``; the attention core runs as ring (or all-to-all) attention, which
@@ -45,6 +56,7 @@ import math
 from fractions import Fraction
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.planner.flops import Kernels
 from lightning_parallel.planner.model import ModelSpec
 from lightning_parallel.planner.settings import TrainingSettings
 
@@ -64,18 +76,28 @@ def layer_activation_bytes(
     dropout: bool = True,
     cp: int = 1,
     residual_bytes: int | None = None,
+    flash_attention: bool = False,
+    input_casts: int = 0,
+    norm_bytes: int | None = None,
 ) -> int:
     """Bytes of activations one transformer layer keeps for backward on one tp rank (Korthikanti Table 2); with
     ``cp > 1`` on one rank of the cp group (``seq_len / cp`` tokens, ring attention: no ``s^2`` term).
     ``residual_bytes``: the residual stream's element (the block's input, the LayerNorms' inputs; None:
-    ``element_bytes``) -- 4 under Lightning's autocast, whose fp32 weights keep it fp32."""
+    ``element_bytes``) -- 4 under Lightning's autocast, whose fp32 weights keep it fp32. ``flash_attention``: a fused
+    attention kernel (SDPA's flash/efficient, FlashAttention) keeps no ``s^2`` tensor, only a log-sum-exp per query
+    and head (``4 a s b / t``, fp32; its dropout mask is regenerated from the RNG state), and nothing once the core
+    is recomputed (``selective``). ``input_casts``: 16-bit copies, beyond the first, of an input several linears read
+    (autocast casts it for each: q, k and v; a gated MLP's two input projections). ``norm_bytes``: the element the
+    two LayerNorms keep of their inputs (None: ``residual_bytes``; 4 where CUDA's autocast runs them in fp32 on a
+    16-bit residual stream)."""
     s, b, h, a, t, e = seq_len, micro_batch_size, hidden, heads, tp, element_bytes
     r = e if residual_bytes is None else residual_bytes
+    n = r if norm_bytes is None else norm_bytes
     if cp > 1:
         s_local = Fraction(s, cp)
         if recompute == "full":
             return math.ceil(r * s_local * b * h / (t if sequence_parallel else 1))
-        whole = 2 * r + 2 * e  # no dropout under cp
+        whole = 2 * n + (2 + input_casts) * e  # no dropout under cp
         per_sbh = Fraction(whole, t) if sequence_parallel else Fraction(whole)
         core = 0 if recompute == "selective" else Fraction(4 * a * s_local * b, t)  # the ring's log-sum-exp
         return math.ceil(s_local * b * h * (per_sbh + Fraction(12 * e, t)) + core)
@@ -84,13 +106,16 @@ def layer_activation_bytes(
         return math.ceil(Fraction(r * s * b * h, t if sequence_parallel else 1))
     if recompute not in ("none", "selective"):
         raise ValueError(f"activation_checkpointing={recompute!r}: use none, selective or full.")
-    whole = 2 * r + 2 * e + masks  # 10 in the paper: left whole by TP, split by sequence parallelism
+    whole = 2 * n + (2 + input_casts) * e + masks  # 10 in the paper: left whole by TP, split by sequence parallelism
     split = 12 * e  # 24 in the paper
-    attention_core = 0 if recompute == "selective" else (2 * e + 1 if dropout else e)  # 5 in the paper
     sbh = Fraction(s * b * h)
     per_sbh = Fraction(whole, t) if sequence_parallel else Fraction(whole)
-    total = sbh * (per_sbh + Fraction(split, t)) + Fraction(attention_core * a * s * s * b, t)
-    return math.ceil(total)
+    if flash_attention:
+        core = Fraction(0) if recompute == "selective" else Fraction(4 * a * s * b, t)  # the log-sum-exp
+    else:
+        attention_core = 0 if recompute == "selective" else (2 * e + 1 if dropout else e)  # 5 in the paper
+        core = Fraction(attention_core * a * s * s * b, t)
+    return math.ceil(sbh * (per_sbh + Fraction(split, t)) + core)
 
 
 def micro_batches_in_flight(layout: ParallelConfig, micro_batches: int) -> Fraction:
@@ -105,15 +130,23 @@ def micro_batches_in_flight(layout: ParallelConfig, micro_batches: int) -> Fract
     return Fraction(min(p, micro_batches))
 
 
-def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig) -> int:
-    """Peak activation bytes on the busiest device: the first stage's blocks and embedding, or the head."""
+def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: ParallelConfig, *,
+                     kernels: Kernels | None = None, gpu: bool = True) -> int:
+    """Peak activation bytes on the busiest device: the first stage's blocks and embedding, or the head.
+    ``kernels``: the implementation's (:data:`~lightning_parallel.planner.flops.KERNELS`; default this library's GPT,
+    whose SDPA is a fused attention kernel on GPUs). ``gpu``: CUDA's autocast runs LayerNorm in fp32 and keeps that
+    copy of a 16-bit input (FSDP2's bf16 units); the CPU's keeps the 16-bit input."""
     shape = model.shape
     if shape is None:
         raise ValueError("activation memory needs the model's shape (layers, hidden size, heads).")
     pp, tp, cp = layout.pipeline_parallel_size, layout.tensor_parallel_size, layout.context_parallel_size
     s, b, h = training.sequence_length(shape.block_size), training.micro_batch_size, shape.n_embd
     e, dropout = training.activation_bytes, shape.dropout > 0 and cp == 1
-    r = training.residual_bytes(offload=layout.offload_device)
+    offload, fsdp = layout.offload_device, layout.runs_fsdp2
+    r, casts = training.residual_bytes(offload=offload, fsdp=fsdp), training.autocast_casts(offload=offload, fsdp=fsdp)
+    autocast = training.mixed and training.master_weights == "model" and layout.offload_device == "none"
+    norm = 4 if autocast and gpu else r  # Lightning's autocast runs around FSDP2's bf16 units too
+    recompute = layout.activation_checkpointing
     per_layer = layer_activation_bytes(
         seq_len=s,
         micro_batch_size=b,
@@ -126,13 +159,20 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
         dropout=dropout,
         cp=cp,
         residual_bytes=r,
+        flash_attention=(kernels or Kernels()).flash_attention,
+        input_casts=(2 + (1 if shape.gated_mlp else 0)) if casts else 0,
+        norm_bytes=norm,
     )
     in_flight = micro_batches_in_flight(layout, training.micro_batches(pp))
     layers = math.ceil(shape.n_layer / pp)
     local = Fraction(s, cp)  # tokens per rank
     embedding = Fraction(local * b * h, tp if layout.sequence_parallel else 1) if dropout else Fraction(0)
-    head = Fraction((r + e) * local * b * h) + Fraction(4 * local * b * shape.vocab_size, tp)
-    first = (layers * per_layer + embedding) * in_flight
+    head = Fraction((norm + e) * local * b * h) + Fraction(4 * local * b * shape.vocab_size, tp)
+    # autocast's 16-bit copies of the stage's weight matrices, saved for backward once per step (its cache serves
+    # every micro-batch); full recomputation casts a block's again in its recomputation instead
+    blocks_cast = 2 * layers * shape.block_matrix_params(tp) if casts and recompute != "full" else 0
+    head_cast = Fraction(2 * shape.vocab_size * h, tp) if casts else Fraction(0)
+    first = (layers * per_layer + embedding) * in_flight + blocks_cast
     if pp == 1:
-        return math.ceil(first + head)
-    return math.ceil(max(first, layers * per_layer + head))
+        return math.ceil(first + head + head_cast)
+    return math.ceil(max(first, layers * per_layer + head + blocks_cast + head_cast))

@@ -61,8 +61,9 @@ bytes per element of the gradients reduced and the weights gathered as the layou
 
 * dp: ``2 g P (N_d - 1) / N_d`` bytes (all-reduce, or reduce-scatter + all-gather under ZeRO-1/2), ``(g + 2 p)
   P``-based under ZeRO-3 (the ZeRO paper's 2 Psi and 3 Psi), over the link the dp group spans;
-* tp: 4 all-reduces of ``e s b h`` per layer and micro-batch (2 forward, 2 backward, Megatron), ring factor
-  ``2 (t - 1) / t``, on the intra-node link (6 with full recompute);
+* tp: 4 all-reduces of ``s b h`` elements per layer and micro-batch (2 forward of ``e`` bytes, 2 backward of ``r``:
+  the residual stream's gradient; Megatron), ring factor ``2 (t - 1) / t``, on the intra-node link (6 with full
+  recompute: 2 more forward);
 * pp: one activation ``r s b h`` forward and one gradient backward per micro-batch and stage boundary (``r`` the
   residual stream's bytes: 4 under Lightning's autocast, :meth:`TrainingSettings.residual_bytes`; ``/ t``
   with sequence parallelism);
@@ -378,12 +379,15 @@ def _traffic(
         else:
             out["dp"] = per_param * local * (dp - 1) / dp
     shape = model.shape
+    r = training.residual_bytes(offload=layout.offload_device, fsdp=layout.runs_fsdp2)  # the residual stream's
     if shape is not None and tp > 1:
-        collectives = 6 if layout.activation_checkpointing == "full" else 4
-        per_layer = collectives * 2 * (tp - 1) / tp * e * (seq_len // cp) * b * shape.n_embd
+        # the forward's all-reduces carry the linears' 16-bit outputs (twice more when fully recomputed), the
+        # backward's the gradients of the residual stream (fp32 under autocast: measured 0.80 of fp32's bytes under
+        # bf16-mixed, 0.50 under bf16-true)
+        forward = 4 if layout.activation_checkpointing == "full" else 2
+        per_layer = (forward * e + 2 * r) * 2 * (tp - 1) / tp * (seq_len // cp) * b * shape.n_embd
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m * acc
-    if shape is not None and pp > 1:
-        r = training.residual_bytes(offload=layout.offload_device)  # a stage sends the residual stream
+    if shape is not None and pp > 1:  # a stage sends the residual stream
         out["pp"] = 2 * m * acc * r * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)
     if layout.offload_device != "none":
         shard = local / dp

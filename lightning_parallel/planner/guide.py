@@ -250,11 +250,13 @@ NVME_PATH = "/local_nvme/lightning_parallel"
 def _layer_bytes(model: ModelSpec, training: TrainingSettings, *, tp: int, layout: ParallelConfig | None = None
                  ) -> int | None:
     """The largest layer's weights and gradients on a device, in the bytes ``layout``'s engine gathers and reduces
-    them in (without a layout: DDP's)."""
+    them in (without a layout: the fewest of the engines that shard the weights, FSDP2's and the offload one's)."""
     if model.largest_layer_params is None:
         return None
-    state = training.state_bytes if layout is None else layout_state_bytes(training, layout)
-    return (state.gathered + state.reduced) * model.largest_layer_per_device(tp=tp)
+    layouts = [layout] if layout is not None else [ParallelConfig(data_parallel_size=2, zero_stage=3, offload=o)
+                                                   for o in ("none", "cpu")]
+    per_element = min(s.gathered + s.reduced for s in (layout_state_bytes(training, lay) for lay in layouts))
+    return per_element * model.largest_layer_per_device(tp=tp)
 
 
 DEFAULT_MESH_ORDER = "dp-pp-tp"

@@ -58,7 +58,6 @@ __all__ = [
     "model_states",
     "model_states_bytes",
     "reshards",
-    "uses_fsdp",
 ]
 
 BUFFER_FRACTION = 0.10
@@ -107,7 +106,8 @@ def model_states(
     full, shard_n = n_params, math.ceil(n_params / (shard or dp))
     in_pipeline = pipeline and zero_stage >= 2
     whole_grad = zero_stage >= 2 and (in_pipeline or (accumulate and offload == "none"))
-    fsdp = offload == "none" and (zero_stage >= 3 or (zero_stage == 2 and (pipeline or shard is not None)))
+    hsdp = shard is not None and shard < dp
+    fsdp = offload == "none" and (zero_stage >= 3 or (zero_stage == 2 and (pipeline or hsdp)))
     if not fsdp:  # DDP, the flat ZeRO-1/2 (and the offload engine): every rank keeps the whole weights
         params = state.param * (shard_n if zero_stage >= 3 else full)
     elif reshard:  # FSDP2 frees each unit's gathered weights after its forward and its backward
@@ -181,7 +181,8 @@ def estimate_memory(
     states = model_states(n_local, state, dp=dp * cp, zero_stage=layout.zero, offload=layout.offload_device,
                           shard=shard * cp if shard else None, pipeline=pp > 1, reshard=reshards(layout),
                           accumulate=training.accumulation(dp, pp) > 1 and not layout.reduce_each_batch)
-    acts = activation_bytes(model, training, layout) if model.shape is not None else None
+    acts = (activation_bytes(model, training, layout, gpu=hardware.accelerator != "cpu") if model.shape is not None
+            else None)
     buffers = hardware.reserved + round(BUFFER_FRACTION * (states.device + (acts or 0)))
     if layout.zero == 3:
         buffers += math.ceil((state.gathered + state.reduced) * model.largest_layer_per_device(tp=tp) / tiles)
@@ -197,19 +198,10 @@ def estimate_memory(
     )
 
 
-def uses_fsdp(layout: ParallelConfig) -> bool:
-    """Whether the layout's data-parallel engine is FSDP2: ZeRO-3, and ZeRO-2 inside pipeline stages or under HSDP
-    (the flat ZeRO-1/2 shards otherwise; the offload layouts run DeepSpeed's engine)."""
-    if layout.offload_device != "none":
-        return False
-    return layout.zero == 3 or (layout.zero == 2 and (layout.pipeline_parallel_size > 1
-                                                        or layout.data_parallel_shard_size is not None))
-
-
 def layout_state_bytes(training: TrainingSettings, layout: ParallelConfig) -> StateBytes:
     """The bytes per parameter of ``layout``'s model states as its engine keeps them
     (:meth:`TrainingSettings.state_bytes_for`)."""
-    return training.state_bytes_for(offload=layout.offload_device, fsdp=uses_fsdp(layout))
+    return training.state_bytes_for(offload=layout.offload_device, fsdp=layout.runs_fsdp2)
 
 
 def reshards(layout: ParallelConfig) -> bool:

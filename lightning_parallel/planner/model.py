@@ -81,11 +81,17 @@ class ModelShape:
                 f"({self.n_embd} % {self.n_head} = {self.n_embd % self.n_head}). Fix: change one of them."
             )
 
+    def block_matrix_params(self, tp: int = 1) -> int:
+        """Parameters of one block's weight matrices (q, k, v, out, the MLP's) on one tp rank."""
+        h, kv, f = self.n_embd, self.kv_dim, self.ffn_dim
+        mlp_in = 2 * f if self.gated_mlp else f
+        return (2 * h * h + 2 * h * kv + (mlp_in + f) * h) // tp  # 12 h^2 for GPT-2's shape
+
     def block_params(self, tp: int = 1) -> int:
         """Parameters of one block on one tp rank: matrices and column-parallel biases / tp, the rest replicated."""
         h, kv, f = self.n_embd, self.kv_dim, self.ffn_dim
         mlp_in = 2 * f if self.gated_mlp else f
-        matrices = (2 * h * h + 2 * h * kv + (mlp_in + f) * h) // tp  # 12 h^2 for GPT-2's shape
+        matrices = self.block_matrix_params(tp)
         if not self.bias:
             return matrices + 2 * h
         split_biases = h + (kv if self.key_bias else 0) + kv + mlp_in  # q, (k,) v and fc_in: column-parallel

@@ -16,7 +16,7 @@ from typing import Any
 from lightning_parallel.parallel.dims import MESH_AXES
 from lightning_parallel.planner.guide import Candidate
 from lightning_parallel.planner.plan import Plan
-from lightning_parallel.planner.settings import TrainingSettings
+from lightning_parallel.planner.settings import StateBytes, TrainingSettings
 from lightning_parallel.planner.units import format_bytes, format_count
 
 __all__ = ["candidate_json", "cross_node_json", "format_cross_node", "format_plan", "plan_json",
@@ -118,10 +118,17 @@ def _table(rows: list[list[str]]) -> str:
 def _state_text(training: TrainingSettings) -> str:
     """``p+g+K`` of the library's engines, and the offload engine's where it differs (16-bit weights)."""
     sb, off = training.state_bytes, training.state_bytes_for(offload="cpu")
-    text = f"{sb.param}+{sb.grad}+{sb.optimizer}"
+    text = f"{sb.param}+{sb.grad}+{sb.optimizer} bytes"
     if (off.param, off.grad, off.optimizer) != (sb.param, sb.grad, sb.optimizer):
-        text += f"; {off.param}+{off.grad}+{off.optimizer} in the offload engine"
+        text += f", {off.param}+{off.grad}+{off.optimizer} in the offload engine"
     return text
+
+
+def _state_json(state: StateBytes) -> dict[str, int]:
+    """Bytes per parameter of weight, gradient and optimizer state, and of the weights gathered and the gradients
+    reduced (ZeRO-3's gather of FSDP2 under bf16-mixed: 2)."""
+    return {"param": state.param, "grad": state.grad, "optimizer": state.optimizer, "gathered": state.gathered,
+            "reduced": state.reduced}
 
 
 def format_plan(plan: Plan, *, top: int = 12) -> str:
@@ -130,8 +137,8 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     lines = [
         f"Model: {'' if m.name == 'model' else m.name + ', '}{format_count(m.n_params)} parameters"
         + (f", largest layer {format_count(m.largest_layer_params)}" if m.largest_layer_params else ""),
-        f"Training: {t.precision}, {t.optimizer} ({_state_text(t)} bytes of model state per "
-        f"parameter), micro-batch {t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}"
+        f"Training: {t.precision}, {t.optimizer} (model state per parameter: {_state_text(t)}), micro-batch "
+        f"{t.micro_batch_size}, activation checkpointing {t.activation_checkpointing}"
         + (f", {t.accumulation_text}" if t.accumulation_text else ""),
         f"Hardware: {plan.hardware.describe()}",
         f"Allowance per device (the buffers column): {plan.hardware.reserved_text()} reserved for the runtime, + 10% "
@@ -313,8 +320,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "training": {
             "precision": plan.training.precision,
             "optimizer": plan.training.optimizer,
-            "state_bytes_per_param": vars(plan.training.state_bytes),
-            "offload_state_bytes_per_param": vars(plan.training.state_bytes_for(offload="cpu")),
+            "state_bytes_per_param": _state_json(plan.training.state_bytes),
+            "offload_state_bytes_per_param": _state_json(plan.training.state_bytes_for(offload="cpu")),
             "master_weights": plan.training.master_weights,
             "micro_batch_size": plan.training.micro_batch_size,
             "batch_per_replica": plan.training.batch_per_replica,

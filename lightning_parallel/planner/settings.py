@@ -162,14 +162,20 @@ class TrainingSettings:
         fp32."""
         return 2 if self.mixed else 4
 
-    def residual_bytes(self, *, offload: str = "none") -> int:
+    def autocast_casts(self, *, offload: str = "none", fsdp: bool = False) -> bool:
+        """Whether autocast casts fp32 weights and activations to 16 bits op by op, keeping the casts it saves for
+        backward: Lightning's mixed precision over fp32 weights (``master_weights="model"``), except in the offload
+        engine (16-bit weights) and under FSDP2 with ``bf16-mixed`` (``fsdp``: its ``MixedPrecisionPolicy`` gathers
+        bf16 weights and casts each unit's inputs to bf16, so there is nothing left to cast)."""
+        return (self.mixed and self.master_weights == "model" and offload == "none"
+                and not (fsdp and self.precision == "bf16-mixed"))
+
+    def residual_bytes(self, *, offload: str = "none", fsdp: bool = False) -> int:
         """Bytes of one element of the residual stream -- a block's input and output, the LayerNorms' inputs, what a
-        pipeline stage sends to the next: 4 in fp32 and under Lightning's autocast (``master_weights="model"``: the
+        pipeline stage sends to the next: 4 in fp32 and where autocast casts op by op (:meth:`autocast_casts`: the
         embedding's fp32 output plus each block's 16-bit branches stays fp32), 2 where the weights are 16-bit
-        (``master_weights="optimizer"``; the offload engine's DeepSpeed module)."""
-        if not self.mixed or (self.master_weights == "model" and offload == "none"):
-            return 4
-        return 2
+        (``master_weights="optimizer"``, the offload engine) or FSDP2 casts each unit's inputs to bf16."""
+        return 4 if not self.mixed or self.autocast_casts(offload=offload, fsdp=fsdp) else 2
 
     @property
     def trainer_precision(self) -> str:

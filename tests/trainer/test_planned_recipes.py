@@ -31,9 +31,10 @@ BF16 = TrainingSettings()
 # branches.
 WIDE_VOCAB = ModelShape(n_layer=2, n_embd=1024, n_head=8, vocab_size=262144, block_size=256)
 _LARGEST = {"gpu_memory": "2GB", "cpu_memory_per_node": "64GB", "reserved_memory": "1GiB"}
-# A 32768-token sequence: the model states fit one 40 GB device, the activations of one sequence do not, and splitting
+# A 131072-token sequence: the model states fit one 40 GB device, the activations of one sequence do not (SDPA keeps no
+# s^2 tensor, so 32768 tokens would fit), and splitting
 # the sequence over cp = 2 ranks does -- the guide's "sequence does not fit" branches (context parallelism).
-LONG_SEQUENCE = ModelShape(n_layer=8, n_embd=1024, n_head=8, vocab_size=32000, block_size=32768, dropout=0.0)
+LONG_SEQUENCE = ModelShape(n_layer=8, n_embd=1024, n_head=8, vocab_size=32000, block_size=131072, dropout=0.0)
 
 # branch -> (model preset, hardware)
 BRANCHES: dict[str, tuple[str | ModelShape, dict[str, Any]]] = {

@@ -9,7 +9,9 @@ a backend cannot honour is refused before any process starts: ``bf16-true`` unde
 fp32 master weights: that is ``bf16-mixed``). Under FSDP2 (``lp_sharded`` ZeRO-3, ``lp_tensor`` zero_stage 3),
 ``bf16-mixed`` runs FSDP2's ``MixedPrecisionPolicy``: the counted all-gather bytes over ``dp`` are half those of
 ``32-true``, the reduce-scatter bytes the same (fp32); a pipeline stage sends fp32 under ``bf16-mixed`` (the residual
-stream of fp32 weights), bf16 under ``bf16-true``; the dp-only layouts hold the planner's model-state bytes per rank.
+stream of fp32 weights; bf16 at ZeRO-3, whose FSDP2 policy casts each unit's input), bf16 under ``bf16-true``; tensor
+parallelism's all-reduces move 0.75-0.85 of fp32's bytes under ``bf16-mixed`` (16-bit forward, fp32 backward); the
+dp-only layouts hold the planner's model-state bytes per rank.
 ``-s`` prints the table and the bytes.
 """
 
@@ -65,6 +67,7 @@ STRATEGIES: dict[str, tuple[Callable[[], Any], int, int]] = {  # name: (strategy
     "lp_tensor dp2 x tp2 z3": (lambda: LPTensorStrategy({"tensor_parallel_size": 2, "data_parallel_size": 2,
                                                           "zero_stage": 3}, **FORK), 4, 2),
     "lp_pipeline pp2": (lambda: LPPipelineStrategy(PP, **FORK), 2, 1),
+    "lp_pipeline pp2 z3": (lambda: LPPipelineStrategy({**PP, "zero_stage": 3}, **FORK), 2, 1),
     "lp_hybrid pp2 x tp2": (lambda: LPHybridStrategy({**PP, "tensor_parallel_size": 2}, **FORK), 4, 1),
 }
 if _deepspeed_ready():
@@ -182,12 +185,19 @@ def test_every_precision_under_the_strategy_matches_one_device(name: str, refere
             assert measured["params"] == predicted.params and measured["grads"] == predicted.grads
             assert predicted.optimizer <= measured["optimizer"] <= predicted.optimizer + 8 * 64  # + AdamW's steps
     print(f"\n{name}: " + "; ".join(f"{p}: {TABLE[(name, p)]}" for p in PRECISIONS))
-    if name == "lp_pipeline pp2":  # a stage sends the residual stream: fp32 under autocast (fp32 weights), as the
-        # planner counts it (TrainingSettings.residual_bytes), 16-bit only when the weights are
+    if name.startswith("lp_pipeline pp2"):  # a stage sends the residual stream, as the planner counts it
+        # (TrainingSettings.residual_bytes): fp32 under autocast (fp32 weights), bf16 when the weights are 16-bit or
+        # FSDP2's bf16 policy casts each unit's input
         sent = {p: counted[p]["pp:send"] for p in PRECISIONS}
         print(f"{name} pp bytes sent per rank, whole fit: {sent}")
-        assert sent["bf16-mixed"] == sent["32-true"]
+        assert sent["bf16-mixed"] == (sent["bf16-true"] if name.endswith("z3") else sent["32-true"])
         assert sent["bf16-true"] == pytest.approx(sent["32-true"] / 2, rel=0.01)
+    if name == "lp_tensor tp2":  # forward all-reduces of 16-bit outputs, backward ones of the fp32 residual stream's
+        # gradient under autocast: the planner's (2 x 2 + 2 x 4) / (4 x 4) = 0.75 of fp32's bytes (planner/cost.py)
+        tp = {p: counted[p]["tp:all_reduce"] for p in PRECISIONS}
+        print(f"{name} tp all-reduce bytes per rank, whole fit: {tp}")
+        assert 0.75 <= tp["bf16-mixed"] / tp["32-true"] < 0.85
+        assert tp["bf16-true"] / tp["32-true"] == pytest.approx(0.5, rel=0.02)
     if name in FSDP2:
         full, mixed = counted["32-true"], counted["bf16-mixed"]
         print(f"{name} bytes per rank, whole fit, 32-true -> bf16-mixed: "

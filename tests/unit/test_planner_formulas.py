@@ -211,14 +211,15 @@ def test_activation_coefficients_follow_element_size_and_dropout() -> None:
 def test_1f1b_first_stage_holds_the_whole_model_worth_of_layers() -> None:
     # Korthikanti Sec. 4.2.3: with 1F1B the first stage keeps p micro-batches of L/p layers = L layers' worth.
     shape = ModelShape(n_layer=8, n_embd=256, n_head=8, vocab_size=512, block_size=128, dropout=0.1)
-    model, training = ModelSpec.from_shape(shape), TrainingSettings()
+    model, training = ModelSpec.from_shape(shape), TrainingSettings(precision="fp32")  # no autocast copies
     one = activation_bytes(model, training, ParallelConfig(data_parallel_size=1))
     four = activation_bytes(model, training, ParallelConfig(data_parallel_size=1, pipeline_parallel_size=4,
                                                             num_micro_batches=16))
     gpipe = activation_bytes(model, training, ParallelConfig(data_parallel_size=1, pipeline_parallel_size=4,
                                                              num_micro_batches=16, pipeline_schedule="gpipe"))
-    # bf16-mixed: 16-bit activations, the residual stream fp32 (autocast over fp32 weights)
-    per_layer = layer_activation_bytes(seq_len=128, micro_batch_size=1, hidden=256, heads=8, residual_bytes=4)
+    # this library's GPT: SDPA's fused attention kernel
+    per_layer = layer_activation_bytes(seq_len=128, micro_batch_size=1, hidden=256, heads=8, element_bytes=4,
+                                       flash_attention=True)
     assert four == 8 * per_layer + 4 * 128 * 256  # 4 in flight x (2 layers + the embedding's dropout mask)
     assert one > four  # one device also holds the head's logits
     assert gpipe == 16 * (2 * per_layer + 128 * 256)  # GPipe keeps all m micro-batches
