@@ -199,6 +199,7 @@ def saved_activation_bytes(
     ``"total"`` is the sum. Returns ``{"total": ..., **per_layer, "other": ...}``.
     """
     params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+    running: dict[int, set[int]] = {}  # id(module) -> its parameters' storages while its forward runs
     seen: dict[int, tuple[str, int]] = {}
     held: list[torch.Tensor] = []  # keep every counted tensor alive, so that no storage address is reused
     current: list[str] = []
@@ -208,7 +209,7 @@ def saved_activation_bytes(
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in params or ptr in seen or storage.nbytes() == 0:
+        if ptr in params or ptr in seen or storage.nbytes() == 0 or any(ptr in own for own in running.values()):
             return
         seen[ptr] = (current[-1] if current else "other", storage.nbytes())
         held.append(t)
@@ -224,9 +225,13 @@ def saved_activation_bytes(
         current.pop()
 
     def own_parameters(sub: nn.Module, _: tuple[Any, ...]) -> None:
-        # as the module runs: FSDP2 has swapped in the unsharded parameters it gathered (their storages, and the
-        # views a linear saves of them, are weights, not activations)
-        params.update(_local(p).untyped_storage().data_ptr() for p in sub.parameters(recurse=False))
+        # while the module runs: FSDP2 has swapped in the unsharded parameters it gathered (their storages, and the
+        # views a linear saves of them, are weights, not activations); once it returns FSDP2 may free them and the
+        # allocator hand their addresses to activations
+        running[id(sub)] = {_local(p).untyped_storage().data_ptr() for p in sub.parameters(recurse=False)}
+
+    def own_parameters_done(sub: nn.Module, *_: Any) -> None:
+        running.pop(id(sub), None)
 
     def checkpoint_inputs(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():
@@ -241,6 +246,7 @@ def saved_activation_bytes(
         for sub in module.modules():
             if any(True for _ in sub.parameters(recurse=False)):
                 handles.append(sub.register_forward_pre_hook(own_parameters))
+                handles.append(sub.register_forward_hook(own_parameters_done, always_call=True))
             if isinstance(sub, _Checkpointed):
                 handles.append(sub.register_forward_pre_hook(checkpoint_inputs, with_kwargs=True))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -79,6 +79,7 @@ def layer_activation_bytes(
     flash_attention: bool = False,
     input_casts: int = 0,
     norm_bytes: int | None = None,
+    sp_splits_inputs: bool = True,
 ) -> int:
     """Bytes of activations one transformer layer keeps for backward on one tp rank (Korthikanti Table 2); with
     ``cp > 1`` on one rank of the cp group (``seq_len / cp`` tokens, ring attention: no ``s^2`` term).
@@ -89,7 +90,9 @@ def layer_activation_bytes(
     is recomputed (``selective``). ``input_casts``: 16-bit copies, beyond the first, of an input several linears read
     (autocast casts it for each: q, k and v; a gated MLP's two input projections). ``norm_bytes``: the element the
     two LayerNorms keep of their inputs (None: ``residual_bytes``; 4 where CUDA's autocast runs them in fp32 on a
-    16-bit residual stream)."""
+    16-bit residual stream). ``sp_splits_inputs``: sequence parallelism splits the linears' saved inputs too
+    (Megatron-LM re-gathers them in backward, the paper's count); False: only the LayerNorm inputs and dropout masks
+    are split, the linears keep the all-gathered input (this library's tensor plan)."""
     s, b, h, a, t, e = seq_len, micro_batch_size, hidden, heads, tp, element_bytes
     r = e if residual_bytes is None else residual_bytes
     n = r if norm_bytes is None else norm_bytes
@@ -97,8 +100,8 @@ def layer_activation_bytes(
         s_local = Fraction(s, cp)
         if recompute == "full":
             return math.ceil(r * s_local * b * h / (t if sequence_parallel else 1))
-        whole = 2 * n + (2 + input_casts) * e  # no dropout under cp
-        per_sbh = Fraction(whole, t) if sequence_parallel else Fraction(whole)
+        norms, inputs = Fraction(2 * n), Fraction((2 + input_casts) * e)  # no dropout under cp
+        per_sbh = _whole_part(norms, inputs, t if sequence_parallel else 1, sp_splits_inputs)
         core = 0 if recompute == "selective" else Fraction(4 * a * s_local * b, t)  # the ring's log-sum-exp
         return math.ceil(s_local * b * h * (per_sbh + Fraction(12 * e, t)) + core)
     masks = 2 if dropout else 0
@@ -106,16 +109,24 @@ def layer_activation_bytes(
         return math.ceil(Fraction(r * s * b * h, t if sequence_parallel else 1))
     if recompute not in ("none", "selective"):
         raise ValueError(f"activation_checkpointing={recompute!r}: use none, selective or full.")
-    whole = 2 * n + (2 + input_casts) * e + masks  # 10 in the paper: left whole by TP, split by sequence parallelism
+    # 10 in the paper (4 e + 2): left whole by TP, split by sequence parallelism
+    norms, inputs = Fraction(2 * n + masks), Fraction((2 + input_casts) * e)
     split = 12 * e  # 24 in the paper
     sbh = Fraction(s * b * h)
-    per_sbh = Fraction(whole, t) if sequence_parallel else Fraction(whole)
+    per_sbh = _whole_part(norms, inputs, t if sequence_parallel else 1, sp_splits_inputs)
     if flash_attention:
         core = Fraction(0) if recompute == "selective" else Fraction(4 * a * s * b, t)  # the log-sum-exp
     else:
         attention_core = 0 if recompute == "selective" else (2 * e + 1 if dropout else e)  # 5 in the paper
         core = Fraction(attention_core * a * s * s * b, t)
     return math.ceil(sbh * (per_sbh + Fraction(split, t)) + core)
+
+
+def _whole_part(norms: Fraction, inputs: Fraction, sp: int, splits_inputs: bool) -> Fraction:
+    """Bytes per ``s b h`` of what tensor parallelism leaves whole: the LayerNorm inputs and dropout masks (``norms``,
+    split over ``sp`` ranks by sequence parallelism) and the linears' inputs (``inputs``, split too when the
+    implementation re-gathers them in backward)."""
+    return norms / sp + (inputs / sp if splits_inputs else inputs)
 
 
 def micro_batches_in_flight(layout: ParallelConfig, micro_batches: int) -> Fraction:
@@ -144,9 +155,9 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
     e, dropout = training.activation_bytes, shape.dropout > 0 and cp == 1
     offload, fsdp = layout.offload_device, layout.runs_fsdp2
     r, casts = training.residual_bytes(offload=offload, fsdp=fsdp), training.autocast_casts(offload=offload, fsdp=fsdp)
-    autocast = training.mixed and training.master_weights == "model" and layout.offload_device == "none"
-    norm = 4 if autocast and gpu else r  # Lightning's autocast runs around FSDP2's bf16 units too
+    norm = training.norm_bytes(offload=offload, fsdp=fsdp, gpu=gpu)
     recompute = layout.activation_checkpointing
+    kernels = kernels or Kernels()
     per_layer = layer_activation_bytes(
         seq_len=s,
         micro_batch_size=b,
@@ -159,20 +170,23 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
         dropout=dropout,
         cp=cp,
         residual_bytes=r,
-        flash_attention=(kernels or Kernels()).flash_attention,
-        input_casts=(2 + (1 if shape.gated_mlp else 0)) if casts else 0,
+        flash_attention=kernels.flash_attention,
+        # each linear casts its fp32 input once more (fp32: the residual stream under autocast, or CUDA's LayerNorm)
+        input_casts=(2 + (1 if shape.gated_mlp else 0)) if casts or norm > e else 0,
         norm_bytes=norm,
+        sp_splits_inputs=kernels.sp_splits_inputs,
     )
+    if casts and recompute != "full":  # autocast's 16-bit copies of the layer's weight matrices, saved for backward
+        # by every micro-batch's forward (Lightning's autocast runs without its cast cache); a fully recomputed block
+        # casts them again in its recomputation instead
+        per_layer += 2 * shape.block_matrix_params(tp)
     in_flight = micro_batches_in_flight(layout, training.micro_batches(pp))
     layers = math.ceil(shape.n_layer / pp)
     local = Fraction(s, cp)  # tokens per rank
     embedding = Fraction(local * b * h, tp if layout.sequence_parallel else 1) if dropout else Fraction(0)
     head = Fraction((norm + e) * local * b * h) + Fraction(4 * local * b * shape.vocab_size, tp)
-    # autocast's 16-bit copies of the stage's weight matrices, saved for backward once per step (its cache serves
-    # every micro-batch); full recomputation casts a block's again in its recomputation instead
-    blocks_cast = 2 * layers * shape.block_matrix_params(tp) if casts and recompute != "full" else 0
-    head_cast = Fraction(2 * shape.vocab_size * h, tp) if casts else Fraction(0)
-    first = (layers * per_layer + embedding) * in_flight + blocks_cast
+    head_cast = Fraction(2 * shape.vocab_size * h, tp) if casts else Fraction(0)  # the head's weight, 16-bit
+    first = (layers * per_layer + embedding) * in_flight
     if pp == 1:
         return math.ceil(first + head + head_cast)
-    return math.ceil(max(first, layers * per_layer + head + blocks_cast + head_cast))
+    return math.ceil(max(first, layers * per_layer + head + head_cast))

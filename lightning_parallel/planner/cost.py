@@ -385,7 +385,9 @@ def _traffic(
         # backward's the gradients of the residual stream (fp32 under autocast: measured 0.80 of fp32's bytes under
         # bf16-mixed, 0.50 under bf16-true)
         forward = 4 if layout.activation_checkpointing == "full" else 2
-        per_layer = (forward * e + 2 * r) * 2 * (tp - 1) / tp * (seq_len // cp) * b * shape.n_embd
+        grad = training.norm_bytes(offload=layout.offload_device, fsdp=layout.runs_fsdp2,
+                                   gpu=hardware.accelerator != "cpu")  # the LayerNorm output's gradient
+        per_layer = (forward * e + 2 * grad) * 2 * (tp - 1) / tp * (seq_len // cp) * b * shape.n_embd
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m * acc
     if shape is not None and pp > 1:  # a stage sends the residual stream
         out["pp"] = 2 * m * acc * r * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)

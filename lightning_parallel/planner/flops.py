@@ -50,11 +50,14 @@ class Kernels:
     """A fused attention kernel (SDPA flash/efficient, FlashAttention): no scores in memory."""
     rotary: bool = False
     """An eager rotary embedding on q and k."""
+    sp_splits_inputs: bool = False
+    """Under sequence parallelism the linears keep their inputs split over tp and all-gather them again in backward
+    (Megatron-LM); False: they keep the all-gathered input (this library's tensor plan, DTensor's)."""
 
 
 KERNELS: dict[str, Kernels] = {
     "lightning-parallel": Kernels(),
-    "megatron-2021": Kernels(fused_norm=True, flash_attention=False),
+    "megatron-2021": Kernels(fused_norm=True, flash_attention=False, sp_splits_inputs=True),
     "torch-eager-llama": Kernels(fused_norm=False, flash_attention=True, rotary=True),
 }
 """The implementations the planner knows: this library's GPT (torch ``layer_norm`` and SDPA), Megatron-LM as of

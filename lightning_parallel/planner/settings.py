@@ -177,6 +177,13 @@ class TrainingSettings:
         (``master_weights="optimizer"``, the offload engine) or FSDP2 casts each unit's inputs to bf16."""
         return 4 if not self.mixed or self.autocast_casts(offload=offload, fsdp=fsdp) else 2
 
+    def norm_bytes(self, *, offload: str = "none", fsdp: bool = False, gpu: bool = True) -> int:
+        """Bytes of an element of a LayerNorm's input and output: the residual stream's, but 4 wherever autocast runs
+        on a GPU (CUDA's autocast runs LayerNorm in fp32: on FSDP2's bf16 units it keeps an fp32 copy of the input
+        and returns fp32, which q, k and v then cast again; the CPU's runs it in the input's dtype)."""
+        autocast = self.mixed and self.master_weights == "model" and offload == "none"
+        return 4 if autocast and gpu else self.residual_bytes(offload=offload, fsdp=fsdp)
+
     @property
     def trainer_precision(self) -> str:
         """The value of Lightning's ``Trainer(precision=...)``."""

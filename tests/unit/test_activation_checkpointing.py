@@ -306,22 +306,55 @@ def test_the_planner_counts_what_the_gpt_saves(precision: str) -> None:
     for mode in ("none", "selective", "full"):
         got = _planned_and_saved(mode, precision)
         assert 1.0 <= got["saved"] / got["planned"] < 1.02, (mode, precision, got)
-        assert 1.0 <= got["saved_blocks"] / got["planned_blocks"] < 1.02, (mode, precision, got)
+        assert 1.0 <= got["saved_blocks"] / got["planned_blocks"] < 1.01, (mode, precision, got)
+
+
+def test_every_micro_batch_in_flight_keeps_its_own_weight_copies() -> None:
+    # Lightning's autocast runs without its cast cache (and a pipeline's micro-batches run in one such context): each
+    # forward casts the weights again and keeps its copies for its backward -- the planner counts them per layer and
+    # micro-batch, times the micro-batches a stage holds
+    from lightning_parallel.config import ParallelConfig
+    from lightning_parallel.planner import ModelShape, ModelSpec
+    from lightning_parallel.planner.activations import activation_bytes
+
+    torch.manual_seed(0)
+    model = GPT(**{**CFG, "dropout": 0.0})
+    x, y = _batches()[0]
+    kept: list[Tensor] = []
+
+    def forwards(k: int) -> int:
+        kept.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            return saved_activation_bytes(model, lambda: [kept.append(model.pipeline_loss(model(x), y))
+                                                          for _ in range(k)])["total"]
+
+    one, three = forwards(1), forwards(3)
+    assert three == pytest.approx(3 * one, rel=0.005)  # (a few small buffers are shared)
+    shape = ModelShape(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, dropout=0.0)
+    bf16 = TrainingSettings(micro_batch_size=4, seq_len=16)
+    weights = 2 * shape.block_matrix_params()
+    layout = ParallelConfig(data_parallel_size=1, pipeline_parallel_size=2, num_micro_batches=4)
+    per_layer = layer_activation_bytes(seq_len=16, micro_batch_size=4, hidden=32, heads=2, dropout=False,
+                                       flash_attention=True, residual_bytes=4, input_casts=2, sp_splits_inputs=False)
+    # the first stage (one block) holds 2 micro-batches under 1F1B, each with its own copies of the block's weights;
+    # the last (one block, one micro-batch) the head too: its LayerNorm's fp32 input, its 16-bit input, the fp32
+    # logits, its weight's copy
+    head = (4 + 2) * 16 * 4 * 32 + 4 * 16 * 4 * 64 + 2 * 64 * 32
+    planned = activation_bytes(ModelSpec.from_shape(shape), bf16, layout, gpu=False)
+    assert planned == max(2 * (per_layer + weights), per_layer + weights + head)
 
 
 def test_the_planner_counts_what_the_gpt_saves_under_fsdp2_bf16(tmp_path: Any) -> None:
-    # FSDP2's policy casts each unit's input to bf16: the residual stream is bf16 and nothing is left to autocast
-    # (32 s b h + 4 a s b per layer, 2 s b h fully recomputed; measured 1.7 % under, one boundary tensor of 2 s b h
-    # being first saved outside the blocks); outside the blocks the head and the loss keep within one bf16 s b h
-    # tensor of what the planner counts (the whole model 1 % under without recomputation, 2 % over with full
-    # recomputation, where the blocks keep little)
+    # FSDP2's policy casts each unit's input to bf16: on CPU the residual stream is bf16 and nothing is left to
+    # autocast (32 s b h + 4 a s b per layer, 2 s b h fully recomputed); measured 1.004 and 1.000 of the planner's
+    # blocks, the whole model 1.007 and 1.022 (the LayerNorms' statistics, the loss's buffers)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for mode in ("none", "full"):
             got = _planned_and_saved(mode, "bf16-mixed", fsdp=True)
-            assert 0.97 <= got["saved_blocks"] / got["planned_blocks"] < 1.02, (mode, got)
-            assert 0.85 <= got["saved"] / got["planned"] < 1.05, (mode, got)
+            assert 1.0 <= got["saved_blocks"] / got["planned_blocks"] < 1.01, (mode, got)
+            assert 1.0 <= got["saved"] / got["planned"] < 1.03, (mode, got)
     finally:
         dist.destroy_process_group()

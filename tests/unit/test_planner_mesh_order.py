@@ -151,11 +151,11 @@ def test_cli_text_shows_the_order_and_both_orders_bytes(capsys: pytest.CaptureFi
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#  strategy"))
     assert header.split()[:6] == ["#", "strategy", "dp", "pp", "tp", "order"]
     assert "mesh_order=pp-dp-tp)" in out.split("Branch:")[0]
-    assert "Mesh order pp-dp-tp: 386.5 GB between nodes per step instead of 1.7 TB with dp-pp-tp" in out
+    assert "Mesh order pp-dp-tp: 773.1 GB between nodes per step instead of 4.6 TB with dp-pp-tp" in out
     table = out.split("Bytes between nodes per step", 1)[1].splitlines()
     assert table[1].split() == ["order", "dp", "pp", "tp", "total"]
-    assert table[2].split() == ["dp-pp-tp", "1.5", "TB", "180.4", "GB", "0", "B", "1.7", "TB"]
-    assert table[3].split() == ["pp-dp-tp", "0", "B", "386.5", "GB", "0", "B", "386.5", "GB", "<-", "chosen"]
+    assert table[2].split() == ["dp-pp-tp", "4.4", "TB", "154.6", "GB", "0", "B", "4.6", "TB"]
+    assert table[3].split() == ["pp-dp-tp", "0", "B", "773.1", "GB", "0", "B", "773.1", "GB", "<-", "chosen"]
 
 
 def test_cli_json_has_the_order_and_the_bytes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,8 +164,8 @@ def test_cli_json_has_the_order_and_the_bytes(capsys: pytest.CaptureFixture[str]
     rec = out["recommendation"]
     assert rec["mesh_order"] == "pp-dp-tp"
     assert rec["cross_node_bytes_per_step"] == {
-        "dp-pp-tp": {"dp": 1_483_858_771_968, "pp": 180_388_626_432, "tp": 0, "total": 1_664_247_398_400},
-        "pp-dp-tp": {"dp": 0, "pp": 386_547_056_640, "tp": 0, "total": 386_547_056_640},
+        "dp-pp-tp": {"dp": 4_431_909_224_448, "pp": 154_618_822_656, "tp": 0, "total": 4_586_528_047_104},
+        "pp-dp-tp": {"dp": 0, "pp": 773_094_113_280, "tp": 0, "total": 773_094_113_280},
     }
     assert {c["mesh_order"] for c in out["candidates"]} == {"dp-pp-tp", "pp-dp-tp"}
 
@@ -175,7 +175,7 @@ def test_recipe_writes_the_order_on_several_nodes(tmp_path: Path, capsys: pytest
     assert main([*ARGV_175B, "--write-recipe", str(path)]) == 0
     text = path.read_text()
     assert yaml.safe_load(text)["parallel"]["mesh_order"] == "pp-dp-tp"
-    assert "#   pp-dp-tp: dp 0 B, pp 386.5 GB, tp 0 B; total 386.5 GB <- chosen" in text
+    assert "#   pp-dp-tp: dp 0 B, pp 773.1 GB, tp 0 B; total 773.1 GB <- chosen" in text
     # several nodes, the default order: still written (the recipe says which axis crosses nodes)
     path = tmp_path / "ddp.yaml"
     assert main(["--model", "gpt3-125m", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "24GB",

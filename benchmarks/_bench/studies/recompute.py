@@ -179,7 +179,7 @@ def run(args: argparse.Namespace, folder: Path, header: str) -> int:
             for mode in MODES:
                 m = measured[mode]
                 planner = layer_activation_bytes(seq_len=s, micro_batch_size=b, hidden=h, heads=a, recompute=mode,
-                                                 element_bytes=E, dropout=dropout > 0)
+                                                 element_bytes=E, dropout=dropout > 0, flash_attention=fused)
                 cpu = cpu_formula(mode, s=s, b=b, h=h, a=a, dropout=dropout > 0, fused=fused)
                 per_block.append(
                     f"| {label} | {dropout} | {'fused' if fused else 'math'} | {mode} | {m['block']:,} | {planner:,} "
