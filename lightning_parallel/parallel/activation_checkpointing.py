@@ -199,7 +199,7 @@ def saved_activation_bytes(
     ``"total"`` is the sum. Returns ``{"total": ..., **per_layer, "other": ...}``.
     """
     params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
-    running: dict[int, set[int]] = {}  # id(module) -> its parameters' storages while its forward runs
+    running: dict[int, list[set[int]]] = {}  # id(module) -> its parameters' storages, per call of it still running
     seen: dict[int, tuple[str, int]] = {}
     held: list[torch.Tensor] = []  # keep every counted tensor alive, so that no storage address is reused
     current: list[str] = []
@@ -209,7 +209,8 @@ def saved_activation_bytes(
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in params or ptr in seen or storage.nbytes() == 0 or any(ptr in own for own in running.values()):
+        if (ptr in params or ptr in seen or storage.nbytes() == 0
+                or any(ptr in own for calls in running.values() for own in calls)):
             return
         seen[ptr] = (current[-1] if current else "other", storage.nbytes())
         held.append(t)
@@ -228,10 +229,13 @@ def saved_activation_bytes(
         # while the module runs: FSDP2 has swapped in the unsharded parameters it gathered (their storages, and the
         # views a linear saves of them, are weights, not activations); once it returns FSDP2 may free them and the
         # allocator hand their addresses to activations
-        running[id(sub)] = {_local(p).untyped_storage().data_ptr() for p in sub.parameters(recurse=False)}
+        running.setdefault(id(sub), []).append({_local(p).untyped_storage().data_ptr()
+                                                for p in sub.parameters(recurse=False)})
 
     def own_parameters_done(sub: nn.Module, *_: Any) -> None:
-        running.pop(id(sub), None)
+        calls = running.get(id(sub))
+        if calls:
+            calls.pop()
 
     def checkpoint_inputs(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():

@@ -32,17 +32,19 @@ more) and keeps a 16-bit copy of every weight matrix a linear used until its bac
 matrices (the head's too; a block's only while it runs when fully recomputed). Without dropout, with a fused
 attention kernel: ``(2 r + 14 e + 2 e) s b h + 4 a s b = 40 s b h + 4 a s b`` per layer plus the weight copies,
 ``4 s b h`` under full recomputation. Under FSDP2 with ``bf16-mixed`` the policy casts each unit's input to bf16
-before it runs: the residual stream is 16-bit (``r = 2``: the kept block input, what a stage sends) and nothing is
-left to cast, but CUDA's autocast still runs LayerNorm in fp32 and keeps that copy of its input (4 bytes; the CPU's
-keeps the bf16 input). Measured (the library's GPT, CPU, SDPA without dropout): within 2 % of this in fp32, under
-``bf16-mixed`` and under FSDP2's bf16 (``tests/unit/test_activation_checkpointing.py``).
+before it runs: the residual stream is 16-bit (``r = 2``: the kept block input, what a stage sends) and no weight is
+left to cast, but CUDA's autocast still runs LayerNorm in fp32, keeps that copy of its input (4 bytes) and returns
+fp32, which q, k and v cast again (the CPU's runs it in bf16: nothing cast). Measured (the library's GPT, CPU, SDPA
+without dropout): within 2 % of this in fp32, under ``bf16-mixed`` and under FSDP2's bf16
+(``tests/unit/test_activation_checkpointing.py``).
 
 Context parallelism (``cp``) splits every sequence over ``cp`` ranks: each keeps the activations of ``s / cp``
 tokens, so every ``s b h`` term divides by ``cp``; the attention core runs as ring (or all-to-all) attention, which
 keeps per layer only a log-sum-exp per query and head (``4 a (s / cp) b / t`` bytes, fp32) and no ``s^2`` tensor
 (dropout on attention is refused under cp)::
 
-    context parallel (cp ranks)         (s / cp) b h (10 + 24 / t) + 4 a (s / cp) b / t   (+ SP: the 10 / t too)
+    context parallel (cp ranks)         (s / cp) b h (10 + 24 / t) + 4 a (s / cp) b / t
+                                        (16-bit, no autocast)
 
 The pipeline schedule decides how many micro-batches' activations the first stage holds at once: GPipe ``m``,
 1F1B and zero-bubble ``min(p, m)``, interleaved 1F1B ``p + (p - 1) / v`` (the paper's ``1 + (p-1)/(p v)`` factor
@@ -189,4 +191,6 @@ def activation_bytes(model: ModelSpec, training: TrainingSettings, layout: Paral
     first = (layers * per_layer + embedding) * in_flight
     if pp == 1:
         return math.ceil(first + head + head_cast)
-    return math.ceil(max(first, layers * per_layer + head + head_cast))
+    # the last stage: one micro-batch at a time under 1F1B (its backward follows its forward), all m under GPipe
+    last_in_flight = training.micro_batches(pp) if layout.pipeline_schedule == "gpipe" else 1
+    return math.ceil(max(first, (layers * per_layer + head + head_cast) * last_in_flight))

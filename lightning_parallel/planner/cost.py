@@ -387,7 +387,9 @@ def _traffic(
         forward = 4 if layout.activation_checkpointing == "full" else 2
         grad = training.norm_bytes(offload=layout.offload_device, fsdp=layout.runs_fsdp2,
                                    gpu=hardware.accelerator != "cpu")  # the LayerNorm output's gradient
-        per_layer = (forward * e + 2 * grad) * 2 * (tp - 1) / tp * (seq_len // cp) * b * shape.n_embd
+        # under sequence parallelism half of the forward's traffic is the all-gather of the LayerNorm output
+        forward_bytes = (e + grad) / 2 if layout.sequence_parallel else e
+        per_layer = (forward * forward_bytes + 2 * grad) * 2 * (tp - 1) / tp * (seq_len // cp) * b * shape.n_embd
         out["tp"] = per_layer * math.ceil(shape.n_layer / pp) * m * acc
     if shape is not None and pp > 1:  # a stage sends the residual stream
         out["pp"] = 2 * m * acc * r * seq_len / cp * b * shape.n_embd / (tp if layout.sequence_parallel else 1)

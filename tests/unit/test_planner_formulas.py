@@ -222,7 +222,17 @@ def test_1f1b_first_stage_holds_the_whole_model_worth_of_layers() -> None:
                                        flash_attention=True)
     assert four == 8 * per_layer + 4 * 128 * 256  # 4 in flight x (2 layers + the embedding's dropout mask)
     assert one > four  # one device also holds the head's logits
-    assert gpipe == 16 * (2 * per_layer + 128 * 256)  # GPipe keeps all m micro-batches
+    # GPipe keeps all m micro-batches on every stage: the last one's head (fp32: its LayerNorm's and its own input,
+    # 8 s b h, and the logits, 4 s b V) outweighs the first's embedding mask
+    assert gpipe == 16 * (2 * per_layer + 8 * 128 * 256 + 4 * 128 * 512)
+    # bf16-mixed (autocast over fp32 weights, GPU): every micro-batch in flight also keeps its 16-bit weight copies
+    # (Lightning's autocast has no cast cache) and its casts of q/k/v's shared input; the residual stream is fp32
+    mixed = activation_bytes(model, TrainingSettings(), ParallelConfig(data_parallel_size=1, pipeline_parallel_size=4,
+                                                                       num_micro_batches=16))
+    per_layer = layer_activation_bytes(seq_len=128, micro_batch_size=1, hidden=256, heads=8, element_bytes=2,
+                                       residual_bytes=4, norm_bytes=4, input_casts=2, flash_attention=True,
+                                       sp_splits_inputs=False) + 2 * shape.block_matrix_params()
+    assert mixed == 4 * (2 * per_layer + 128 * 256)
 
 
 # --------------------------------------------------------------------------- model counts
