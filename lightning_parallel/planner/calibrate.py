@@ -430,6 +430,9 @@ def _time_size(size: int, world: int, device: torch.device) -> dict[str, float]:
 FRAMEWORK_UNITS = (1, 5)
 """Tiny units in the two runs of each measurement of :func:`measure_frameworks` (the cost per unit is the slope
 between them; a pipeline starts from one micro-batch per stage)."""
+SLOPE_ATTEMPTS = 3
+"""Measurements of a :func:`measure_frameworks` slope that came out <= 0 (noise) before it is left at 0 (uncalibrated:
+the planner then prices the unit from its collectives alone)."""
 
 
 def _step_seconds(net: torch.nn.Module, x: torch.Tensor | None, sync: Callable[[], None], *, reps: int = 15,
@@ -574,10 +577,24 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
     spans = [("fsdp_unit", fsdp, lo, hi), ("tp_pair", tp, lo, hi)]
     if world > 1:  # a schedule needs at least a micro-batch per stage
         spans += [("pp_micro_batch", pipeline, world, world + hi - lo), ("cp_layer", ring, lo, hi)]
-    for name, f, a, b in spans:
-        (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
-        out[name] = max(0.0, (wall_b - wall_a) / (b - a))
-        out[f"{name}_cpu"] = min(max(0.0, (cpu_b - cpu_a) / (b - a)), out[name])
+    slopes: dict[str, tuple[float, float]] = {}
+    pending = spans
+    for _ in range(SLOPE_ATTEMPTS):
+        for name, f, a, b in pending:
+            (wall_a, cpu_a), (wall_b, cpu_b) = f(a), f(b)
+            slopes[name] = ((wall_b - wall_a) / (b - a), (cpu_b - cpu_a) / (b - a))
+        # on a busy machine a slope can come out <= 0 (the smaller run met a stall): measure those spans again, on
+        # every rank alike (their steps run collectives), so that a noisy run does not leave the unit uncalibrated
+        again = torch.tensor([float(slopes[name][0] <= 0) for name, *_ in pending], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(again, op=dist.ReduceOp.MAX)
+        pending = [span for span, redo in zip(pending, again.tolist(), strict=True) if redo]
+        if not pending:
+            break
+    for name, *_ in spans:
+        wall, cpu = slopes[name]
+        out[name] = max(0.0, wall)
+        out[f"{name}_cpu"] = min(max(0.0, cpu), out[name])
     if world > 1:  # the ring's cost that grows with the layer's size, beyond the attention's arithmetic
         wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
         elements = math.prod(CP_RING_SHAPE) - math.prod(CP_TINY_SHAPE)
