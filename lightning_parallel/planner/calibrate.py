@@ -596,9 +596,16 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         out[name] = max(0.0, wall)
         out[f"{name}_cpu"] = min(max(0.0, cpu), out[name])
     if world > 1:  # the ring's cost that grows with the layer's size, beyond the attention's arithmetic
-        wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
         elements = math.prod(CP_RING_SHAPE) - math.prod(CP_TINY_SHAPE)
-        out["cp_element"] = max(0.0, (wide - attention_share() - out["cp_layer"]) / elements)
+        for _ in range(SLOPE_ATTEMPTS):  # a difference of timings: measured again, on every rank alike, if <= 0
+            wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
+            per_element = (wide - attention_share() - out["cp_layer"]) / elements
+            again = torch.tensor([float(per_element <= 0)], device=device)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(again, op=dist.ReduceOp.MAX)
+            if not again.item():
+                break
+        out["cp_element"] = max(0.0, per_element)
     return out
 
 
