@@ -585,10 +585,8 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
             slopes[name] = ((wall_b - wall_a) / (b - a), (cpu_b - cpu_a) / (b - a))
         # on a busy machine a slope can come out <= 0 (the smaller run met a stall): measure those spans again, on
         # every rank alike (their steps run collectives), so that a noisy run does not leave the unit uncalibrated
-        again = torch.tensor([float(slopes[name][0] <= 0) for name, *_ in pending], device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(again, op=dist.ReduceOp.MAX)
-        pending = [span for span, redo in zip(pending, again.tolist(), strict=True) if redo]
+        redo = _any_rank([slopes[name][0] <= 0 for name, *_ in pending], device)
+        pending = [span for span, again in zip(pending, redo, strict=True) if again]
         if not pending:
             break
     for name, *_ in spans:
@@ -600,13 +598,21 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         for _ in range(SLOPE_ATTEMPTS):  # a difference of timings: measured again, on every rank alike, if <= 0
             wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
             per_element = (wide - attention_share() - out["cp_layer"]) / elements
-            again = torch.tensor([float(per_element <= 0)], device=device)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(again, op=dist.ReduceOp.MAX)
-            if not again.item():
+            if not _any_rank([per_element <= 0], device)[0]:
                 break
         out["cp_element"] = max(0.0, per_element)
     return out
+
+
+def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag true where it is true on any rank (an all-reduce of the flags, MAX): the decision to measure again,
+    which every rank must take alike when the measurement runs collectives."""
+    import torch.distributed as dist
+
+    agreed = torch.tensor([float(f) for f in flags], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in agreed.tolist()]
 
 
 OFFLOAD_UNITS = 17

@@ -167,8 +167,12 @@ class TrainingSettings:
         backward: Lightning's mixed precision over fp32 weights (``master_weights="model"``), except in the offload
         engine (16-bit weights) and under FSDP2 with ``bf16-mixed`` (``fsdp``: its ``MixedPrecisionPolicy`` gathers
         bf16 weights and casts each unit's inputs to bf16, so there is nothing left to cast)."""
-        return (self.mixed and self.master_weights == "model" and offload == "none"
-                and not (fsdp and self.precision == "bf16-mixed"))
+        return self._autocast(offload) and not (fsdp and self.precision == "bf16-mixed")
+
+    def _autocast(self, offload: str) -> bool:
+        """Lightning's autocast over fp32 weights runs: mixed precision, the model's weights the master, no offload
+        engine (whose DeepSpeed module holds 16-bit weights)."""
+        return self.mixed and self.master_weights == "model" and offload == "none"
 
     def residual_bytes(self, *, offload: str = "none", fsdp: bool = False) -> int:
         """Bytes of one element of the residual stream -- a block's input and output, the LayerNorms' inputs, what a
@@ -181,8 +185,7 @@ class TrainingSettings:
         """Bytes of an element of a LayerNorm's input and output: the residual stream's, but 4 wherever autocast runs
         on a GPU (CUDA's autocast runs LayerNorm in fp32: on FSDP2's bf16 units it keeps an fp32 copy of the input
         and returns fp32, which q, k and v then cast again; the CPU's runs it in the input's dtype)."""
-        autocast = self.mixed and self.master_weights == "model" and offload == "none"
-        return 4 if autocast and gpu else self.residual_bytes(offload=offload, fsdp=fsdp)
+        return 4 if self._autocast(offload) and gpu else self.residual_bytes(offload=offload, fsdp=fsdp)
 
     @property
     def trainer_precision(self) -> str:
