@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.dims import MESH_AXES
 from lightning_parallel.planner.guide import Candidate
 from lightning_parallel.planner.plan import Plan
@@ -48,9 +49,13 @@ _LEFT = {"strategy", "order", "offload", "recompute", "stresses"}
 
 
 def _columns(plan: Plan) -> tuple[str, ...]:
-    """The table's columns; ``cp`` after ``tp`` when a candidate splits sequences; ``order`` (the mesh order) after
+    """The table's columns; ``acc`` (batches accumulated per optimizer step) after ``recompute`` when a global batch
+    makes it differ by layout; ``cp`` after ``tp`` when a candidate splits sequences; ``order`` (the mesh order) after
     them on several nodes only."""
     columns: tuple[str, ...] = _COLUMNS
+    if plan.training.global_batch_size is not None:
+        at = columns.index("recompute") + 1
+        columns = (*columns[:at], "acc", *columns[at:])
     i = columns.index("tp") + 1
     if any(c.layout.context_parallel_size > 1 for c in plan.candidates):
         columns = (*columns[:i], "cp", *columns[i:])
@@ -66,7 +71,7 @@ def _unit(candidates: list[Candidate]) -> tuple[str, float]:
     return ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)
 
 
-def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> list[str]:
+def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...], training: TrainingSettings) -> list[str]:
     lay, mem = c.layout, c.memory
 
     def _gb(num: int | None) -> str:
@@ -94,11 +99,19 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...]) -> lis
         f"{c.cost.tokens_per_s:,.0f}",
         f"{c.cost.mfu:.0%}",
     ]
+    if "acc" in columns:
+        cells.insert(columns.index("acc"), str(_accumulation(training, lay) or "-"))
     if "cp" in columns:
         cells.insert(columns.index("cp"), str(lay.context_parallel_size))
     if "order" in columns:
         cells.insert(columns.index("order"), lay.mesh_order)
     return cells
+
+
+def _accumulation(training: TrainingSettings, layout: ParallelConfig) -> int | None:
+    """Batches ``layout`` accumulates per optimizer step (None while its dp is ``auto``)."""
+    dp = layout.data_parallel_size
+    return training.accumulation(dp, layout.pipeline_parallel_size) if isinstance(dp, int) else None
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -154,7 +167,7 @@ def format_plan(plan: Plan, *, top: int = 12) -> str:
     unit, scale = _unit(plan.candidates)
     columns = _columns(plan)
     rows = [list(columns)] + [
-        _row(str(i + 1) if c.fits and c.available else "-", c, scale, columns) for i, c in shown
+        _row(str(i + 1) if c.fits and c.available else "-", c, scale, columns, t) for i, c in shown
     ]
     source = plan.candidates[0].cost.rates_source if plan.candidates else ""
     lines.append(f"Candidate layouts ({unit} per device; tokens/s and MFU from the step-time model, rates: "
@@ -238,8 +251,11 @@ def _recommendation_text(plan: Plan) -> str:
     return f"{head}\nBranch: {plan.branch}\nWhy: {plan.reason}"
 
 
-def candidate_json(c: Candidate) -> dict[str, Any]:
+def candidate_json(c: Candidate, training: TrainingSettings | None = None) -> dict[str, Any]:
+    """One candidate, machine-readable; with ``training``, the batches it accumulates per optimizer step too (with a
+    global batch they differ by layout: ``global / (batch x dp)``)."""
     lay, mem = c.layout, c.memory
+    accumulation = {"accumulate_grad_batches": _accumulation(training, lay)} if training is not None else {}
     return {
         "strategy": c.strategy,
         "available": c.available,
@@ -253,6 +269,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "sequence_parallel": lay.sequence_parallel,
         "mesh_order": lay.mesh_order,
         "tiled_layers": c.tiled_layers,
+        **accumulation,
         "memory_bytes": {
             "params": mem.params,
             "grads": mem.grads,
@@ -293,6 +310,7 @@ def recommendation_json(plan: Plan) -> dict[str, Any]:
         "tiled_layers": chosen.tiled_layers,
         "sequence_parallel": lay.sequence_parallel,
         "num_micro_batches": lay.num_micro_batches,
+        "accumulate_grad_batches": _accumulation(plan.training, lay),
         "mesh_order": lay.mesh_order,
         "cross_node_bytes_per_step": cross_node_json(chosen),
         "memory_bytes": candidate_json(chosen)["memory_bytes"],
@@ -333,5 +351,5 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "model_states_bytes": plan.model_states_bytes,
         "single_device_bytes": plan.situation.single_device.total,
         "recommendation": recommendation_json(plan),
-        "candidates": [candidate_json(c) for c in plan.candidates],
+        "candidates": [candidate_json(c, plan.training) for c in plan.candidates],
     }

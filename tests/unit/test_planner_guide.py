@@ -358,11 +358,21 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
 
     fixed_recipe = recipe("fixed.yaml", parallel={"global_batch_size": 64})
     assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--json"]) == 0
-    training = json.loads(capsys.readouterr().out)["training"]
+    out = json.loads(capsys.readouterr().out)
+    training = out["training"]
     assert (training["accumulate_grad_batches"], training["global_batch_size"]) == (4, 64)
+    # each candidate (and the recommendation) says what it accumulates: 64 / (16 x dp) on cpu-2proc's 2 ranks
+    accumulated = {(c["data_parallel_size"], c["pipeline_parallel_size"]): c["accumulate_grad_batches"]
+                   for c in out["candidates"]}
+    assert accumulated[(2, 1)] == 2 and accumulated[(1, 1)] == 4, accumulated
+    rec = out["recommendation"]
+    assert rec["accumulate_grad_batches"] == 64 // (16 * rec["data_parallel_size"])
     assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--accumulate-grad-batches", "2",
                  "--global-batch-size", "128"]) == 0
-    assert "global batch 128 (each layout accumulates" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "global batch 128 (each layout accumulates" in text
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("# "))
+    assert header.split()[header.split().index("recompute") + 1] == "acc", header
     # the recipe it writes trains with the accumulation it was planned for
     written = tmp_path / "planned.yaml"
     assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--write-recipe", str(written)]) == 0
