@@ -356,9 +356,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     def parallelize(self, model: nn.Module, *, trainer_fn: TrainerFn) -> nn.Module:
         """The one composition (:func:`~lightning_parallel.parallel.compose.compose`: pipeline split -> placement ->
-        tensor plan -> context parallel -> activation checkpointing -> data-parallel wrap) of ``model`` for this rank,
-        and the train step that goes with it. Called in ``setup`` for fit, validate, test and predict alike (a
-        module composed by an earlier call of this process is reused); returns what the loops call."""
+        tensor plan -> context parallel -> activation checkpointing -> compile -> data-parallel wrap) of ``model`` for
+        this rank, and the train step that goes with it. Called in ``setup`` for fit, validate, test and predict alike
+        (a module composed by an earlier call of this process is reused); returns what the loops call."""
         composition = self.compose_module(model, fitting=trainer_fn == TrainerFn.FITTING)
         return composition.module
 

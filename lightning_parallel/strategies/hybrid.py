@@ -4,7 +4,7 @@ several nodes when the model does not fit one device: TP inside a node, PP acros
 Layout ``(d, p, t, 0|1|2|3)`` on ``d x p x t`` ranks, mesh ``("dp", "pp", "tp")`` (``tp`` innermost, so tensor-parallel
 peers are neighbouring ranks of one node). The module is composed by
 :func:`lightning_parallel.parallel.compose.compose` in the fixed order pipeline split -> tensor parallel plan on each
-stage -> activation checkpointing -> data-parallel sync:
+stage -> activation checkpointing -> compile (with ``parallel.compile``) -> data-parallel sync:
 
 * along ``pp`` -- each rank keeps ``~1/p`` of the layers (its stages, the whole model's names); activations of each
   micro-batch go point-to-point between neighbouring stages (the tp ranks of a stage each send their own shard to
