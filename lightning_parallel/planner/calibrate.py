@@ -595,13 +595,25 @@ def measure_frameworks(world: int, device: torch.device) -> dict[str, float]:
         out[f"{name}_cpu"] = min(max(0.0, cpu), out[name])
     if world > 1:  # the ring's cost that grows with the layer's size, beyond the attention's arithmetic
         elements = math.prod(CP_RING_SHAPE) - math.prod(CP_TINY_SHAPE)
-        for _ in range(SLOPE_ATTEMPTS):  # a difference of timings: measured again, on every rank alike, if <= 0
+
+        def per_element() -> dict[str, float]:
             wide = (ring(hi, CP_RING_SHAPE)[0] - ring(lo, CP_RING_SHAPE)[0]) / (hi - lo)
-            per_element = (wide - attention_share() - out["cp_layer"]) / elements
-            if not _any_rank([per_element <= 0], device)[0]:
-                break
-        out["cp_element"] = max(0.0, per_element)
+            return {"cp_element": (wide - attention_share() - out["cp_layer"]) / elements}
+
+        out.update({name: max(0.0, value) for name, value in _until_positive(per_element, device).items()})
     return out
+
+
+def _until_positive(measure: Callable[[], dict[str, float]], device: torch.device) -> dict[str, float]:
+    """``measure()`` (figures that are differences of timings, each > 0 on a quiet machine), made again -- at most
+    :data:`SLOPE_ATTEMPTS` times in all -- while any figure comes out <= 0 on any rank (a stall in the smaller run on a
+    busy machine). Every rank takes the decision alike (:func:`_any_rank`): the measurements run collectives. Returns
+    the last measurement's figures (a figure still <= 0 is the caller's to clamp)."""
+    for _ in range(SLOPE_ATTEMPTS):
+        figures = measure()
+        if not _any_rank([any(value <= 0 for value in figures.values())], device)[0]:
+            break
+    return figures
 
 
 def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:
@@ -695,19 +707,25 @@ def measure_offload(world: int, device: torch.device) -> dict[str, float]:
     def plain(width: int) -> tuple[float, float]:  # the same net's forward and backward, no engine
         return _step_seconds(nn.Linear(width, width).to(device), torch.randn(4, width, device=device), sync)
 
-    try:
-        (wall_one, cpu_one), (wall_many, cpu_many) = engine_step(1), engine_step(OFFLOAD_UNITS)
+    tensors = 2 * (OFFLOAD_UNITS - 1)
+    extra_params = OFFLOAD_WIDE * (OFFLOAD_WIDE + 1) - 16 * 17  # one wide unit against one tiny: two tensors each
+    cpu: dict[str, float] = {}  # the CPU times of the last measurement's runs
+
+    def differences() -> dict[str, float]:
+        (wall_one, cpu["one"]), (wall_many, cpu["many"]) = engine_step(1), engine_step(OFFLOAD_UNITS)
         wide, wide_plain, one_plain = engine_step(1, OFFLOAD_WIDE)[0], plain(OFFLOAD_WIDE)[0], plain(16)
+        cpu["plain"] = one_plain[1]
+        per_tensor = (wall_many - wall_one) / tensors
+        return {"offload_tensor": per_tensor, "offload_step": wall_one - one_plain[0] - 2 * max(0.0, per_tensor),
+                "offload_param": ((wide - wide_plain) - (wall_one - one_plain[0])) / extra_params}
+
+    try:
+        out = {name: max(0.0, value) for name, value in _until_positive(differences, device).items()}
     finally:
         quiet.setLevel(level)
-    tensors = 2 * (OFFLOAD_UNITS - 1)
-    out = {"offload_tensor": max(0.0, (wall_many - wall_one) / tensors)}
-    out["offload_tensor_cpu"] = min(max(0.0, (cpu_many - cpu_one) / tensors), out["offload_tensor"])
-    out["offload_step"] = max(0.0, wall_one - one_plain[0] - 2 * out["offload_tensor"])
-    out["offload_step_cpu"] = min(max(0.0, cpu_one - one_plain[1] - 2 * out["offload_tensor_cpu"]),
+    out["offload_tensor_cpu"] = min(max(0.0, (cpu["many"] - cpu["one"]) / tensors), out["offload_tensor"])
+    out["offload_step_cpu"] = min(max(0.0, cpu["one"] - cpu["plain"] - 2 * out["offload_tensor_cpu"]),
                                   out["offload_step"])
-    extra_params = OFFLOAD_WIDE * (OFFLOAD_WIDE + 1) - 16 * 17  # one wide unit against one tiny: two tensors each
-    out["offload_param"] = max(0.0, ((wide - wide_plain) - (wall_one - one_plain[0])) / extra_params)
     param = nn.Parameter(torch.zeros(HOST_ADAM_ELEMENTS))
     param.grad = torch.ones_like(param)
     host_adam = DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=True)
@@ -928,8 +946,19 @@ def _measure_once(ranks: int, device_type: str, say: Progress | None, offload: b
     if ranks > 1 and device_type == "cpu":
         frameworks["distributed_overhead"] = measure_host_overhead(ranks=ranks)
     # how much of it recurs with every batch of an accumulating step: a fit accumulating 4 batches against 1
-    one = frameworks.get("distributed_overhead", overhead)
-    four = measure_host_overhead(ranks=ranks if "distributed_overhead" in frameworks else 1, accumulate=4)
+    distributed = "distributed_overhead" in frameworks
+    fit_ranks = ranks if distributed else 1
+    one = frameworks["distributed_overhead"] if distributed else overhead
+    for attempt in range(SLOPE_ATTEMPTS):
+        if attempt:  # four batches a step measured no dearer than one (a stall in the one-batch fit): both again
+            one = measure_host_overhead(ranks=fit_ranks)
+        four = measure_host_overhead(ranks=fit_ranks, accumulate=4)
+        if four > one:
+            break
+    if distributed:
+        frameworks["distributed_overhead"] = one
+    else:
+        overhead = one
     frameworks["host_batch_share"] = min(max((four - one) / 3 / one, 0.0), 1.0) if one > 0 else 1.0
     return compute, collectives, frameworks, overhead
 

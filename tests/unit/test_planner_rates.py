@@ -256,3 +256,40 @@ def test_the_attention_core_is_fitted_a_cost_per_call_and_a_rate() -> None:
     assert attention_fit(fast, rates, "cpu")[0] == 1.0
     back = rates_from_dict({**rates.to_dict(), "attention_efficiency": 0.4, "attention_call_us": 200})
     assert rates_from_dict(back.to_dict()).attention_call_s == pytest.approx(2e-4)
+
+
+def test_a_difference_of_timings_that_comes_out_nonpositive_is_measured_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A figure measured as a difference of two timings (a slope, the offload engine's costs, the ring's cost per
+    element) is measured again while any of it comes out <= 0 (a stall in the smaller run), at most
+    ``SLOPE_ATTEMPTS`` times in all; the last measurement is kept. The host overhead of an accumulating step: when
+    four batches a step measure no dearer than one, both fits are made again, so its share per batch is not left 0."""
+    import importlib
+
+    import torch
+
+    cal = importlib.import_module("lightning_parallel.planner.calibrate")  # the package exports a function so named
+    cpu = torch.device("cpu")
+    made = iter([{"a": 1.0, "b": -2.0}, {"a": 0.0, "b": 3.0}, {"a": 2.0, "b": 1.0}, {"a": 9.0, "b": 9.0}])
+    assert cal._until_positive(lambda: next(made), cpu) == {"a": 2.0, "b": 1.0}
+    assert next(made) == {"a": 9.0, "b": 9.0}  # three measurements, not four
+    calls: list[int] = []
+
+    def never() -> dict[str, float]:
+        calls.append(1)
+        return {"a": -1.0}
+
+    assert cal._until_positive(never, cpu) == {"a": -1.0} and len(calls) == cal.SLOPE_ATTEMPTS
+
+    fits: list[tuple[int, int]] = []
+    seconds = iter([0.010, 0.008, 0.006, 0.012])  # one batch, four (stalled one), then both again
+
+    def fit(*, steps: int = 40, ranks: int = 1, accumulate: int = 1) -> float:
+        fits.append((ranks, accumulate))
+        return next(seconds)
+
+    monkeypatch.setattr(cal, "measure_host_overhead", fit)
+    monkeypatch.setattr(cal, "measure_compute", lambda *args, **kwargs: {})  # not measured here
+    _, _, frameworks, overhead = cal._measure_once(1, "cpu", None)
+    assert fits == [(1, 1), (1, 4), (1, 1), (1, 4)]
+    assert overhead == 0.006 and frameworks["host_batch_share"] == pytest.approx((0.012 - 0.006) / 3 / 0.006)
