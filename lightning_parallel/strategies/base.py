@@ -312,6 +312,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.agree_loss_scaler()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._fit_patches = contextlib.ExitStack()
@@ -333,6 +334,30 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             self._comm_counter.dims, self._comm_counter.rank = self.dims, self.global_rank
             patches.append(self._comm_counter.counting())
         return patches
+
+    def agree_loss_scaler(self) -> None:
+        """Under ``16-mixed`` (Lightning's gradient scaler), where the gradients the scaler checks for inf/NaN differ
+        from rank to rank -- ZeRO's shards over ``dp`` (the flat ZeRO-1/2 shard, FSDP2's), tp's shards, a pipeline's
+        stages: replace the scaler by :class:`~lightning_parallel.parallel.scaler.AgreedGradScaler` over every rank,
+        with the same settings and state. Its check is all-reduced (one number per step), so every rank skips or takes
+        the optimizer step alike and the scales stay equal; it reads a ``DTensor`` gradient's local shard (torch's
+        own scaler refuses the mix of ``DTensor`` and plain gradients a tensor-parallel model has). With each rank's
+        own check, a rank whose gradients overflowed would skip the step while the others took it: the flat ZeRO's
+        all-gather of the updated shards then waits for it until the collective timeout. Nothing changes where every
+        rank holds the same whole gradients (DDP, context parallelism) or without a scaler (``32-true``,
+        ``bf16-mixed``)."""
+        from lightning_parallel.parallel.scaler import AgreedGradScaler
+
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if not isinstance(scaler, torch.amp.GradScaler) or isinstance(scaler, AgreedGradScaler):
+            return
+        if not scaler.is_enabled() or self.world_size == 1:
+            return
+        if self.layout.zero == 0 and self.dims.tp == 1 and self.dims.pp == 1 and not self.pipelined:
+            return
+        agreed = AgreedGradScaler(device=self.root_device.type, process_group=dist.group.WORLD)
+        agreed.load_state_dict(scaler.state_dict())
+        self.precision_plugin.scaler = agreed  # type: ignore[attr-defined]
 
     skips_nonfinite_steps = True
     """A ``NonFiniteLossGuard(action="skip")`` can skip this strategy's optimizer step (:meth:`optimizer_step`)."""

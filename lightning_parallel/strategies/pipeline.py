@@ -304,9 +304,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 zero_grad()
             self._grads_fresh = True
         guard = self._agreeing_guard()
+        scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: the loss scaled before each backward
         with self.precision_plugin.train_step_context(), self._tp_loss():
             loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches,
-                                          everywhere=guard is None)
+                                          everywhere=guard is None,
+                                          loss_scale=scaler.scale if scaler is not None else None)
         if guard is not None:
             # one world all-reduce for the loss and the non-finite guard, in place of three collectives (the loss's
             # broadcast over pp, its mean over dp, the guard's agreement at the batch's end): the last stage's ranks

@@ -84,6 +84,7 @@ class PipelineRunner:
         self._eval: dict[Any, Any] = {}
         self._losses: list[Tensor] = []
         self._scale = 1.0
+        self._loss_scale: Callable[[Tensor], Tensor] | None = None
 
     # ------------------------------------------------------------------ schedules
     def _stages(self) -> list[Any]:
@@ -94,7 +95,7 @@ class PipelineRunner:
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)
         self._losses.append(plain(loss.detach()))
-        return loss * self._scale
+        return loss * self._scale if self._loss_scale is None else self._loss_scale(loss * self._scale)
 
     def _train_schedule(self, key: Any) -> Any:
         """One schedule object per micro-batch shape (the stages infer the p2p buffer shapes on first use)."""
@@ -138,12 +139,15 @@ class PipelineRunner:
         return (names, tuple((tuple(v.shape), v.dtype) for v in values), m)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, inputs: Any, target: Tensor, *, accumulate: int = 1, everywhere: bool = True) -> Tensor:
+    def train_step(self, inputs: Any, target: Tensor, *, accumulate: int = 1, everywhere: bool = True,
+                   loss_scale: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Forward and backward of one batch (``.grad`` accumulates the gradient of its mean loss / ``accumulate``);
         returns the batch's mean loss (unscaled, detached) on every pipeline rank (a broadcast over ``pp``) -- or,
         with ``everywhere=False``, on the last stage's rank only (zero elsewhere, no collective: the caller combines it
         in a collective of its own). ``inputs``: a tensor, or the named tensors the first layers read (a dict, or a
-        tuple in the first layer's input order)."""
+        tuple in the first layer's input order). ``loss_scale``: applied to each micro-batch's loss before its
+        backward (a gradient scaler's ``scale`` under ``16-mixed``: every stage's gradients then carry the scale, which
+        the scaler divides out before the optimizer step)."""
         names, values = self._bind(inputs)
         n = int(values[0].shape[0])
         if n % self.m:
@@ -153,7 +157,7 @@ class PipelineRunner:
                 f"size that is a multiple of {self.m} (and drop_last=True on the training DataLoader)."
             )
         schedule = self._train_schedule(self._key(names, values, self.m))
-        self._losses, self._scale = [], 1.0 / (self.m * accumulate)
+        self._losses, self._scale, self._loss_scale = [], 1.0 / (self.m * accumulate), loss_scale
         args = tuple(v.to(self.device) for v in values) if self.first else ()
         tgt = target.to(self.device) if self.last else None
         schedule.step(*args, target=tgt, return_outputs=False)
