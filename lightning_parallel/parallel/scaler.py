@@ -18,23 +18,61 @@ which every rank skips or steps alike and every scale stays equal. Nothing is sh
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-__all__ = ["AgreedGradScaler"]
+__all__ = ["AgreedGradScaler", "after_skipped_step"]
 
 
 class AgreedGradScaler(ShardedGradScaler):
-    """torch's ``ShardedGradScaler`` (the inf/NaN flag all-reduced over ``process_group``, default: every rank) that
-    checks and unscales each gradient's local tensor, ``DTensor`` or not."""
+    """torch's ``ShardedGradScaler`` that checks and unscales each gradient's local tensor, ``DTensor`` or not, and
+    takes the largest inf/NaN flag over ``process_group`` (default: every rank) -- in ``unscale_`` and in the check a
+    fused optimizer's step makes instead (``fused=True`` optimizers unscale inside their step: Lightning does not
+    call ``unscale_`` for them). The flags are 0 or 1, as a fused optimizer's kernel expects."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_`` with the flags agreed (MAX over ``process_group``)."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        assert self._scale is not None
+        inv_scale = self._scale.double().reciprocal().float()  # in fp64, as torch does
+        found_inf = torch.full((1,), 0.0, dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._agree(self._unscale_grads_(optimizer, inv_scale, found_inf, True))
+        state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+        """The check a fused optimizer's step makes (no unscaling), agreed as :meth:`unscale_`'s."""
+        return self._agree(super()._check_inf_per_device(optimizer))
+
+    def _agree(self, flags: dict[Any, Any]) -> dict[Any, Any]:
+        """Each flag (in place) the largest over ``process_group``; a host flag goes through the device where the
+        scaler runs on one (NCCL reduces device tensors)."""
+        for flag in flags.values():
+            if self._device != "cpu" and flag.device.type == "cpu":
+                on_device = flag.to(self._device)
+                dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.process_group)
+                flag.copy_(on_device)
+            else:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return flags
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor,
                         allow_fp16: bool = True) -> dict[torch.device, Tensor]:
-        """Divide every gradient of ``optimizer`` by the scale in place (its local shard) and set each device's flag
-        where one is not finite; returns the flags by device (``unscale_`` all-reduces them)."""
+        """Divide every gradient of ``optimizer`` by the scale in place (its local shard; a sparse gradient's
+        values) and set each device's flag where one is not finite; returns the flags by device (the
+        callers agree them)."""
         flags: dict[torch.device, Tensor] = {}
         inverse: dict[torch.device, Tensor] = {}
         grads: defaultdict[torch.device, defaultdict[torch.dtype, list[Tensor]]] = defaultdict(
@@ -42,14 +80,15 @@ class AgreedGradScaler(ShardedGradScaler):
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
+                    if param.grad is None:
                         continue
-                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                     if not allow_fp16 and local.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    if local.is_sparse:
-                        raise ValueError("AgreedGradScaler: sparse gradients are not supported.")
+                    if local.is_sparse:  # as torch's scalers: an fp16 one coalesced first (the sum may overflow)
+                        if local.dtype is torch.float16:  # coalesce has no fp16 kernel
+                            local = param.grad = local.type(torch.float32).coalesce().type(torch.float16)
+                        local = local._values()
                     grads[local.device][local.dtype].append(local)
             for device, by_dtype in grads.items():
                 flags[device] = found_inf.to(device, copy=True)
@@ -60,3 +99,15 @@ class AgreedGradScaler(ShardedGradScaler):
             assert self._scale is not None
             flags[self._scale.device] = found_inf.to(self._scale.device, copy=True)
         return flags
+
+
+def after_skipped_step(scaler: Any, optimizer: Any) -> None:
+    """A step skipped after ``scaler`` unscaled ``optimizer``'s gradients (the non-finite-loss guard raises in
+    ``on_before_optimizer_step``, which Lightning runs after ``unscale_``): the skip is recorded (``update``: the scale
+    backs off when the gradients were not finite), so that the next step may unscale again. Nothing without an
+    enabled scaler or before ``unscale_``."""
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if state is not None and state["stage"] is OptState.UNSCALED:
+        scaler.update()

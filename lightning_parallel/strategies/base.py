@@ -339,13 +339,15 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         """Under ``16-mixed`` (Lightning's gradient scaler), where the gradients the scaler checks for inf/NaN differ
         from rank to rank -- ZeRO's shards over ``dp`` (the flat ZeRO-1/2 shard, FSDP2's), tp's shards, a pipeline's
         stages: replace the scaler by :class:`~lightning_parallel.parallel.scaler.AgreedGradScaler` over every rank,
-        with the same settings and state. Its check is all-reduced (one number per step), so every rank skips or takes
-        the optimizer step alike and the scales stay equal; it reads a ``DTensor`` gradient's local shard (torch's
-        own scaler refuses the mix of ``DTensor`` and plain gradients a tensor-parallel model has). With each rank's
-        own check, a rank whose gradients overflowed would skip the step while the others took it: the flat ZeRO's
-        all-gather of the updated shards then waits for it until the collective timeout. Nothing changes where every
-        rank holds the same whole gradients (DDP, context parallelism) or without a scaler (``32-true``,
-        ``bf16-mixed``)."""
+        with the same settings and state. Its check is all-reduced (one all-reduce of a flag per optimizer step,
+        in ``unscale_`` or in a fused optimizer's step), so every rank skips or takes the optimizer step alike and the
+        scales stay equal; it reads a ``DTensor`` gradient's local shard (torch's own scaler refuses the mix of
+        ``DTensor`` and plain gradients a tensor-parallel model has). With each rank's own check, a rank whose
+        gradients overflowed would skip the step while the others took it: the flat ZeRO's all-gather of the updated
+        shards then waits for it until the collective timeout. Nothing changes where every rank holds the same whole
+        gradients (DDP, context parallelism), on one rank, or without a scaler (``32-true``, ``bf16-mixed``). A
+        scaler of another class than torch's own (a subclass with behaviour of its own) is refused: the swap would
+        drop that behaviour, keeping it would leave the check unagreed; the error names the fix."""
         from lightning_parallel.parallel.scaler import AgreedGradScaler
 
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -355,6 +357,14 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             return
         if self.layout.zero == 0 and self.dims.tp == 1 and self.dims.pp == 1 and not self.pipelined:
             return
+        if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+            raise ValueError(
+                f"the precision plugin's gradient scaler is a {type(scaler).__qualname__}; under "
+                f"{self.strategy_name} ({self.layout.describe()}) the ranks hold different gradients, so the scaler's "
+                "inf/NaN check must be agreed over every rank, which the library does by replacing torch's GradScaler "
+                "with lightning_parallel.parallel.scaler.AgreedGradScaler -- and a subclass's own behaviour would be "
+                "lost. Fix: derive the scaler from AgreedGradScaler (same constructor, plus process_group), or pass "
+                "torch.amp.GradScaler itself.")
         agreed = AgreedGradScaler(device=self.root_device.type, process_group=dist.group.WORLD)
         agreed.load_state_dict(scaler.state_dict())
         self.precision_plugin.scaler = agreed  # type: ignore[attr-defined]
@@ -508,12 +518,16 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; a step the :class:`~lightning_parallel.callbacks.NonFiniteLossGuard` skips
-        (``action="skip"``: the loss was not finite on some rank, agreed on every rank) ends before the update."""
+        (``action="skip"``: the loss was not finite on some rank, agreed on every rank) ends before the update; under
+        ``16-mixed`` the gradient scaler records the skip
+        (:func:`~lightning_parallel.parallel.scaler.after_skipped_step`)."""
         from lightning_parallel.callbacks.nonfinite import SkippedStep
+        from lightning_parallel.parallel.scaler import after_skipped_step
 
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         except SkippedStep:
+            after_skipped_step(getattr(self.precision_plugin, "scaler", None), optimizer)
             return None
 
     @override

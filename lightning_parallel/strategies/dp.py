@@ -359,12 +359,15 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             install_nonfinite_guard(self.lightning_module.trainer)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's optimizer step; a step the ``NonFiniteLossGuard`` skips ends before the update."""
+        """Lightning's optimizer step; a step the ``NonFiniteLossGuard`` skips ends before the update (a gradient
+        scaler records the skip)."""
         from lightning_parallel.callbacks.nonfinite import SkippedStep
+        from lightning_parallel.parallel.scaler import after_skipped_step
 
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         except SkippedStep:
+            after_skipped_step(getattr(self.precision_plugin, "scaler", None), optimizer)
             return None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
