@@ -3,17 +3,17 @@ shard, FSDP2's), tp's shards, a pipeline's stages.
 
 ``16-mixed`` needs CUDA in Lightning (``Trainer(accelerator="cpu", precision="16-mixed")`` warns and runs
 ``bf16-mixed``), so the runs here pass Lightning's own ``MixedPrecision("16-mixed", "cpu")`` plugin with torch's CPU
-``GradScaler``: fp16 autocast on the CPU, the same plugin code a GPU run goes through. The scaler grows its scale by 16x every 2 clean steps, so the run
-keeps meeting the scale at which some gradients overflow and others do not -- the step where ranks that check only
-their own gradients part (before the library agreed the check: ZeRO-2's ranks waited on each other until the
-collective timeout; a pipeline never scaled its loss, so its gradients were divided by the scale, 0.087 from one
-device). Each rank records its scale after every batch: every rank must hold the reference's sequence (every skip
-taken together), and the weights must match the reference's.
+``GradScaler``: fp16 autocast on the CPU, the same plugin code a GPU run goes through. The scaler grows its scale by 16x
+every 2 clean steps, so the run keeps meeting the scale at which some gradients overflow and others do not -- the step
+where ranks that check only their own gradients part (before the library agreed the check: ZeRO-2's ranks waited on each
+other until the collective timeout; a pipeline never scaled its loss, so its gradients were divided by the scale, 0.087
+from one device). Each rank records its scale after every batch: every rank must hold the reference's sequence (every
+skip taken together), and the weights must match the reference's.
 
-The reference: one device for the layouts of one replica (tp, pp: each rank's backward meets the one device's
-gradient magnitudes); ``lp_ddp`` on as many replicas for the ZeRO stages -- a replica's backward of its half of the
-batch carries gradients twice one device's (the mean over half the samples), so it overflows at half the scale, as
-torch DDP does; DDP's all-reduced gradients are the same on every rank, so it needs no agreement.
+The reference: one device for the layouts of one replica (tp, pp: each rank's backward meets the one device's gradient
+magnitudes); ``lp_ddp`` on as many replicas for the ZeRO stages -- a replica's backward of its half of the batch carries
+gradients twice one device's (the mean over half the samples), so it overflows at half the scale, as torch DDP does;
+DDP's all-reduced gradients are the same on every rank, so it needs no agreement.
 """
 
 from __future__ import annotations
