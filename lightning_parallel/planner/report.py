@@ -99,12 +99,10 @@ def _row(rank: str, c: Candidate, scale: float, columns: tuple[str, ...], traini
         f"{c.cost.tokens_per_s:,.0f}",
         f"{c.cost.mfu:.0%}",
     ]
-    if "acc" in columns:
-        cells.insert(columns.index("acc"), str(_accumulation(training, lay) or "-"))
-    if "cp" in columns:
-        cells.insert(columns.index("cp"), str(lay.context_parallel_size))
-    if "order" in columns:
-        cells.insert(columns.index("order"), lay.mesh_order)
+    optional = {"cp": str(lay.context_parallel_size), "order": lay.mesh_order,
+                "acc": str(_accumulation(training, lay) or "-")}
+    for name in sorted((name for name in optional if name in columns), key=columns.index):  # left to right
+        cells.insert(columns.index(name), optional[name])
     return cells
 
 

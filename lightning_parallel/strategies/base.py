@@ -312,8 +312,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self.agree_loss_scaler()
         if fitting:
+            self.agree_loss_scaler()
             _optimizers_to_device(self.optimizers, self.root_device)
             self._fit_patches = contextlib.ExitStack()
             for patch in self.fit_patches():

@@ -42,7 +42,7 @@ from lightning_parallel.strategies import (
 )
 from tests.helpers import max_rel_diff, tiny_gpt
 
-from .token_data import fit
+from .token_data import TokenData, fit
 
 FORK: dict[str, Any] = {"start_method": "fork"}
 PP = {"pipeline_parallel_size": 2, "num_micro_batches": 2, "pipeline_schedule": "1f1b"}
@@ -202,3 +202,8 @@ def test_a_custom_scaler_under_a_sharded_layout_is_refused(tmp_path: Path) -> No
         fit(LPShardedStrategy({"zero_stage": 1}, **FORK), 2, 2, model=tiny_gpt(bias=False), steps=1,
             plugins=[plugin])
     assert "Capped" in str(err.value)
+    # validation uses no scaler: not refused
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LPShardedStrategy({"zero_stage": 1}, **FORK),
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=Capped("cpu"))], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer.validate(tiny_gpt(bias=False), datamodule=TokenData(4))

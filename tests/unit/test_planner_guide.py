@@ -373,6 +373,23 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
     assert "global batch 128 (each layout accumulates" in text
     header = next(line for line in text.splitlines() if line.lstrip().startswith("# "))
     assert header.split()[header.split().index("recompute") + 1] == "acc", header
+    # on two nodes (an `order` column before it) each row's cell is its own accumulation: 64 / (batch x dp), the
+    # batch a micro-batch of 1 (x the pipeline's 4 x pp micro-batches)
+    assert main(["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64", "--nodes", "2",
+                 "--gpus-per-node", "2", "--gpu-memory", "16GB", "--global-batch-size", "64", "--top", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# "))
+    names = lines[at].split()
+    assert names.index("order") < names.index("acc")
+    rows = [line.split() for line in lines[at + 2:] if line.strip()[:1].isdigit() or line.startswith(" -")]
+    checked = 0
+    for row in rows:
+        # the cells up to `acc` are one word each, but for an HSDP layout's dp ("4 s2")
+        if row[names.index("strategy")].startswith("lp_") and row[names.index("order")] in ("dp-pp-tp", "pp-dp-tp"):
+            dp, pp = int(row[names.index("dp")]), int(row[names.index("pp")])
+            assert row[names.index("acc")] == str(max(1, 64 // ((4 * pp if pp > 1 else 1) * dp))), (names, row)
+            checked += 1
+    assert checked >= 3, rows
     # the recipe it writes trains with the accumulation it was planned for
     written = tmp_path / "planned.yaml"
     assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--write-recipe", str(written)]) == 0

@@ -58,6 +58,16 @@ def test_a_preemption_ends_no_rank_and_blames_none() -> None:
     assert watchdog.end_started_ranks(SimpleNamespace(procs=[Frozen()]), SIGTERMException(), grace=0) == []
     assert watchdog.end_started_ranks(SimpleNamespace(procs=[Frozen()]), RuntimeError("x"), grace=0) == [4242]
     assert watchdog.on_exception(SIGTERMException()) is None
+    # the spawn/fork launchers hold multiprocessing.Process objects (no wait(): they were killed at once, no grace)
+    import multiprocessing
+    import time
+
+    context = multiprocessing.get_context("fork")
+    stopping, frozen = context.Process(target=time.sleep, args=(0.5,)), context.Process(target=time.sleep, args=(60,))
+    stopping.start()
+    frozen.start()
+    ended = watchdog.end_started_ranks(SimpleNamespace(procs=[stopping, frozen]), RuntimeError("x"), grace=3)
+    assert ended == [frozen.pid] and stopping.exitcode == 0 and frozen.exitcode == -9, (ended, stopping, frozen)
 
 
 def _args(root: Path) -> dict[str, object]:

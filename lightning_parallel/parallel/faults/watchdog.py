@@ -517,22 +517,34 @@ def on_exception(exception: BaseException) -> str | None:
     return line
 
 
+def _stopped_within(proc: Any, timeout: float) -> bool:
+    """Whether ``proc`` -- a ``subprocess.Popen`` (the ``popen`` launcher) or a ``multiprocessing.Process`` (the
+    ``spawn``/``fork`` launchers) -- has ended, waiting at most ``timeout`` seconds."""
+    if callable(getattr(proc, "wait", None)):
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except Exception:  # subprocess.TimeoutExpired: still running (or frozen)
+            return False
+    proc.join(timeout)
+    return not proc.is_alive()
+
+
 def end_started_ranks(launcher: Any, exception: BaseException, *, grace: float = 5.0) -> list[int]:
-    """On the process that started the other ranks (Lightning's ``popen`` launcher), after this rank failed: give
-    them ``grace`` seconds to stop on their own, then SIGKILL the rest -- a frozen rank (stopped, deadlocked) would
-    otherwise outlive the job. Not for a preemption stop, where every rank stops by itself. Returns the pids ended."""
+    """On the process that started the other ranks (Lightning's launchers: ``popen`` in rank 0, ``spawn``/``fork``
+    in the main process), after a rank failed: give them ``grace`` seconds to stop on their own, then SIGKILL the rest
+    -- a frozen rank (stopped, deadlocked) would otherwise outlive the job. Not for a preemption stop, where every rank
+    stops by itself. Returns the pids ended."""
     procs = list(getattr(launcher, "procs", None) or [])
     if not procs or isinstance(exception, KeyboardInterrupt) or _is_preemption(exception):
         return []
     deadline = time.monotonic() + grace
     ended = []
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # still running (or frozen) after the grace period
+        if not _stopped_within(proc, max(0.0, deadline - time.monotonic())):
             try:
                 proc.kill()  # SIGKILL reaches a stopped process too
-                proc.wait(timeout=10)
+                _stopped_within(proc, 10)
             except Exception:
                 pass
             ended.append(proc.pid)
