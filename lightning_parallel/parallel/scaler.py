@@ -57,15 +57,19 @@ class AgreedGradScaler(ShardedGradScaler):
         return self._agree(super()._check_inf_per_device(optimizer))
 
     def _agree(self, flags: dict[Any, Any]) -> dict[Any, Any]:
-        """Each flag (in place) the largest over ``process_group``; a host flag goes through the device where the
-        scaler runs on one (NCCL reduces device tensors)."""
+        """Every flag (in place) the largest over this rank's devices and over ``process_group``: one all-reduce,
+        whatever devices this rank's gradients are on (ranks holding gradients on different numbers of devices make
+        the same collectives); on the device where the scaler runs (NCCL reduces device tensors)."""
+        first = next(iter(flags.values()))
+        home = self._scale.device if self._scale is not None else first.device
+        agreed = torch.zeros(1, dtype=torch.float32, device=home)
         for flag in flags.values():
-            if self._device != "cpu" and flag.device.type == "cpu":
-                on_device = flag.to(self._device)
-                dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.process_group)
-                flag.copy_(on_device)
-            else:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            agreed = torch.maximum(agreed, flag.reshape(1).to(home, torch.float32))
+        if self._device != "cpu" and agreed.device.type == "cpu":
+            agreed = agreed.to(self._device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        for flag in flags.values():
+            flag.copy_(agreed.to(flag.device).reshape(flag.shape))
         return flags
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor,

@@ -147,6 +147,12 @@ def _one_sided_overflow(rank: int, world: int) -> dict[str, Any]:
             scaler.update()
             weights = param.to_local() if isinstance(param, DTensor) else param
             out[f"{kind} fused={fused}"] = (bool((weights.detach() != 1).any()), scaler.get_scale())
+    # ranks whose gradients lie on different numbers of devices make the same one all-reduce (here: two flags on
+    # rank 0, as gradients on two devices would give, one 0-dim flag on rank 1)
+    scaler = AgreedGradScaler("cpu")
+    scaler.scale(torch.ones(1))
+    flags = {"a": torch.zeros(1), "b": torch.ones(1)} if rank == 0 else {"a": torch.zeros(())}
+    out["agreed over devices"] = all(float(flag) == 1.0 for flag in scaler._agree(flags).values())
     return out
 
 
@@ -155,6 +161,7 @@ def test_one_ranks_overflow_skips_the_step_on_every_rank() -> None:
     from lightning_parallel.parallel.local_ranks import run_distributed
 
     ranks = run_distributed(_one_sided_overflow, 2, timeout_s=120)
+    assert all(rank.pop("agreed over devices") for rank in ranks), ranks
     for case in ranks[0]:
         assert [rank[case] for rank in ranks] == [(False, 512.0)] * 2, (case, ranks)
 
