@@ -27,6 +27,8 @@ from torch.amp.grad_scaler import OptState
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.parallel.counters import uncounted_all_reduce
+
 __all__ = ["AgreedGradScaler", "after_skipped_step"]
 
 
@@ -67,7 +69,7 @@ class AgreedGradScaler(ShardedGradScaler):
             agreed = torch.maximum(agreed, flag.reshape(1).to(home, torch.float32))
         if self._device != "cpu" and agreed.device.type == "cpu":
             agreed = agreed.to(self._device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        uncounted_all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)  # control, not traffic
         for flag in flags.values():
             flag.copy_(agreed.to(flag.device).reshape(flag.shape))
         return flags
