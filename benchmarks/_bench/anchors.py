@@ -96,11 +96,13 @@ def hand_ddp(ctx: Ctx, zero: bool = False) -> dict[str, Any]:
 
 def _fsdp(model: Any, mesh: Any = None, reshard: bool = True) -> None:
     """FSDP2 on the units the library shards (``parallel.zero.stage3``; torchtitan's too): every block, the
-    embedding, the head, then the root -- the same technique, so that a difference is the framework's."""
+    embedding, the head, then the root, the head kept gathered from its forward into its backward (which begins
+    with it) -- the same technique, so that a difference is the framework's."""
     from torch.distributed.fsdp import fully_shard
 
-    for unit in [*model.blocks.values(), model.embed, model.head]:
+    for unit in [*model.blocks.values(), model.embed]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model.head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 

@@ -30,6 +30,20 @@ def _local_params(a: argparse.Namespace, case: Case) -> int:
     return spec.params_per_device(pp=case.pp, tp=case.tp)
 
 
+def _head_params(a: argparse.Namespace, case: Case) -> int:
+    """Parameters of the GPT's head (final norm and vocabulary projection) on one tp rank: the unit ZeRO-3 keeps
+    gathered from its forward into its backward (the library's ``apply_zero3(keep_last_gathered=True)``, and the
+    hand-written anchors alike), so that a step gathers it once, not twice."""
+    from lightning_parallel.models import GPT
+    from lightning_parallel.planner.detect import model_spec_from_module
+
+    with torch.device("meta"):
+        model = GPT(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden, block_size=a.seq, vocab_size=a.vocab)
+    spec, _ = model_spec_from_module(model)
+    assert spec.shape is not None
+    return spec.shape.head_params(case.tp)
+
+
 def _stage_params(a: argparse.Namespace, case: Case) -> list[int]:
     """Parameters of each pipeline stage as the library cuts the GPT (balanced by parameter count)."""
     from lightning_parallel.models import GPT
@@ -68,10 +82,10 @@ def states_formula(a: argparse.Namespace, case: Case) -> int:
 def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[str, float]:
     """Bytes one rank sends per step by axis (ring model): the technique's textbook figure. The library's strategies
     (``role="ours"``) also average the logged training loss over the replicas (dp, or dp x cp), so that the logged
-    curve is one device's; the hand loops and Lightning's strategies log each rank's own value and do not. Where the
-    replicas are the whole world (dp, ZeRO, HSDP, cp, offload) that value rides in the non-finite-loss guard's
-    per-batch all-reduce, control traffic in place of Lightning's broadcast, not counted; elsewhere (tp2d, pipelines
-    with dp) it is one fp32 all-reduce of its own per step over the replicas."""
+    curve is one device's; the hand loops and Lightning's strategies log each rank's own value and do not. That value
+    rides in the non-finite-loss guard's per-batch all-reduce over the whole world (under tensor and pipeline
+    parallelism too), control traffic in place of Lightning's broadcast, not counted: the same bytes for every
+    role."""
     out: dict[str, float] = {}
     psi = _local_params(a, case) * 4
     d, b, s, h = case.dp, a.batch // case.dp, a.seq, a.hidden
@@ -79,9 +93,10 @@ def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[s
         # the N-1 other replicas, and their share of the token ids (inputs and targets, int64); the outputs and the
         # loss gradient sent back are a few bytes each (docs/formulas.md, "DP versus DDP")
         out["dp"] = 2 * (d - 1) * psi + (d - 1) / d * a.batch * s * 8 * 2
-    elif d > 1 and case.shard:  # HSDP: ZeRO-3 inside each shard group, the gradient shards all-reduced across
+    elif d > 1 and case.shard:  # HSDP: ZeRO-3 inside each shard group (the head gathered once, kept into its
+        # backward), the gradient shards all-reduced across
         s, r = case.shard, d // case.shard
-        out["dp_shard"] = 3 * (s - 1) / s * psi
+        out["dp_shard"] = (3 * psi - 4 * _head_params(a, case)) * (s - 1) / s
         out["dp_replicate"] = 2 * (r - 1) / r * psi / s
     elif d > 1 and case.pp > 1 and case.zero >= 2:  # FSDP2 per stage: one reduce-scatter per step; all-gathers:
         # m + 1 on a stage that reshards after forward (every stage but the last under 1F1B), else 1
@@ -89,9 +104,10 @@ def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[s
         m = a.micro_batches
         out["dp"] = max(((m + 1 if i < len(per_stage) - 1 and case.zero == 3 else 1) + 1) * n * 4
                         for i, n in enumerate(per_stage)) * (d - 1) / d
-    elif d > 1:
-        factor = 3 if case.zero == 3 else 2  # ZeRO-3: all-gather forward + backward, reduce-scatter; else 2 Psi
-        out["dp"] = factor * (d - 1) / d * psi
+    elif d > 1 and case.zero == 3:  # all-gather in forward and in backward, reduce-scatter; the head gathered once
+        out["dp"] = (3 * psi - 4 * _head_params(a, case)) * (d - 1) / d
+    elif d > 1:  # DDP's all-reduce, ZeRO-1/2's reduce-scatter and all-gather: 2 Psi
+        out["dp"] = 2 * (d - 1) / d * psi
     if case.tp > 1:  # per micro-batch on each stage, x = (t-1)/t (b/m) s h 4; the busiest stage
         m = a.micro_batches if case.pp > 1 else 1
         x = (case.tp - 1) / case.tp * (b // m) * s * h * 4
@@ -111,10 +127,6 @@ def comm_theory(a: argparse.Namespace, case: Case, role: str = "ours") -> dict[s
         key = "cp" if d == 1 else "dp_cp"  # with dp = 1 the replicas' group is the cp group
         out[key] = out.get(key, 0.0) + 2 * (replicas - 1) / replicas * psi
         out.pop("dp", None)
-    replicas = d * case.cp
-    if role == "ours" and case.key != "dp" and 1 < replicas < case.world:  # the logged loss, over the replicas
-        key = "dp" if case.cp == 1 else ("cp" if d == 1 else "dp_cp")
-        out[key] = out.get(key, 0.0) + ring_bytes("all_reduce", full_bytes=4, world_size=replicas)
     return out
 
 

@@ -178,8 +178,9 @@ def reshard_policy(plan: DataParallelPlan, *, stage: int | None, num_stages: int
     ZeRO-3 reshards (memory: only one unit's parameters gathered at a time, at the price of an all-gather again in
     backward) -- except on a pipeline's last stage under the 1F1B-family schedules, where each micro-batch's backward
     runs right after its forward, so freeing the parameters in between would only add an all-gather per
-    micro-batch. Inside a pipeline the backward keeps them gathered across micro-batches and frees them after the
-    step's last one (torch pipelining defers the reduce-scatter to it).
+    micro-batch; and, without a pipeline, for the unit that runs last in forward (the head), whose backward comes
+    first (``apply_zero3(keep_last_gathered=True)``). Inside a pipeline the backward keeps them gathered across
+    micro-batches and frees them after the step's last one (torch pipelining defers the reduce-scatter to it).
     """
     if plan.reshard_after_forward is not None:
         return plan.reshard_after_forward
@@ -323,10 +324,11 @@ def wrap_data_parallel(module: nn.Module, *, plan: DataParallelPlan, mesh: Devic
         from lightning_parallel.parallel.zero import apply_zero3
 
         fsdp_mesh = mesh[plan.fsdp_axes] if len(plan.fsdp_axes) > 1 else mesh[plan.fsdp_axes[0]]
-        dtypes = {"param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype}
-        if not stages:
+        dtypes: dict[str, Any] = {"param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype}
+        if not stages:  # 'auto': the unit that runs last in forward stays gathered into the backward
             return apply_zero3(module, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
-                plan, stage=None, num_stages=1, schedule=schedule), **dtypes)
+                plan, stage=None, num_stages=1, schedule=schedule),
+                keep_last_gathered=plan.reshard_after_forward is None, **dtypes)
         for index, stage in stages:
             apply_zero3(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_policy(
                 plan, stage=index, num_stages=num_stages, schedule=schedule), **dtypes)

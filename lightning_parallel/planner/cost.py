@@ -29,7 +29,8 @@ chunks per stage:
   - dp, ZeRO-3 / FSDP2 (and HSDP's parts): the all-gathers prefetched under forward and backward, the reduce-scatter
     under backward: exposed beyond the compute they hide under, plus the first layer's gather; a calibrated unit's
     cost scales with its collectives per step (inside pipeline stages one all-gather per micro-batch and one more
-    when resharding after forward);
+    when resharding after forward; outside them at ZeRO-3's ``auto`` the head, kept gathered into the backward, one
+    all-gather per batch fewer);
   - cp (ring attention): per layer its calibrated cost (a fixed part and a part per element of a rank's queries)
     and its bytes, under the attention core it overlaps;
 * offload: 16-bit gradients out and weights back over the host link, the host optimizer at
@@ -93,7 +94,7 @@ from lightning_parallel.parallel.dims import MESH_AXES, MESH_ORDERS, ParallelDim
 from lightning_parallel.planner.calibrate import rates_for
 from lightning_parallel.planner.flops import Kernels, head_work, layer_work, model_flops_per_token
 from lightning_parallel.planner.hardware import Hardware
-from lightning_parallel.planner.memory import layout_state_bytes, reshards
+from lightning_parallel.planner.memory import keeps_head_gathered, layout_state_bytes, reshards
 from lightning_parallel.planner.model import ModelShape, ModelSpec
 from lightning_parallel.planner.rates import LinkRates, Rates
 from lightning_parallel.planner.settings import TrainingSettings
@@ -358,15 +359,18 @@ def _traffic(
     dp = dp * cp  # the replicas the gradients are exchanged over: dp x cp
     if dp > 1:
         s = (layout.data_parallel_shard_size or dp // cp) * cp
+        per_param: float
         if pp > 1 and layout.zero >= 2:
             # FSDP2 in pipeline stages (measured): the reduce-scatter once per step; one all-gather per step, or,
             # resharding after forward (ZeRO-3), one per micro-batch and one more
             gathers = (m + 1 if reshards(layout) else 1) * acc
             per_param = gathers * state.gathered + _reductions(layout, acc) * state.reduced
         elif layout.zero == 3 or (layout.zero == 2 and s < dp):  # FSDP2 (ZeRO-3; ZeRO-2 under HSDP): its
-            # all-gathers every batch, the reduce-scatter once per step (each batch's under reduce_each_batch)
+            # all-gathers every batch, the reduce-scatter once per step (each batch's under reduce_each_batch); the
+            # head kept gathered from its forward into its backward is gathered once per batch, not twice
             per_param = ((2 if reshards(layout) else 1) * acc * state.gathered
-                         + _reductions(layout, acc) * state.reduced)
+                         + _reductions(layout, acc) * state.reduced
+                         - acc * state.gathered * _kept_params(model, layout) / max(local, 1))
         elif layout.zero == 2:  # the flat shards: the gradient's reduction (per batch under reduce_each_batch), the
             # parameters' all-gather once
             per_param = _reductions(layout, acc) * state.reduced + state.gathered
@@ -499,6 +503,15 @@ def _link(rates: Rates, link_name: str) -> LinkRates:
     return rates.links["inter_node" if link_name.startswith("inter-node") else "intra_node"]
 
 
+def _kept_params(model: ModelSpec, layout: ParallelConfig) -> int:
+    """Parameters (per tp rank) of the unit FSDP2 keeps gathered from its forward into its backward
+    (:func:`~lightning_parallel.planner.memory.keeps_head_gathered`): the head -- final norm and vocabulary
+    projection -- when the layer shapes are known, else none counted."""
+    if model.shape is None or not keeps_head_gathered(layout):
+        return 0
+    return model.shape.head_params(layout.tensor_parallel_size)
+
+
 def _reductions(layout: ParallelConfig, acc: int) -> int:
     """Gradient reductions per step of ``acc`` accumulated batches: one (DDP, ZeRO-1, the flat ZeRO-2 and FSDP2
     outside pipelines keep the batches' gradients local), or each batch's -- under ``reduce_each_batch``, in a
@@ -605,12 +618,13 @@ def step_cost(model: ModelSpec, training: TrainingSettings, hardware: Hardware, 
             collective = "all_reduce" if axis == "dp_replicate" or layout.zero == 0 else "reduce_scatter"
             fsdp = _fsdp_exchange(layout, axis)
             per_unit = _fsdp_collectives(layout, axis, m, acc)
-            calls = per_unit * (layers + 1) if fsdp else 2
+            kept = acc if axis != "dp_replicate" and _kept_params(model, layout) else 0  # the head's second gather
+            calls = per_unit * (layers + 1) - kept if fsdp else 2
             if fsdp and rates.fsdp_unit_s > 0:  # the stage's blocks, the embedding and/or head, the root
                 units = layers + (3 if pp == 1 else 2)
                 # calibrated with FSDP2's default: two all-gathers and a reduce-scatter per unit and step
-                unit_s = rates.fsdp_unit_s * per_unit / 3 * rates.ring_latency_scale("all_gather", group[axis])
-                comm[axis] = _per_unit(link, collective, traffic[axis], units * unit_s)
+                unit_s = rates.fsdp_unit_s / 3 * rates.ring_latency_scale("all_gather", group[axis])
+                comm[axis] = _per_unit(link, collective, traffic[axis], (units * per_unit - kept) * unit_s)
             elif collective == "reduce_scatter" and not fsdp:  # ZeRO-1/2's flat shards: one of each per param
                 # group, half the bytes (the offload engine's calibrated step holds their latency)
                 offloaded = layout.offload_device != "none"

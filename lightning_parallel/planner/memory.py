@@ -54,6 +54,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelStates",
     "estimate_memory",
+    "keeps_head_gathered",
     "layout_state_bytes",
     "model_states",
     "model_states_bytes",
@@ -209,6 +210,14 @@ def reshards(layout: ParallelConfig) -> bool:
     if layout.reshard_after_forward != "auto":
         return bool(layout.reshard_after_forward)
     return layout.zero == 3
+
+
+def keeps_head_gathered(layout: ParallelConfig) -> bool:
+    """Whether FSDP2 keeps the unit that runs last in forward (the head) gathered into the backward instead of
+    resharding it: ZeRO-3 with ``reshard_after_forward`` left to ``auto``, outside pipelines (the library's
+    ``apply_zero3(keep_last_gathered=True)``)."""
+    return (layout.reshard_after_forward == "auto" and layout.zero == 3 and layout.pipeline_parallel_size == 1
+            and layout.runs_fsdp2)
 
 
 def _degrees(layout: ParallelConfig) -> tuple[int, int, int]:

@@ -257,49 +257,62 @@ def _double_reduce(stage: int, rank: int, world: int, *, overlap: bool = False) 
     return float((grads[0] - grads[1]).abs().max())
 
 
-def _check_zero3(rank: int, world: int) -> dict[str, Any]:
+def _check_zero3(rank: int, world: int, *, keep: bool = False) -> dict[str, Any]:
+    """ZeRO-3 against one device; ``keep``: the head kept gathered from its forward into its backward (the
+    library's default), checked after a training forward (its weight a plain full tensor, a block's still a
+    DTensor shard) and in the bytes (gathered once per batch, not twice)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     ref_model, ref_opt = _reference("adamw", world)
-    model: Any = apply_zero3(_model(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    model: Any = apply_zero3(_model(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+                             keep_last_gathered=keep)
     opt = _optimizer(model, "adamw")
     sched = _scheduler(opt)
     counter = CommCounter()
+    gathered_after_forward: list[tuple[bool, bool]] = []
     for step in _batches(world):
         counter.reset()
         with counter.counting():
             for i, (x, y) in enumerate(step):
                 model.set_requires_gradient_sync(i == ACCUM - 1)
-                (model._loss((_local(x, rank), _local(y, rank))) / ACCUM).backward()
+                loss = model._loss((_local(x, rank), _local(y, rank))) / ACCUM
+                gathered_after_forward.append((not isinstance(model.head.lm_head.weight, DTensor),
+                                               not isinstance(model.blocks["0"].mlp.fc_in.weight, DTensor)))
+                loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
         mem = measure_model_state(model, opt)  # after a step, before zero_grad frees the gradients
         opt.zero_grad()
     numel = sum(p.numel() for p in model.parameters())
+    kept = sum(p.numel() for p in model.head.parameters()) if keep else 0
     out = {"weights": _max_diff(zero3_full_model_state(model), ref_model.state_dict()),
            "optim": _optim_diff(zero3_full_optimizer_state(model, opt), ref_opt.state_dict()),
            "mem": mem.as_dict(), "numel": numel, "comm": counter.total_bytes,
-           # per step: ACCUM forward all-gathers + ACCUM backward all-gathers + one reduce-scatter
-           "comm_theory": zero_comm_theory(3, numel=numel, world_size=world) * (2 * ACCUM + 1) / 3}
+           "gathered_after_forward": sorted(set(gathered_after_forward)),
+           # per step: ACCUM forward all-gathers + ACCUM backward all-gathers (but the kept head's) + one
+           # reduce-scatter
+           "comm_theory": 4 * ((2 * ACCUM + 1) * numel - ACCUM * kept) * (world - 1) / world}
     return out
 
 
 def _world(rank: int, world: int, checks: list[tuple[int, str]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, kind in checks:
-        results[f"{stage}-{kind}"] = _check_zero3(rank, world) if stage == 3 else _check_zero12(rank, world, stage,
-                                                                                                  kind)
+        results[f"{stage}-{kind}"] = (_check_zero3(rank, world, keep=kind == "keep") if stage == 3
+                                      else _check_zero12(rank, world, stage, kind))
         dist.barrier()
     return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return run_distributed(_world, 2, [(1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw")], timeout_s=180)
+    return run_distributed(_world, 2, [(1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw"), (3, "keep")],
+                           timeout_s=180)
 
 
-@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "2-sgd", "3-adamw"])
+@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "2-sgd", "3-adamw", "3-keep"])
 def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], key: str) -> None:
     for rank_result in two_ranks:
         r = rank_result[key]
@@ -321,7 +334,7 @@ def test_equivalent_to_one_device_on_2_ranks(two_ranks: list[dict[str, Any]], ke
             assert o["comm"] == pytest.approx(r["comm"], rel=1e-3)  # N reduces of a chunk: one reduce-scatter's bytes
 
 
-@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw"])
+@pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "3-adamw", "3-keep"])
 def test_per_rank_bytes_follow_the_formula(two_ranks: list[dict[str, Any]], key: str) -> None:
     stage, world = int(key[0]), 2
     for r in two_ranks:
@@ -334,6 +347,8 @@ def test_per_rank_bytes_follow_the_formula(two_ranks: list[dict[str, Any]], key:
         assert abs(mem["grads"] - expected_grads) <= 0.02 * expected_grads, mem
         assert abs(mem["params"] - expected_params) <= 0.02 * expected_params, mem
         assert math.isclose(r[key]["comm"], r[key]["comm_theory"], rel_tol=0.02), r[key]
+        if stage == 3:  # (head gathered, block gathered) after each training forward: only the kept head
+            assert r[key]["gathered_after_forward"] == [(key == "3-keep", False)], r[key]["gathered_after_forward"]
 
 
 def test_stage2_on_4_ranks() -> None:

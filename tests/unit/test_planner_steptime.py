@@ -148,7 +148,14 @@ def test_calibrated_fsdp_units_and_tp_pairs_replace_the_per_call_latency() -> No
 
     zero3 = {"data_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "none"}
     alpha, unit = cost(zero3), cost(zero3, fsdp_unit_ms=2.0)
-    assert unit.comm_s["dp"] == pytest.approx(alpha.comm_s["dp"] - 3 * (3 + 1) * 100e-6 + (3 + 3) * 2e-3)
+    # 3 collectives per unit (6 units: 3 blocks, the embedding, the head, the root), less the head's second
+    # all-gather (kept gathered from its forward into its backward): a third of a unit
+    assert unit.comm_s["dp"] == pytest.approx(alpha.comm_s["dp"] - (3 * (3 + 1) - 1) * 100e-6
+                                              + ((3 + 3) * 3 - 1) / 3 * 2e-3)
+    explicit = cost({**zero3, "reshard_after_forward": True}, fsdp_unit_ms=2.0)  # every unit resharded, as set
+    head = ModelShape(n_layer=3, n_embd=128, n_head=4, vocab_size=256, block_size=64).head_params()  # 33,024
+    # one third of a unit, and the head's fp32 bytes gathered once more (half of them sent per rank) at 1 GB/s
+    assert explicit.comm_s["dp"] - unit.comm_s["dp"] == pytest.approx(2e-3 / 3 + 4 * head / 2 / 1e9, rel=1e-6)
     hsdp = {"data_parallel_size": 2, "zero_stage": 3, "data_parallel_shard_size": 1, "activation_checkpointing": "none"}
     alpha, unit = cost(hsdp), cost(hsdp, fsdp_unit_ms=3.0)  # one all-reduce per unit over the replicas: a third
     assert unit.comm_s["dp_replicate"] == pytest.approx(alpha.comm_s["dp_replicate"] - (3 + 1) * 100e-6 + 6 * 1e-3)

@@ -90,7 +90,9 @@ def zero_memory_formula(stage: int, *, numel: int, world_size: int, param_bytes:
     return float(formulas[stage])
 
 
-def zero_comm_theory(stage: int, *, numel: int, world_size: int, elem_bytes: int = 4) -> float:
-    """Bytes one rank sends per step: ``2 Psi`` (stages 0-2) or ``3 Psi`` (stage 3) x elem_bytes x (N-1)/N."""
-    factor = 3 if stage == 3 else 2
-    return factor * numel * elem_bytes * (world_size - 1) / world_size
+def zero_comm_theory(stage: int, *, numel: int, world_size: int, elem_bytes: int = 4, kept_numel: int = 0) -> float:
+    """Bytes one rank sends per step: ``2 Psi`` (stages 0-2) or ``3 Psi`` (stage 3) x elem_bytes x (N-1)/N; at
+    stage 3 less the ``kept_numel`` parameters of a unit kept gathered from its forward into its backward (gathered
+    once, not twice: the head under ``apply_zero3(keep_last_gathered=True)``, the library's default)."""
+    elements = 3 * numel - kept_numel if stage == 3 else 2 * numel
+    return elements * elem_bytes * (world_size - 1) / world_size

@@ -4,7 +4,9 @@ Sharded along ``dp`` (``N`` ranks): parameters, gradients and optimizer states; 
 ``Shard(0)`` (dim 0 padded to a multiple of ``N``). Per rank: ``(P + G + K) Psi / N``. Collectives per step: in
 forward each sharded unit (each transformer block, then the root's remaining parameters) all-gathers its parameters
 and frees them afterwards; in backward it all-gathers them again and reduce-scatters the gradients; the optimizer
-step is local. ``3 Psi (N-1)/N`` elements sent per rank and step. No Lightning import.
+step is local. ``3 Psi (N-1)/N`` elements sent per rank and step -- ``(3 Psi - Psi_last) (N-1)/N`` where the unit
+that runs last in forward (the head) keeps its parameters gathered into the backward, which begins with it
+(``keep_last_gathered``, torchtitan's default). No Lightning import.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "apply_zero3",
+    "last_in_forward",
     "zero3_full_model_state",
     "zero3_full_optimizer_state",
     "zero3_load_full_model_state",
@@ -48,8 +51,24 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def last_in_forward(model: nn.Module) -> nn.Module | None:
+    """The unit that runs last in forward, by the layout models follow (embedding, blocks, head): the last direct
+    child of the root that :func:`_units` shards and that is defined after every child holding blocks (the GPT's
+    ``head``, a Hugging Face causal LM's ``lm_head``); None when no such child exists (no blocks, or nothing with
+    parameters after them)."""
+    children = list(model.children())
+    holds_blocks = [i for i, child in enumerate(children)
+                    if any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in child.modules())]
+    if not holds_blocks:
+        return None
+    units = {id(u) for u in _units(model)}
+    after = [child for child in children[holds_blocks[-1] + 1:] if id(child) in units]
+    return after[-1] if after else None
+
+
 def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                keep_last_gathered: bool = False, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh (or
     HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
 
@@ -57,6 +76,11 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``, e.g. bf16 / fp32 for ``bf16-mixed``): the sharded parameters
     stay in their dtype (the fp32 masters the optimizer steps), each unit's all-gather sends and computes in
     ``param_dtype`` (half the bytes of fp32), and the gradients are reduce-scattered in ``reduce_dtype``.
+    ``keep_last_gathered`` (with ``reshard_after_forward``): the unit that runs last in forward
+    (:func:`last_in_forward`) keeps its parameters gathered from its forward into the backward, which begins with it
+    -- freeing them would only make the backward wait at once for the same all-gather again (torchtitan keeps its
+    final norm and output projection so). Its gradients are reduce-scattered and its parameters freed after its
+    backward as every unit's.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -64,8 +88,10 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
         raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kept = last_in_forward(model) if reshard_after_forward and keep_last_gathered else None
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not kept,
+                    mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
