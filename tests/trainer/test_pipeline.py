@@ -129,13 +129,18 @@ def test_non_gpt_module_with_dict_batches_equals_one_device() -> None:
 
 
 def test_logging_validation_test_and_predict_equal_one_device(tmp_path: Path) -> None:
-    """train_loss (reduced from the last stage and over dp) and val_loss are logged with the one-device values;
-    validate and test run forward-only schedules (a short last batch included); predict gives every rank the
-    last stage's output."""
-    kw: dict[str, Any] = dict(limit_val_batches=2, val_check_interval=4, steps=8)
+    """train_loss (reduced from the last stage and over dp) and val_loss are logged with the one-device values,
+    and validation runs in the middle of a step's gradient accumulation (every 3 batches, 2 accumulated) leave the
+    training as one device's (ZeRO-3 stages: FSDP2's gradient reduction and torch's first-step clean-up of the
+    gradients kept out of the forward-only schedules); validate and test run forward-only schedules (a short last
+    batch included); predict gives every rank the last stage's output."""
+    kw: dict[str, Any] = dict(limit_val_batches=2, val_check_interval=3, steps=8)
     ref, ref_trainer = fit("auto", 1, 1, model=_gpt(), **kw)
-    layout = {"pipeline_parallel_size": 2, "num_micro_batches": 2}
+    layout = {"pipeline_parallel_size": 2, "num_micro_batches": 2, "zero_stage": 3}
     model, trainer = fit(_pp(**layout), 4, 2, model=_gpt(), **kw)
+    diff = weight_diff(model, ref)
+    print(f"lp_pipeline dp=2 x pp=2 ZeRO-3, validation inside accumulation windows: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 2e-5
     for key in ("train_loss", "val_loss"):
         got, want = float(trainer.callback_metrics[key]), float(ref_trainer.callback_metrics[key])
         print(f"lp_pipeline dp=2 x pp=2 logged {key} = {got:.6f}, one device {want:.6f}")

@@ -17,9 +17,14 @@ the whole batch does, and gradient accumulation over batches adds up like Lightn
 
 Evaluation runs forward only (``torch.no_grad``) under GPipe (one stage per rank) or looped BFS (several) with as
 many micro-batches as divide the batch (at most ``num_micro_batches``); the last stage's output -- the whole batch's,
-concatenated along dim 0 -- is where the loss is computed. Stages may be tensor-parallel (DTensor parameters, a
-vocab-parallel head whose loss runs under ``loss_parallel``): losses and outputs handed on are made plain first
-(:func:`~lightning_parallel.parallel.tensor.local.plain`). No Lightning import.
+concatenated along dim 0 -- is where the loss is computed. torch's schedules end every step with each stage's
+gradient reduction (FSDP2's post-backward: a reduce-scatter of the gradients; the division by the micro-batches when
+``scale_grads``) even when only forwards ran, and a schedule's first step clears the gradients of its FSDP2 chunks
+after its shape inference: an evaluation step skips the one and puts the gradients back after the other, so that a
+validation run in the middle of a step's gradient accumulation leaves the gradients accumulated so far as they were.
+Stages may be tensor-parallel (DTensor parameters, a vocab-parallel head whose loss runs under ``loss_parallel``):
+losses and outputs handed on are made plain first (:func:`~lightning_parallel.parallel.tensor.local.plain`). No
+Lightning import.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from ..tensor.local import plain
 from .stage import StagePlan, input_names
 
 __all__ = ["PipelineRunner", "largest_divisor_at_most"]
+
+
+def _no_reduction(grad_scale_factor: int) -> None:
+    """A stage's ``perform_reduce_grad`` during a forward-only step: nothing to reduce."""
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -109,15 +118,15 @@ class PipelineRunner:
                                    scale_grads=False)
         return self._train[key]
 
-    def _eval_schedule(self, m: int, key: Any) -> Any:
+    def _eval_schedule(self, m: int, key: Any) -> tuple[Any, list[Any]]:
         if (m, key) not in self._eval:
             from torch.distributed.pipelining import schedules
 
             stages = self._stages()
             if len(stages) == 1:
-                self._eval[(m, key)] = schedules.ScheduleGPipe(stages[0], m)
+                self._eval[(m, key)] = schedules.ScheduleGPipe(stages[0], m, scale_grads=False), stages
             else:
-                self._eval[(m, key)] = schedules.ScheduleLoopedBFS(stages, m)
+                self._eval[(m, key)] = schedules.ScheduleLoopedBFS(stages, m, scale_grads=False), stages
         return self._eval[(m, key)]
 
     def _bind(self, inputs: Any) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
@@ -171,9 +180,21 @@ class PipelineRunner:
         """The last stage's output for the whole batch on the last stage's rank (None elsewhere), forward only."""
         names, values = self._bind(inputs)
         m = largest_divisor_at_most(int(values[0].shape[0]), self.m)
-        schedule = self._eval_schedule(m, self._key(names, values, m))
+        schedule, stages = self._eval_schedule(m, self._key(names, values, m))
         args = tuple(v.to(self.device) for v in values) if self.first else ()
-        out = schedule.step(*args)
+        # the gradients accumulated so far: a schedule's first step clears every FSDP2 chunk's (after running its
+        # shape inference), and none is made here
+        grads = [(param, param.grad) for _, module in self.chunks for param in module.parameters()
+                 if param.grad is not None]
+        for stage in stages:  # no gradient reduction after forwards only (module docstring)
+            stage.perform_reduce_grad = _no_reduction  # type: ignore[method-assign]
+        try:
+            out = schedule.step(*args)
+        finally:
+            for stage in stages:
+                del stage.perform_reduce_grad
+            for param, grad in grads:
+                param.grad = grad
         return out if self.last else None
 
     def eval_loss(self, inputs: Any, target: Tensor) -> tuple[Tensor, Tensor | None]:
