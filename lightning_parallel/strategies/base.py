@@ -604,10 +604,27 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
-        """Reduce over the world (or ``group``); non-tensors pass through."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce over the world (or ``group``); non-tensors pass through (``self.log(..., sync_dist=True)`` comes
+        here). Over the world, the ranks of one model replica -- its tensor- and pipeline-parallel peers -- see the
+        same batch and so log the same values: a sum (``reduce_fx="sum"``) counts each replica once, the world's sum
+        divided by those copies, as one device sums the replicas' batches; a mean, max or min is the same either
+        way."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        copies = self.world_size // self.dims.replicas if group is None else 1
+        if copies > 1 and _is_sum(reduce_op):
+            out = out / copies if out.is_floating_point() or out.is_complex() else out // copies
+        return out
+
+
+def _is_sum(reduce_op: ReduceOp | str | None) -> bool:
+    """Lightning's reading of a reduce op: None and "sum" (any case) sum, as ``ReduceOp.SUM``."""
+    if reduce_op is None:
+        return True
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() == "sum"
+    return reduce_op == ReduceOp.SUM
 
 
 def _first_tensor(batch: Any) -> Tensor:

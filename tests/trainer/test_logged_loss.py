@@ -155,3 +155,33 @@ def test_a_logged_reduce_fx_combines_the_ranks_as_one_device_would(tmp_path: Pat
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     per_batch = ["all_reduce"] if reduce_fx == "sum" else ["all_reduce", "all_reduce"]
     assert calls[1:] == [per_batch] * 2, calls  # the first batch's count starts mid-batch (on_train_start)
+
+
+def test_sync_dist_sums_count_each_replica_once(tmp_path: Path) -> None:
+    """``self.log(..., reduce_fx="sum", sync_dist=True)`` goes through the strategy's ``reduce`` over the world:
+    under tensor parallelism the tp peers of a replica see the same batch, so their copies are counted once (the
+    value is one device's sum, not tp times it); a mean is the same either way."""
+    from tests.helpers import tiny_gpt
+
+    class Tokens(type(tiny_gpt())):  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("train_tokens", float(batch[0].numel()), reduce_fx="sum", sync_dist=True)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("val_tokens", float(batch[0].numel()), reduce_fx="sum", sync_dist=True)
+            self.log("val_first", batch[0][:, 0].float().mean(), sync_dist=True)
+
+    def run(strategy: Any, devices: int, dp: int) -> dict[str, float]:
+        model = Tokens(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             limit_val_batches=2, val_check_interval=2, enable_checkpointing=False,
+                             use_distributed_sampler=False)
+        trainer.fit(model, datamodule=TokenData(GLOBAL_BATCH // dp))
+        return {k: float(trainer.callback_metrics[k]) for k in ("train_tokens", "val_tokens", "val_first")}
+
+    want = run("auto", 1, 1)
+    got = run(LPTensorStrategy({"tensor_parallel_size": 2, "data_parallel_size": 2}, **FORK), 4, 2)
+    print(f"\none device {want}\nlp_tensor dp2 x tp2 {got}")
+    assert got == pytest.approx(want, rel=1e-6)
