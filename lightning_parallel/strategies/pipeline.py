@@ -97,9 +97,19 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     @override
     def check_module(self, module: pl.LightningModule) -> None:
         """Before spawning: the hooks (named, with a minimal implementation), enough layers for ``p x v`` stages,
-        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, and a meta-device module
-        only with ``init_weights()``."""
+        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, a meta-device module
+        only with ``init_weights()``, and automatic optimization (the schedule runs each batch's forward, backward
+        and the optimizer step through Lightning's loop; a module's own ``training_step`` never runs here)."""
         super().check_module(module)
+        if not module.automatic_optimization:
+            raise LayoutError(
+                f"{self.strategy_name} runs every training batch through its pipeline schedule (forward and backward "
+                f"of each micro-batch on its stage) and never calls {type(module).__name__}.training_step, so "
+                "automatic_optimization=False (manual optimization: manual_backward, opt.step()) would never step. "
+                "Fix: use automatic optimization (return the loss from training_step; gradient clipping and "
+                "accumulation go through the Trainer), or a strategy that runs training_step as written: lp_ddp, "
+                "lp_sharded or lp_tensor."
+            )
         for hook in ("pipeline_layers", "pipeline_loss"):
             try:
                 require_hook(module, hook, strategy=self.strategy_name)
@@ -424,8 +434,11 @@ def _as_list(value: Any) -> list[int] | None:
 
 
 def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
-    """``(what, batch_size)`` of the training DataLoader(s) or data module among ``trainer.fit``'s arguments."""
-    for arg in launch_args:
+    """``(what, batch_size)`` of the training DataLoader or data module among ``trainer.fit``'s arguments ``(model,
+    train_dataloaders, val_dataloaders, datamodule, ckpt_path)``: the validation DataLoaders take any batch size."""
+    for i, arg in enumerate(launch_args):
+        if i == 2:  # val_dataloaders
+            continue
         if isinstance(arg, DataLoader) and isinstance(arg.batch_size, int):
             yield "the training DataLoader's", arg.batch_size
         elif isinstance(arg, pl.LightningDataModule):

@@ -124,6 +124,7 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     def __init__(self, parallel: ParallelConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(parallel, **kwargs)
+        self._in_step = False  # inside a step's loss_parallel (_step_context)
         self.applied_plan: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the layout and the module
@@ -168,10 +169,12 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
             original(name, _replicated_local(value), *args, **kwargs)
 
         module.log = log  # type: ignore[method-assign]
+        self._in_step = True
         try:
             with loss_parallel():
                 yield
         finally:
+            self._in_step = False
             del module.log
 
     @override
@@ -198,7 +201,9 @@ class LPTensorStrategy(DCPCheckpointMixin, LayoutStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         from torch.distributed.tensor.parallel import loss_parallel
 
-        with loss_parallel():  # the vocab-parallel cross-entropy's backward runs under it too
+        # the vocab-parallel cross-entropy's backward runs under it too; a manual_backward inside training_step is
+        # under the step's already (loss_parallel does not nest: the inner exit removes the outer's handlers)
+        with contextlib.nullcontext() if self._in_step else loss_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints: DCP, one shard per rank

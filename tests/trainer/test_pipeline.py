@@ -187,6 +187,16 @@ def test_refusals_before_spawn() -> None:
     with pytest.raises(LayoutError, match=r"batch_size=6 \(per data-parallel rank\) does not split into "
                                           r"parallel\.num_micro_batches=4 equal micro-batches: 6 % 4 = 2\. Fix"):
         _refusal(_pp(pipeline_parallel_size=2, num_micro_batches=4), _gpt(), batch=6)
+    loader = torch.utils.data.DataLoader  # a validation DataLoader takes any batch size; the training one splits
+    tokens = torch.utils.data.TensorDataset(torch.zeros(12, T, dtype=torch.long))
+    _pp(pipeline_parallel_size=2, num_micro_batches=2).check_data((_gpt(), loader(tokens, 4), loader(tokens, 3)))
+    with pytest.raises(LayoutError, match=r"the training DataLoader's batch_size=3 .* 3 % 2 = 1"):
+        _pp(pipeline_parallel_size=2, num_micro_batches=2).check_data((_gpt(), loader(tokens, 3), loader(tokens, 4)))
+    manual = _gpt()
+    manual.automatic_optimization = False
+    with pytest.raises(LayoutError, match=r"lp_pipeline runs every training batch through its pipeline schedule .*"
+                                          r"never calls GPT\.training_step, so automatic_optimization=False .*Fix"):
+        _refusal(_pp(pipeline_parallel_size=2, num_micro_batches=2), manual)
     with pytest.raises(LayoutError, match=r"num_micro_batches=1 < pipeline_parallel_size=2.*Fix: num_micro_batches "
                                           r">= 2"):
         _pp(pipeline_parallel_size=2, num_micro_batches=1)
