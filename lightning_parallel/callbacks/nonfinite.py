@@ -16,7 +16,10 @@ logged values at the end of the training step (:meth:`NonFiniteLossGuard.local_n
 stage's ranks count their loss, the others only their preemption flag) in place of the loss's broadcast over ``pp``.
 Only where no strategy does (``lp_dp``'s one process, another library's strategy) the batch's end all-reduces them
 alone. A preemption (SIGTERM) agreed there stops every rank at the start of the next
-batch, where Lightning stops it. A single process reads the loss once per batch (``.item()``).
+batch, where Lightning stops it -- after the batch that ends an optimizer step: in the middle of a gradient
+accumulation the ranks go on to the window's last batch first, so that a preemption checkpoint never holds part of a
+step's batches (its resumed run would lose their gradient). A single process reads the loss once per batch
+(``.item()``).
 
 On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
 step, and the newest checkpoint saved before it; from then on every library format's ``save`` writes nothing (a
@@ -99,6 +102,7 @@ class NonFiniteLossGuard(Callback):
         self._batch = 0
         self._last_finite: tuple[int, float] | None = None
         self._sigterm_agreed = False
+        self._sigterm_pending = False
         self._sigterm_asked = False
         self._pending_bad: Tensor | bool = False
         self._patched: Any = None
@@ -253,7 +257,9 @@ class NonFiniteLossGuard(Callback):
             if _multi_rank(trainer):
                 uncounted_all_reduce(numbers)  # replaces Lightning's per-batch broadcast of the preemption flag
         total, sigterms, ranks = numbers.tolist()  # the one host sync of the batch
-        self._sigterm_agreed = sigterms > 0
+        self._sigterm_pending = self._sigterm_pending or sigterms > 0
+        # the stop waits for the end of the optimizer step: a step's accumulated batches are saved whole or not at all
+        self._sigterm_agreed = self._sigterm_pending and _ended_a_step(trainer)
         if math.isfinite(total):
             if _loss_of(outputs) is not None:
                 self._last_finite = (self._step, total / ranks)
@@ -300,6 +306,17 @@ class NonFiniteLossGuard(Callback):
                 f"{resume} after lowering the learning rate, clipping gradients (trainer.gradient_clip_val) or "
                 "checking the data of that step -- or skip such steps with the callback "
                 "lightning_parallel.callbacks.NonFiniteLossGuard(action=skip).")
+
+
+def _ended_a_step(trainer: pl.Trainer) -> bool:
+    """Whether the training batch that just ended completed an optimizer step: under automatic optimization the last
+    batch of its accumulation window (or of the epoch), as Lightning's loop decided for it; under manual optimization
+    every batch (the module steps when it likes). Every rank decides the same."""
+    module = trainer.lightning_module
+    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+    if module is None or not module.automatic_optimization or not callable(should_accumulate):
+        return True
+    return not should_accumulate()
 
 
 def _multi_rank(trainer: pl.Trainer) -> bool:
