@@ -506,8 +506,9 @@ def _link(rates: Rates, link_name: str) -> LinkRates:
 def _kept_params(model: ModelSpec, layout: ParallelConfig) -> int:
     """Parameters (per tp rank) of the unit FSDP2 keeps gathered from its forward into its backward
     (:func:`~lightning_parallel.planner.memory.keeps_head_gathered`): the head -- final norm and vocabulary
-    projection -- when the layer shapes are known, else none counted."""
-    if model.shape is None or not keeps_head_gathered(layout):
+    projection -- when the layer shapes are known, else none counted; none with tied embeddings (the head shares the
+    embedding's FSDP2 group, which runs first)."""
+    if model.shape is None or model.shape.tie_embeddings or not keeps_head_gathered(layout):
         return 0
     return model.shape.head_params(layout.tensor_parallel_size)
 

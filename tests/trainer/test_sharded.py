@@ -178,6 +178,25 @@ def test_reduce_each_batch_equals_one_device(stage: int) -> None:
         LPPipelineStrategy({"pipeline_parallel_size": 1, "zero_stage": 3, "reduce_each_batch": True})
 
 
+def test_tied_embeddings_under_zero3_equal_one_device() -> None:
+    """Tied input and output embeddings (one parameter in the embedding and the head): ZeRO-3 shards the two units
+    as one FSDP2 group (before, each unit claimed the parameter and FSDP2 refused it at the first forward), trains
+    as one device, and the head is not kept gathered (its group begins the forward)."""
+    from lightning_parallel.parallel.zero import last_in_forward
+
+    def tied() -> GPT:
+        torch.manual_seed(0)
+        return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=2, bias=False,
+                   tie_embeddings=True)
+
+    assert last_in_forward(tied()) is None and last_in_forward(_model()) is not None
+    model, _ = _fit(LPShardedStrategy({"zero_stage": 3}, start_method="fork"), 2, model=tied())
+    reference = _fit("auto", 1, model=tied())[0]
+    diff = _diff(model, reference)
+    print(f"lp_sharded zero_stage=3, tied embeddings: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 1e-5
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_built_in_measurement_follows_the_formula(stage: int) -> None:
     """ZeroStats logs rank 0's bytes after a step: parameters, gradients, AdamW state and traffic vs the formula."""

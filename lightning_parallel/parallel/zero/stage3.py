@@ -51,26 +51,47 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _groups(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """The units as FSDP2 groups: units that share a parameter (tied input and output embeddings) are sharded as one
+    group -- FSDP2 refuses a parameter managed by two groups -- the others one each, in order."""
+    groups: list[list[nn.Module]] = []
+    for unit in units:
+        ids = {id(p) for p in unit.parameters()}
+        tied = [i for i, group in enumerate(groups) if any(id(p) in ids for m in group for p in m.parameters())]
+        if not tied:
+            groups.append([unit])
+            continue
+        merged = [m for i in tied for m in groups[i]] + [unit]
+        groups = [group for i, group in enumerate(groups) if i not in tied[1:]]
+        groups[tied[0]] = merged
+    return groups
+
+
 def last_in_forward(model: nn.Module) -> nn.Module | None:
     """The unit that runs last in forward, by the layout models follow (embedding, blocks, head): the last direct
     child of the root that :func:`_units` shards and that is defined after every child holding blocks (the GPT's
     ``head``, a Hugging Face causal LM's ``lm_head``); None when no such child exists (no blocks, or nothing with
-    parameters after them)."""
+    parameters after them), or when it shares a parameter with another unit (tied embeddings: one group with the
+    embedding, which runs first)."""
     children = list(model.children())
     holds_blocks = [i for i, child in enumerate(children)
                     if any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in child.modules())]
     if not holds_blocks:
         return None
-    units = {id(u) for u in _units(model)}
-    after = [child for child in children[holds_blocks[-1] + 1:] if id(child) in units]
-    return after[-1] if after else None
+    units = _units(model)
+    after = [child for child in children[holds_blocks[-1] + 1:] if any(child is u for u in units)]
+    if not after:
+        return None
+    alone = next(group for group in _groups(units) if any(after[-1] is m for m in group))
+    return after[-1] if len(alone) == 1 else None
 
 
 def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
                 keep_last_gathered: bool = False, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """``fully_shard`` every unit (blocks, then the root's other children), then the root, over the 1-D dp mesh (or
-    HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
+    """``fully_shard`` every unit (blocks, then the root's other children; units that share a parameter, such as
+    tied input and output embeddings, as one group), then the root, over the 1-D dp mesh (or HSDP's 2-D
+    ``(dp_replicate, dp_shard)`` mesh: sharded inside a group, gradients all-reduced across groups).
 
     In place: ``model`` becomes an ``FSDPModule`` whose parameters are DTensors; returns it. ``param_dtype`` /
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``, e.g. bf16 / fp32 for ``bf16-mixed``): the sharded parameters
@@ -89,9 +110,9 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kept = last_in_forward(model) if reshard_after_forward and keep_last_gathered else None
-    for unit in _units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not kept,
-                    mp_policy=policy)
+    for group in _groups(_units(model)):
+        fully_shard(group[0] if len(group) == 1 else group, mesh=mesh,  # type: ignore[arg-type]
+                    reshard_after_forward=reshard_after_forward and group[0] is not kept, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
