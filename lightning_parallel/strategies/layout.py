@@ -37,6 +37,7 @@ __all__ = [
     "CheckedMultiProcessingLauncher",
     "CheckedSubprocessLauncher",
     "LayoutMixin",
+    "RanksPreempted",
     "TrainingDataProbe",
     "check_ckpt_path",
     "check_data_modules",
@@ -253,6 +254,26 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
+class RanksPreempted(SystemExit):
+    """The ranks a ``spawn``/``fork`` launcher started stopped on a preemption (SIGTERM) and saved their checkpoint;
+    the launching process ends too, as every ``popen`` rank does. Not Lightning's ``SIGTERMException``: this
+    process's callbacks must not save their own (untrained) copy of the module again."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"the ranks stopped on a preemption at global step {self.step} and saved their checkpoint"
+
+
+class _Preempted:
+    """What rank 0 sends the launching process in place of its results after a preemption (picklable)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher: the module is checked against the layout before spawning, each rank prints
     its threads' Python stacks on a fatal signal (SIGSEGV: otherwise only "process 1 terminated with signal
@@ -281,13 +302,32 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        """In the rank. A preemption (``SIGTERMException``, a ``SystemExit`` that the rank's ``function`` raises
+        where Lightning's ``popen`` ranks have its interrupt handling around it) gets that handling here: the
+        callbacks' ``on_exception`` -- the preemption checkpoint of the rank's real state, every rank together --
+        and the teardown; then rank 0 tells the launching process, which would otherwise wait forever for a result
+        that no rank sends (the ranks exit cleanly)."""
+        from lightning.pytorch.trainer.call import _interrupt
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         enable_fault_handler()  # in the rank, first thing
-        super()._wrapping_function(process_idx, *args, **kwargs)
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except SIGTERMException as err:
+            trainer, return_queue = args[0], args[4]
+            if trainer is not None:
+                _interrupt(trainer, err)
+                trainer._teardown()
+            if process_idx == 0:
+                return_queue.put(_Preempted(trainer.global_step if trainer is not None else -1))
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
         """Lightning's, plus: a module the main process built on the meta device (a pipeline's large-model path)
-        takes the trained weights as its tensors (``assign=True``) instead of ignoring them."""
+        takes the trained weights as its tensors (``assign=True``) instead of ignoring them; ranks stopped by a
+        preemption (they saved their checkpoint) end this process with :class:`RanksPreempted`."""
+        if isinstance(worker_output, _Preempted):
+            raise RanksPreempted(worker_output.step)
         module = trainer.lightning_module
         if (worker_output.weights_path is None or module is None
                 or not any(t.is_meta for t in (*module.parameters(), *module.buffers()))):

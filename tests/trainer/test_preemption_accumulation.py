@@ -66,3 +66,39 @@ def test_a_preemption_mid_accumulation_stops_at_the_end_of_the_step(tmp_path: Pa
     print(f"\npreemption at batch 2 (accumulation 2): checkpoint of global step {saved['global_step']} after "
           f"{batches} batches")
     assert (saved["global_step"], batches) == (2, 4)
+
+
+def test_a_preemption_under_forked_ranks_saves_and_ends_the_launcher(tmp_path: Path) -> None:
+    """Ranks started by ``fork`` (``spawn`` alike): a preemption stops them at the step boundary, each runs the
+    callbacks' ``on_exception`` there (the preemption checkpoint), and the launching process -- this test's -- ends
+    with ``RanksPreempted``. Before, the ranks exited without saving and the launcher waited forever for rank 0's
+    results."""
+    import signal
+
+    import lightning.pytorch as pl
+    import pytest
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_parallel.callbacks import PreemptionCheckpoint
+    from lightning_parallel.strategies import LPDDPStrategy
+    from lightning_parallel.strategies.layout import RanksPreempted
+    from tests.helpers import tiny_gpt
+    from tests.trainer.token_data import GLOBAL_BATCH, TokenData
+
+    class TermAtBatch2(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+            if args[-1] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    folder = tmp_path / "ckpt"
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LPDDPStrategy(start_method="fork"), max_steps=6,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+                         callbacks=[TermAtBatch2(), PreemptionCheckpoint(dirpath=folder, save_top_k=0,
+                                                                         save_last=True)])
+    with pytest.raises(RanksPreempted, match="global step 3"):
+        trainer.fit(tiny_gpt(bias=False), datamodule=TokenData(GLOBAL_BATCH // 2))
+    saved = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
+    print(f"\nfork: SIGTERM at batch 2 -> RanksPreempted in the launcher; last.ckpt of global step "
+          f"{saved['global_step']}")
+    assert saved["global_step"] == 3
