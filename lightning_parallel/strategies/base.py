@@ -617,6 +617,14 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             out = out / copies if out.is_floating_point() or out.is_complex() else out // copies
         return out
 
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's vote counts (``ModelCheckpoint`` and ``EarlyStopping`` agree this way): a sum over the whole
+        world, not :meth:`reduce`'s per-replica one."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        total = _sync_ddp_if_available(votes, None, reduce_op="sum")
+        return bool(total == self.world_size) if all else bool(total)
+
 
 def _is_sum(reduce_op: ReduceOp | str | None) -> bool:
     """Lightning's reading of a reduce op: None and "sum" (any case) sum, as ``ReduceOp.SUM``."""

@@ -160,7 +160,8 @@ def test_a_logged_reduce_fx_combines_the_ranks_as_one_device_would(tmp_path: Pat
 def test_sync_dist_sums_count_each_replica_once(tmp_path: Path) -> None:
     """``self.log(..., reduce_fx="sum", sync_dist=True)`` goes through the strategy's ``reduce`` over the world:
     under tensor parallelism the tp peers of a replica see the same batch, so their copies are counted once (the
-    value is one device's sum, not tp times it); a mean is the same either way."""
+    value is one device's sum, not tp times it); a mean is the same either way. A vote
+    (``reduce_boolean_decision``: ``ModelCheckpoint``, ``EarlyStopping``) still counts every rank."""
     from tests.helpers import tiny_gpt
 
     class Tokens(type(tiny_gpt())):  # type: ignore[misc]
@@ -171,6 +172,12 @@ def test_sync_dist_sums_count_each_replica_once(tmp_path: Path) -> None:
         def validation_step(self, batch: Any, batch_idx: int) -> Any:
             self.log("val_tokens", float(batch[0].numel()), reduce_fx="sum", sync_dist=True)
             self.log("val_first", batch[0][:, 0].float().mean(), sync_dist=True)
+
+        def on_train_end(self) -> None:  # ModelCheckpoint's and EarlyStopping's votes: every rank counts
+            strategy = self.trainer.strategy
+            votes = (strategy.reduce_boolean_decision(True), strategy.reduce_boolean_decision(self.global_rank == 0),
+                     strategy.reduce_boolean_decision(self.global_rank == 0, all=False))
+            assert votes == (True, self.trainer.world_size == 1, True), votes
 
     def run(strategy: Any, devices: int, dp: int) -> dict[str, float]:
         model = Tokens(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)

@@ -52,18 +52,28 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def _groups(units: list[nn.Module]) -> list[list[nn.Module]]:
-    """The units as FSDP2 groups: units that share a parameter (tied input and output embeddings) are sharded as one
-    group -- FSDP2 refuses a parameter managed by two groups -- the others one each, in order."""
+    """The units as FSDP2 groups: units that share a parameter they manage (tied input and output embeddings) are
+    sharded as one group -- FSDP2 refuses a parameter managed by two groups -- the others one each, in order. A unit
+    manages its parameters but those of the units nested in it (a Hugging Face model's body holds its layers)."""
+    def managed(unit: nn.Module) -> set[int]:
+        nested = {id(p) for other in units if other is not unit and any(other is m for m in unit.modules())
+                  for p in other.parameters()}
+        return {id(p) for p in unit.parameters()} - nested
+
     groups: list[list[nn.Module]] = []
+    owned: list[set[int]] = []
     for unit in units:
-        ids = {id(p) for p in unit.parameters()}
-        tied = [i for i, group in enumerate(groups) if any(id(p) in ids for m in group for p in m.parameters())]
+        ids = managed(unit)
+        tied = [i for i, group_ids in enumerate(owned) if group_ids & ids]
         if not tied:
             groups.append([unit])
+            owned.append(ids)
             continue
-        merged = [m for i in tied for m in groups[i]] + [unit]
+        first = tied[0]
+        groups[first] = [m for i in tied for m in groups[i]] + [unit]
+        owned[first] = set().union(*(owned[i] for i in tied), ids)
         groups = [group for i, group in enumerate(groups) if i not in tied[1:]]
-        groups[tied[0]] = merged
+        owned = [group_ids for i, group_ids in enumerate(owned) if i not in tied[1:]]
     return groups
 
 
