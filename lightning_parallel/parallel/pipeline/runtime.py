@@ -20,8 +20,9 @@ many micro-batches as divide the batch (at most ``num_micro_batches``); the last
 concatenated along dim 0 -- is where the loss is computed. torch's schedules end every step with each stage's
 gradient reduction (FSDP2's post-backward: a reduce-scatter of the gradients; the division by the micro-batches when
 ``scale_grads``) even when only forwards ran, and a schedule's first step clears the gradients of its FSDP2 chunks
-after its shape inference: an evaluation step skips the one and puts the gradients back after the other, so that a
-validation run in the middle of a step's gradient accumulation leaves the gradients accumulated so far as they were.
+after its shape inference: an evaluation step skips the one and puts the gradients back after the other (so does a
+new training schedule's first step, adding its own), so that a validation run -- or a batch of a new shape -- in the
+middle of a step's gradient accumulation leaves the gradients accumulated so far as they were.
 Stages may be tensor-parallel (DTensor parameters, a vocab-parallel head whose loss runs under ``loss_parallel``):
 losses and outputs handed on are made plain first (:func:`~lightning_parallel.parallel.tensor.local.plain`). No
 Lightning import.
@@ -29,7 +30,8 @@ Lightning import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -91,6 +93,7 @@ class PipelineRunner:
         self.last_rank = group_ranks[(num_stages - 1) % self.p]
         self._train: dict[Any, Any] = {}
         self._eval: dict[Any, Any] = {}
+        self._stepped: set[int] = set()  # the training schedules that ran a step
         self._losses: list[Tensor] = []
         self._scale = 1.0
         self._loss_scale: Callable[[Tensor], Tensor] | None = None
@@ -169,7 +172,12 @@ class PipelineRunner:
         self._losses, self._scale, self._loss_scale = [], 1.0 / (self.m * accumulate), loss_scale
         args = tuple(v.to(self.device) for v in values) if self.first else ()
         tgt = target.to(self.device) if self.last else None
-        schedule.step(*args, target=tgt, return_outputs=False)
+        first_step = id(schedule) not in self._stepped
+        self._stepped.add(id(schedule))
+        # a new schedule in the middle of a step's accumulation (a batch of another shape): its first step would
+        # clear the FSDP2 chunks' accumulated gradients
+        with self._gradients_kept(add=True) if first_step else contextlib.nullcontext():
+            schedule.step(*args, target=tgt, return_outputs=False)
         # the last m: on a schedule's first step torch's shape inference calls the loss once on scratch tensors
         loss = torch.stack(self._losses[-self.m:]).mean() if self.last else torch.zeros((), device=self.device)
         self._losses = []
@@ -182,20 +190,40 @@ class PipelineRunner:
         m = largest_divisor_at_most(int(values[0].shape[0]), self.m)
         schedule, stages = self._eval_schedule(m, self._key(names, values, m))
         args = tuple(v.to(self.device) for v in values) if self.first else ()
-        # the gradients accumulated so far: a schedule's first step clears every FSDP2 chunk's (after running its
-        # shape inference), and none is made here
-        grads = [(param, param.grad) for _, module in self.chunks for param in module.parameters()
-                 if param.grad is not None]
         for stage in stages:  # no gradient reduction after forwards only (module docstring)
             stage.perform_reduce_grad = _no_reduction  # type: ignore[method-assign]
         try:
-            out = schedule.step(*args)
+            with self._gradients_kept(add=False):  # none is made here
+                out = schedule.step(*args)
         finally:
             for stage in stages:
                 del stage.perform_reduce_grad
-            for param, grad in grads:
-                param.grad = grad
         return out if self.last else None
+
+    @contextlib.contextmanager
+    def _gradients_kept(self, *, add: bool) -> Generator[None, None, None]:
+        """Keep the gradients accumulated so far through a step that may be a schedule's first: that step clears
+        every FSDP2 chunk's gradients after its shape inference. The FSDP2 chunks are resharded first (a chunk kept
+        gathered after a forward-only step registers its gathered parameters, whose ``.grad`` is not the
+        accumulated one) and again after the step, as the schedules' own gradient reduction leaves them; the kept
+        gradients are then put back (``add``: added to the step's own, for a training step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = [m for _, chunk in self.chunks for m in chunk.modules() if isinstance(m, FSDPModule)]
+        for module in fsdp:
+            module.reshard()
+        kept = [(param, param.grad) for _, chunk in self.chunks for param in chunk.parameters()
+                if param.grad is not None] if fsdp else []
+        try:
+            yield
+        finally:
+            for module in fsdp:
+                module.reshard()
+            for param, grad in kept:
+                if param.grad is None:
+                    param.grad = grad
+                elif add and param.grad is not grad:
+                    param.grad += grad
 
     def eval_loss(self, inputs: Any, target: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(loss, output)``: the batch's loss on every pipeline rank; the output only on the last stage's rank."""
