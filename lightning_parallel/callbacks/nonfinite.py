@@ -19,7 +19,7 @@ alone. A preemption (SIGTERM) agreed there stops every rank at the start of the 
 batch, where Lightning stops it -- after the batch that ends an optimizer step: in the middle of a gradient
 accumulation the ranks go on to the window's last batch first, so that a preemption checkpoint never holds part of a
 step's batches (its resumed run would lose their gradient). A single process reads the loss once per batch
-(``.item()``).
+(``.item()``); there Lightning's own flag stops the run at the next batch, accumulation or not.
 
 On a non-finite loss every rank raises :class:`NonFiniteLossError` naming the step, the last finite loss and its
 step, and the newest checkpoint saved before it; from then on every library format's ``save`` writes nothing (a
@@ -311,8 +311,12 @@ class NonFiniteLossGuard(Callback):
 def _ended_a_step(trainer: pl.Trainer) -> bool:
     """Whether the training batch that just ended completed an optimizer step: under automatic optimization the last
     batch of its accumulation window (or of the epoch), as Lightning's loop decided for it; under manual optimization
-    every batch (the module steps when it likes). Every rank decides the same."""
+    every batch (the module steps when it likes); under DeepSpeed's engine (``lp_zero_offload``), which counts its
+    micro-steps across epochs, where the engine's step just completed a window. Every rank decides the same."""
     module = trainer.lightning_module
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)
+    if engine is not None and hasattr(engine, "micro_steps") and hasattr(engine, "gradient_accumulation_steps"):
+        return int(engine.micro_steps) % int(engine.gradient_accumulation_steps()) == 0
     should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
     if module is None or not module.automatic_optimization or not callable(should_accumulate):
         return True

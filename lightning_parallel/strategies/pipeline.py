@@ -97,19 +97,9 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     @override
     def check_module(self, module: pl.LightningModule) -> None:
         """Before spawning: the hooks (named, with a minimal implementation), enough layers for ``p x v`` stages,
-        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, a meta-device module
-        only with ``init_weights()``, and automatic optimization (the schedule runs each batch's forward, backward
-        and the optimizer step through Lightning's loop; a module's own ``training_step`` never runs here)."""
+        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, and a meta-device module
+        only with ``init_weights()``."""
         super().check_module(module)
-        if not module.automatic_optimization:
-            raise LayoutError(
-                f"{self.strategy_name} runs every training batch through its pipeline schedule (forward and backward "
-                f"of each micro-batch on its stage) and never calls {type(module).__name__}.training_step, so "
-                "automatic_optimization=False (manual optimization: manual_backward, opt.step()) would never step. "
-                "Fix: use automatic optimization (return the loss from training_step; gradient clipping and "
-                "accumulation go through the Trainer), or a strategy that runs training_step as written: lp_ddp, "
-                "lp_sharded or lp_tensor."
-            )
         for hook in ("pipeline_layers", "pipeline_loss"):
             try:
                 require_hook(module, hook, strategy=self.strategy_name)
@@ -162,7 +152,19 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches
         (read from a DataLoader or a data module's ``batch_size`` among ``trainer.fit``'s arguments), and one real
         training batch (``probe``: :class:`~lightning_parallel.strategies.layout.TrainingDataProbe`) must go through
-        the module's ``pipeline_batch`` into an input tensor and a target."""
+        the module's ``pipeline_batch`` into an input tensor and a target; and automatic optimization (the schedule
+        runs each batch's forward, backward and the optimizer step through Lightning's loop; a module's own
+        ``training_step`` never runs here; evaluation takes any module)."""
+        module = launch_args[0] if launch_args and isinstance(launch_args[0], pl.LightningModule) else None
+        if module is not None and not module.automatic_optimization:
+            raise LayoutError(
+                f"{self.strategy_name} runs every training batch through its pipeline schedule (forward and backward "
+                f"of each micro-batch on its stage) and never calls {type(module).__name__}.training_step, so "
+                "automatic_optimization=False (manual optimization: manual_backward, opt.step()) would never step. "
+                "Fix: use automatic optimization (return the loss from training_step; gradient clipping and "
+                "accumulation go through the Trainer), or a strategy that runs training_step as written: lp_ddp, "
+                "lp_sharded or lp_tensor."
+            )
         m = self.layout.micro_batches
         for source, batch_size in _batch_sizes(launch_args):
             if batch_size % m:
@@ -172,7 +174,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                     f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
                     f"num_micro_batches a divisor of {batch_size}."
                 )
-        module = launch_args[0] if launch_args and isinstance(launch_args[0], pl.LightningModule) else None
         batch = probe.first_batch() if probe is not None else None
         if module is None or batch is None:
             return

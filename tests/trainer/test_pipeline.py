@@ -210,6 +210,7 @@ def test_refusals_before_spawn() -> None:
         _pp(pipeline_parallel_size=2, num_micro_batches=2).check_data((_gpt(), loader(tokens, 3), loader(tokens, 4)))
     manual = _gpt()
     manual.automatic_optimization = False
+    _pp(pipeline_parallel_size=2, num_micro_batches=2).check_module(manual)  # validate/test/predict take it
     with pytest.raises(LayoutError, match=r"lp_pipeline runs every training batch through its pipeline schedule .*"
                                           r"never calls GPT\.training_step, so automatic_optimization=False .*Fix"):
         _refusal(_pp(pipeline_parallel_size=2, num_micro_batches=2), manual)
