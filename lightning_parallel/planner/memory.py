@@ -215,7 +215,9 @@ def reshards(layout: ParallelConfig) -> bool:
 def keeps_head_gathered(layout: ParallelConfig) -> bool:
     """Whether FSDP2 keeps the unit that runs last in forward (the head) gathered into the backward instead of
     resharding it: ZeRO-3 with ``reshard_after_forward`` left to ``auto``, outside pipelines (the library's
-    ``apply_zero3(keep_last_gathered=True)``)."""
+    ``apply_zero3(keep_last_gathered=True)``, for a module whose head is a child of its own defined after the blocks
+    and not tied to the embedding: ``parallel.zero.last_in_forward``; ``lp_pipeline``/``lp_hybrid`` at
+    ``pipeline_parallel_size`` 1 still run stages, which keep nothing)."""
     return (layout.reshard_after_forward == "auto" and layout.zero == 3 and layout.pipeline_parallel_size == 1
             and layout.runs_fsdp2)
 

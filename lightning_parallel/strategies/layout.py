@@ -264,7 +264,8 @@ class RanksPreempted(SystemExit):
         self.step = step
 
     def __str__(self) -> str:
-        return f"the ranks stopped on a preemption at global step {self.step} and saved their checkpoint"
+        return (f"the ranks stopped on a preemption at global step {self.step} (their callbacks' on_exception ran "
+                "there: a PreemptionCheckpoint saved)")
 
 
 class _Preempted:
