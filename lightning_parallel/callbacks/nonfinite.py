@@ -117,6 +117,7 @@ class NonFiniteLossGuard(Callback):
         if self._trainer is trainer or self.action == "off":
             return
         self._trainer = trainer
+        self._sigterm_pending = self._sigterm_agreed = False  # a guard reused by another fit starts unstopped
         loop = trainer.fit_loop.epoch_loop
         if _multi_rank(trainer) and hasattr(loop, "_broadcast_sigterm_tensor"):
             self._patched = loop

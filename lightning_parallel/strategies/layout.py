@@ -255,8 +255,9 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 class RanksPreempted(SystemExit):
-    """The ranks a ``spawn``/``fork`` launcher started stopped on a preemption (SIGTERM) and saved their checkpoint;
-    the launching process ends too, as every ``popen`` rank does. Not Lightning's ``SIGTERMException``: this
+    """The ranks a ``spawn``/``fork`` launcher started stopped on a preemption (SIGTERM), their callbacks'
+    ``on_exception`` run there (a ``PreemptionCheckpoint`` saves); the launching process ends too, as every ``popen``
+    rank does. Not Lightning's ``SIGTERMException``: this
     process's callbacks must not save their own (untrained) copy of the module again."""
 
     def __init__(self, step: int) -> None:
@@ -326,7 +327,7 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
         """Lightning's, plus: a module the main process built on the meta device (a pipeline's large-model path)
         takes the trained weights as its tensors (``assign=True``) instead of ignoring them; ranks stopped by a
-        preemption (they saved their checkpoint) end this process with :class:`RanksPreempted`."""
+        preemption end this process with :class:`RanksPreempted`."""
         if isinstance(worker_output, _Preempted):
             raise RanksPreempted(worker_output.step)
         module = trainer.lightning_module
