@@ -149,7 +149,7 @@ def _dict_or_none(value: Any) -> dict[str, Any] | None:
 
 def _sharded(summary: SavedSummary, meta: Mapping[str, Any], *, trusted: bool) -> None:
     info = summary.info
-    if info.zero_stage == 3:
+    if info.zero_stage == 3 or ((meta.get(SHARDED_KEY) or {}).get("fsdp")):  # FSDP2 pieces (ZeRO-2 under HSDP too)
         summary.shapes = {k: tuple(v) for k, v in ((meta.get(SHARDED_KEY) or {}).get("sharded_shapes") or {}).items()}
     else:
         summary.shapes = _shapes(meta.get("state_dict") or {})

@@ -241,7 +241,8 @@ class LPShardedStrategy(LayoutStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         verify_folder_on_rank_zero(self, path)  # checksums (rank 0; every rank stops on a mismatch)
-        checkpoint = sharded_format.load(self, path, zero_stage=self.zero_stage)
+        checkpoint = sharded_format.load(self, path, zero_stage=self.zero_stage,
+                                         shard_ranks=self.dims.shard_group_ranks(0), fsdp=self.layout.runs_fsdp2)
         return checkpoint if checkpoint is not None else super().load_checkpoint(path)
 
     @override

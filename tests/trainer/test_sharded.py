@@ -305,6 +305,27 @@ def test_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path: Path, sta
     assert reshard < 1e-6
 
 
+def test_hsdp_sharded_folders_resume_on_their_layout_and_under_plain_zero3(tmp_path: Path) -> None:
+    """HSDP (2 replicas x 2 shards) sharded folders: a ZeRO-2 one (FSDP2 pieces without ZeRO-3) resumes on its own
+    layout (before: refused as 'does not hold the configured model's tensors'), and a ZeRO-3 one under plain ZeRO-3
+    on the same 4 ranks -- the same world and stage, sharded otherwise: read through the one-device form (before:
+    its rank files were loaded as this layout's shards and refused inside the ranks)."""
+    def strategy(stage: int, hsdp: bool) -> LPShardedStrategy:
+        layout = {"zero_stage": stage, **({"data_parallel_shard_size": 2} if hsdp else {})}
+        return LPShardedStrategy(layout, checkpoint="sharded", start_method="fork")
+
+    kw: dict[str, Any] = {"steps": 6, "samples": 2 * B, "accumulate_grad_batches": 1}  # one global batch an epoch
+    diffs = {}
+    for stage, resume_hsdp in ((2, True), (3, False)):
+        full, _ = _fit(strategy(stage, True), 4, enable_checkpointing=True,
+                       callbacks=[_ckpt_callback(tmp_path / f"z{stage}")], **kw)
+        folder = tmp_path / f"z{stage}" / f"step={STEPS}.ckpt"
+        resumed, _ = _fit(strategy(stage, resume_hsdp), 4, ckpt=str(folder), **kw)
+        diffs[stage] = _diff(resumed, full)
+    print(f"HSDP ZeRO-2 folder -> HSDP: {diffs[2]:.1e}; HSDP ZeRO-3 folder -> ZeRO-3 dp=4: {diffs[3]:.1e}")
+    assert diffs[2] < 1e-6 and diffs[3] < 1e-6
+
+
 def test_recipe_runs_from_the_cli(tmp_path: Path) -> None:
     """recipes/gpt_zero3.yaml, shortened, through the `lightning-parallel` command (2 processes, popen)."""
     cmd = [sys.executable, "-m", "lightning_parallel", "fit", "--config", str(REPO / "recipes" / "gpt_zero3.yaml"),

@@ -145,10 +145,13 @@ def _sharded_shapes(module: Any, fsdp: bool) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- read, same layout
-def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int) -> dict[str, Any] | None:
+def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int, shard_ranks: Sequence[int] | None = None,
+         fsdp: bool | None = None) -> dict[str, Any] | None:
     """``meta.pt`` + this rank's file, as saved, with this rank's RNG states kept for the start of training -- when
-    ``path`` is an lp_sharded folder written on this layout (world size and ZeRO stage); None for anything else
-    (a file, another layout, another format), which the caller reads through the one-device form."""
+    ``path`` is an lp_sharded folder written on this layout (world size, ZeRO stage, and the ranks a copy is sharded
+    over: HSDP's shard group against the whole dp axis; ``shard_ranks`` and ``fsdp`` as :func:`save` takes them);
+    None for anything else (a file, another layout, another format), which the caller reads through the one-device
+    form."""
     meta_file = path / META_FILE
     if not (path.is_dir() and meta_file.is_file() and not (path / DCP_METADATA_FILE).exists()):
         return None
@@ -157,6 +160,10 @@ def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int) -> dict[s
     saved = checkpoint.get(SHARDED_KEY) or {}
     if saved.get("world_size") != strategy.world_size or saved.get("zero_stage") != zero_stage:
         return None
+    mine = None if shard_ranks is None or list(shard_ranks) == list(range(strategy.world_size)) else \
+        [int(r) for r in shard_ranks]
+    if saved.get("shard_ranks") != mine or bool(saved.get("fsdp")) != bool(fsdp and zero_stage != 3):
+        return None  # the same ranks, sharded otherwise (HSDP's groups against the whole dp axis)
     checkpoint.update(torch.load(path / rank_file(strategy.global_rank), map_location="cpu", weights_only=True))
     rng.restore_rng_states(checkpoint, rank=strategy.global_rank, world_size=strategy.world_size,
                            module=strategy.lightning_module)
