@@ -86,10 +86,7 @@ def save(strategy: CheckpointStrategy, checkpoint: dict[str, Any], filepath: Any
     if strategy.is_global_zero:
         checkpoint[SHARDED_KEY] = {"zero_stage": zero_stage, "world_size": strategy.world_size,
                                    "sharded_shapes": _sharded_shapes(strategy.lightning_module, fsdp)}
-        if fsdp and zero_stage != 3:  # ZeRO-2 over FSDP2 (HSDP): stored like stage 3
-            checkpoint[SHARDED_KEY]["fsdp"] = True
-        if shard_ranks is not None and list(shard_ranks) != list(range(strategy.world_size)):
-            checkpoint[SHARDED_KEY]["shard_ranks"] = [int(r) for r in shard_ranks]
+        checkpoint[SHARDED_KEY].update(_sharded_over(strategy.world_size, zero_stage, shard_ranks, fsdp))
     if writer is not None:  # the rest in the background, on copies, the ranks joined on the writer's own group
         writer.group()
         own_copy = async_save.host_copy(own)
@@ -145,6 +142,18 @@ def _sharded_shapes(module: Any, fsdp: bool) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- read, same layout
+def _sharded_over(world_size: int, zero_stage: int, shard_ranks: Sequence[int] | None,
+                  fsdp: bool | None) -> dict[str, Any]:
+    """The ``meta.pt`` entries that say how one copy is sharded, beyond the world size and the stage: ``fsdp`` for
+    ZeRO-2 over FSDP2 (HSDP; stored like stage 3), ``shard_ranks`` for an HSDP shard group (absent: every rank)."""
+    out: dict[str, Any] = {}
+    if fsdp and zero_stage != 3:
+        out["fsdp"] = True
+    if shard_ranks is not None and list(shard_ranks) != list(range(world_size)):
+        out["shard_ranks"] = [int(r) for r in shard_ranks]
+    return out
+
+
 def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int, shard_ranks: Sequence[int] | None = None,
          fsdp: bool | None = None) -> dict[str, Any] | None:
     """``meta.pt`` + this rank's file, as saved, with this rank's RNG states kept for the start of training -- when
@@ -160,9 +169,8 @@ def load(strategy: CheckpointStrategy, path: Path, *, zero_stage: int, shard_ran
     saved = checkpoint.get(SHARDED_KEY) or {}
     if saved.get("world_size") != strategy.world_size or saved.get("zero_stage") != zero_stage:
         return None
-    mine = None if shard_ranks is None or list(shard_ranks) == list(range(strategy.world_size)) else \
-        [int(r) for r in shard_ranks]
-    if saved.get("shard_ranks") != mine or bool(saved.get("fsdp")) != bool(fsdp and zero_stage != 3):
+    mine = _sharded_over(strategy.world_size, zero_stage, shard_ranks, fsdp)
+    if {key: saved[key] for key in ("fsdp", "shard_ranks") if key in saved} != mine:
         return None  # the same ranks, sharded otherwise (HSDP's groups against the whole dp axis)
     checkpoint.update(torch.load(path / rank_file(strategy.global_rank), map_location="cpu", weights_only=True))
     rng.restore_rng_states(checkpoint, rank=strategy.global_rank, world_size=strategy.world_size,

@@ -93,7 +93,6 @@ class PipelineRunner:
         self.last_rank = group_ranks[(num_stages - 1) % self.p]
         self._train: dict[Any, Any] = {}
         self._eval: dict[Any, Any] = {}
-        self._stepped: set[int] = set()  # the training schedules that ran a step
         self._losses: list[Tensor] = []
         self._scale = 1.0
         self._loss_scale: Callable[[Tensor], Tensor] | None = None
@@ -168,12 +167,12 @@ class PipelineRunner:
                 f"micro-batches ({n} % {self.m} = {n % self.m}). Fix: a per-rank batch "
                 f"size that is a multiple of {self.m} (and drop_last=True on the training DataLoader)."
             )
-        schedule = self._train_schedule(self._key(names, values, self.m))
+        key = self._key(names, values, self.m)
+        first_step = key not in self._train  # a schedule runs its first step in the call that makes it
+        schedule = self._train_schedule(key)
         self._losses, self._scale, self._loss_scale = [], 1.0 / (self.m * accumulate), loss_scale
         args = tuple(v.to(self.device) for v in values) if self.first else ()
         tgt = target.to(self.device) if self.last else None
-        first_step = id(schedule) not in self._stepped
-        self._stepped.add(id(schedule))
         # a new schedule in the middle of a step's accumulation (a batch of another shape): its first step would
         # clear the FSDP2 chunks' accumulated gradients
         with self._gradients_kept(add=True) if first_step else contextlib.nullcontext():
