@@ -189,7 +189,7 @@ class ParallelModuleMixin:
 
     def context_parallel_plan(self) -> dict[str, Any]:
         """What context parallelism (``parallel.context_parallel_size`` > 1) routes and splits:
-        ``{"attention": [names], "batch": {index or key: dim}}``.
+        ``{"attention": [names], "batch": {index or key: dim}, "labels": index or key}``.
 
         ``attention``: names or ``*`` patterns of the parameter-free submodules whose ``forward(q, k, v)`` computes
         causal ``softmax(q k^T / sqrt(head_dim)) v`` on ``(batch, heads, seq, head_dim)`` tensors, without dropout
@@ -198,7 +198,11 @@ class ParallelModuleMixin:
         shape ``(b, s)``; a dict batch by key; one int for every tensor). Each rank then sees ``s / cp`` tokens --
         chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp`` -- and computes its loss on them; modules that need token
         positions take them from ``lightning_parallel.parallel.context_parallel.sequence_positions(t, device)``
-        instead of ``torch.arange(t)``. See :mod:`lightning_parallel.parallel.context_parallel.plan`."""
+        instead of ``torch.arange(t)``. ``labels`` (optional): the batch entry of the token labels of a loss that is
+        the mean over the counted tokens (labels other than ``ignore_index``, default -100): each rank's loss is then
+        weighed by its share of the counted tokens, so ignored labels that fall unevenly over the ranks' chunks
+        (padding, masked prompts) weigh as on one device. See
+        :mod:`lightning_parallel.parallel.context_parallel.plan`."""
         raise NotImplementedError
 
     def full_checkpointing_modules(self) -> list[str]:

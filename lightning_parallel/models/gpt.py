@@ -329,8 +329,10 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
     def context_parallel_plan(self) -> dict[str, Any]:
         """Context parallelism: each block's attention core runs over the cp ranks (:class:`AttentionCore` is
         causal and parameter-free); tokens and labels, ``(b, s)``, are split along dim 1. Positions come from
-        ``sequence_positions`` in :class:`Embedding`, and the loss is the mean over this rank's tokens."""
-        return {"attention": [f"blocks.{i}.attn.core" for i, _ in self._present_blocks()], "batch": {0: 1, 1: 1}}
+        ``sequence_positions`` in :class:`Embedding`; the loss, a mean over this rank's counted tokens (labels other
+        than -100), is weighed by the rank's share of the counted tokens (``labels``: batch entry 1)."""
+        return {"attention": [f"blocks.{i}.attn.core" for i, _ in self._present_blocks()], "batch": {0: 1, 1: 1},
+                "labels": 1}
 
     def full_checkpointing_modules(self) -> list[str]:
         """Each present block, ``blocks.<i>``: a block then keeps only its input for backward. The embedding and

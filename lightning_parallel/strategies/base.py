@@ -58,12 +58,13 @@ from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
+from lightning_parallel.parallel.context_parallel import weigh
 from lightning_parallel.parallel.counters import CommCounter
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
-from .logged import training_step_agreed
+from .logged import log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
@@ -212,20 +213,43 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         plan = self.composition.context_plan if self.composition is not None else None
         if plan is None:
             return batch
-        from lightning_parallel.parallel.context_parallel import SequenceShard, split_batch
+        from lightning_parallel.parallel.context_parallel import split_batch
 
-        return split_batch(batch, plan, SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp")))
+        return split_batch(batch, plan, self._sequence_shard())
 
-    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def context_token_share(self, batch: Any) -> Tensor | None:
+        """With cp > 1 and a plan that names the labels: this rank's share of the whole ``batch``'s counted tokens,
+        ``cp x n_rank / n_batch`` (:func:`~lightning_parallel.parallel.context_parallel.batch_token_share`), by
+        which its loss and its mean-logged values are multiplied; None otherwise."""
+        plan = self.composition.context_plan if self.composition is not None else None
+        if plan is None or plan.labels is None:
+            return None
+        from lightning_parallel.parallel.context_parallel import batch_token_share
+
+        return batch_token_share(batch, plan, self._sequence_shard())
+
+    def _sequence_shard(self) -> Any:
+        from lightning_parallel.parallel.context_parallel import SequenceShard
+
+        return SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp"))
+
+    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, weighed: bool = True
+                      ) -> tuple[tuple[Any, ...], dict[str, Any], Tensor | None]:
+        """The step's arguments with this rank's part of the batch, and (``weighed``: a step with a loss) its token
+        share (None: no weighting)."""
+        batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
+        share = self.context_token_share(batch) if weighed and batch is not None else None
         if "batch" in kwargs:
-            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"])}
-        return (self.context_batch(args[0]), *args[1:]) if args else args, kwargs
+            return args, {**kwargs, "batch": self.context_batch(batch)}, share
+        return ((self.context_batch(args[0]), *args[1:]) if args else args), kwargs, share
 
     @contextlib.contextmanager
-    def context_parallel_logging(self) -> Generator[None, None, None]:
+    def context_parallel_logging(self, share: Tensor | None = None) -> Generator[None, None, None]:
         """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
-        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch). A
-        collective per logged tensor: every rank logs the same names in the same order."""
+        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch; with
+        ``share``, this rank's :meth:`context_token_share`, those logged with a mean are weighed by it first, so
+        the mean counts every token once however the ignored labels fall). A collective per logged tensor: every
+        rank logs the same names in the same order."""
         module = self.lightning_module
         if self.dims.cp == 1 or module is None:
             yield None
@@ -237,7 +261,10 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if isinstance(value, Tensor) and value.is_floating_point():
-                value = self.train_step.reduce_mean(plain(value).detach())
+                value = plain(value).detach()
+                if share is not None and weighed_when_logged(log_options(module, name, value, args, kwargs)):
+                    value = weigh(value, share)
+                value = self.train_step.reduce_mean(value)
             original(name, value, *args, **kwargs)
 
         module.log = log  # type: ignore[method-assign]
@@ -253,16 +280,16 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.dims.cp == 1:
             return super().validation_step(*args, **kwargs)
-        args, kwargs = self._context_args(args, kwargs)
-        with self.context_parallel_logging():
+        args, kwargs, share = self._context_args(args, kwargs)
+        with self.context_parallel_logging(share):
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.dims.cp == 1:
             return super().test_step(*args, **kwargs)
-        args, kwargs = self._context_args(args, kwargs)
-        with self.context_parallel_logging():
+        args, kwargs, share = self._context_args(args, kwargs)
+        with self.context_parallel_logging(share):
             return super().test_step(*args, **kwargs)
 
     @override
@@ -271,7 +298,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         along the batch's sequence dim) are gathered back over cp into the whole sequence, in order."""
         if self.dims.cp == 1 or self.composition is None or self.composition.context_plan is None:
             return super().predict_step(*args, **kwargs)
-        args, kwargs = self._context_args(args, kwargs)
+        args, kwargs, _ = self._context_args(args, kwargs, weighed=False)
         local = kwargs["batch"] if "batch" in kwargs else args[0]
         dim = self._context_dim()
         return self.context_unshard(super().predict_step(*args, **kwargs), local_len=_first_tensor(local).shape[dim])
@@ -433,8 +460,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`). In a multi-rank run
         the non-finite guard's agreement rides in that all-reduce, then over every rank (tp peers hold the same
         values): one collective per batch for both."""
+        share = None
         if self.dims.cp > 1:
-            args, kwargs = self._context_args(args, kwargs)
+            args, kwargs, share = self._context_args(args, kwargs)
         replicas = self.dims.replicas
         guard = self._agreeing_guard()
         reduce: Any = None
@@ -444,7 +472,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         elif replicas > 1:
             reduce = self.train_step.reduce_logged_batch
         return training_step_agreed(self.lightning_module, lambda: super(LayoutStrategy, self).training_step(
-            *args, **kwargs), reduce, guard)
+            *args, **kwargs), reduce, guard, share=share)
 
     def _agreeing_guard(self) -> Any:
         """The non-finite-loss guard when the ranks agree on it in the step's own all-reduce (a multi-rank run with

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -40,6 +41,7 @@ __all__ = [
     "RanksPreempted",
     "TrainingDataProbe",
     "check_ckpt_path",
+    "check_context_labels",
     "check_data_modules",
     "check_nonfinite_guard",
     "check_output_dirs",
@@ -524,6 +526,8 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
     if trainer is None:
         return
     probe = probe or TrainingDataProbe(args, module=module)
+    if layout is not None and layout.context_parallel_size > 1 and module is not None:
+        check_context_labels(module, probe)
     batches = probe.batches_per_rank(dp)
     if batches is None:
         return
@@ -548,6 +552,37 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
             f"val_check_interval <= {batches}, a fraction of the epoch (e.g. 0.5), or check_val_every_n_epoch=null "
             "to count batches across epochs."
         )
+
+
+def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None) -> None:
+    """Before spawning, with context parallelism: the batch entry the module's ``context_parallel_plan()`` names as
+    ``labels`` holds integer token labels in a real training batch; ``target`` (a pipeline's, from
+    ``pipeline_batch``): it must be those labels, since a pipeline's last stage counts the target's tokens."""
+    from lightning_parallel.parallel.context_parallel import labels_of, read_plan
+
+    plan = read_plan(module)
+    batch = probe.first_batch() if plan.labels is not None else None
+    if batch is None:
+        return
+    try:
+        labels = labels_of(batch, plan)
+    except ValueError as err:
+        raise LayoutError(f"{type(module).__name__}.{err} (a training batch of {probe.source}: a "
+                          f"{type(batch).__name__})") from None
+    if target is not None and not (isinstance(target, torch.Tensor) and target.shape == labels.shape
+                                   and torch.equal(target, labels)):
+        raise LayoutError(
+            f"{type(module).__name__}.context_parallel_plan() names batch entry {plan.labels!r} as the labels, but "
+            f"pipeline_batch(batch) returns a different target ({_describe_tensor(target)} vs the labels' "
+            f"{_describe_tensor(labels)}): a pipeline's last stage weighs each cp rank's loss by the counted tokens "
+            "of the target it receives. Fix: return the labels entry as the target, or leave 'labels' out of the "
+            "plan (the loss is then not reweighted).")
+
+
+def _describe_tensor(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def data_parallel_size(strategy: Any, trainer: pl.Trainer | None = None) -> int:

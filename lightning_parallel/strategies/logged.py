@@ -27,17 +27,36 @@ themselves, averaged over ``dp``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_parallel.parallel.context_parallel import weigh
+from lightning_parallel.parallel.step import logged_reduce_op
 from lightning_parallel.parallel.tensor.local import plain
 
-__all__ = ["GlobalBatchLogs", "ReduceBatch", "global_batch_logs", "training_step_agreed"]
+__all__ = ["GlobalBatchLogs", "ReduceBatch", "global_batch_logs", "log_options", "training_step_agreed",
+           "weighed_when_logged"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+
+
+def log_options(module: Any, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> Mapping[str, Any]:
+    """A ``log`` call's options: its keywords (the usual call), or positional options bound to ``log``'s signature."""
+    return _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments if args else kwargs
+
+
+def weighed_when_logged(options: Mapping[str, Any]) -> bool:
+    """Whether a value logged with ``options`` (:func:`log_options`) is averaged over the ranks (by the library, or
+    by ``sync_dist=True``) with a mean: the values a context-parallel rank weighs by its share of the counted tokens
+    before that mean. Not those logged with ``rank_zero_only`` or with ``enable_graph`` and no ``sync_dist`` (a
+    rank's own value), or with another ``reduce_fx``."""
+    if options.get("rank_zero_only") or (options.get("enable_graph") and not options.get("sync_dist")):
+        return False
+    return logged_reduce_op(options.get("reduce_fx", "mean")) == "mean"
 
 
 ReduceBatch = Callable[[Sequence[tuple[Tensor, Any]], Tensor | None], tuple[list[Tensor], Tensor | None]]
@@ -53,10 +72,14 @@ class GlobalBatchLogs:
     the recorded calls. ``reduce`` None (one dp rank, nothing to combine): ``log`` is left as it is.
 
     The values are recorded, not logged, until the step returns: a training step that logs a value and then reads it
-    back from ``trainer.callback_metrics`` in the same step sees the previous step's."""
+    back from ``trainer.callback_metrics`` in the same step sees the previous step's.
 
-    def __init__(self, module: Any, reduce: ReduceBatch | None) -> None:
-        self.module, self.reduce = module, reduce
+    ``share`` (context parallelism with the labels named: this rank's share of the counted tokens,
+    :func:`~lightning_parallel.parallel.context_parallel.batch_token_share`): every value averaged with a mean
+    (:func:`weighed_when_logged`) is multiplied by it first."""
+
+    def __init__(self, module: Any, reduce: ReduceBatch | None, share: Tensor | None = None) -> None:
+        self.module, self.reduce, self.share = module, reduce, share
         self._calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any], Any]] = []
         self._previous: Any = None
         self._had_own = False
@@ -69,13 +92,14 @@ class GlobalBatchLogs:
         self._had_own = "log" in vars(module)
         self._previous = module.log
         self._calls = []
-        calls = self._calls
+        calls, share = self._calls, self.share
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             fx = None
             if isinstance(value, Tensor) and value.is_floating_point():
-                # keywords only (the usual call): read them; positional options: bind them to log's signature
-                bound = _LOG_SIGNATURE.bind_partial(module, name, value, *args, **kwargs).arguments if args else kwargs
+                bound = log_options(module, name, value, args, kwargs)
+                if share is not None and weighed_when_logged(bound):
+                    value = weigh(plain(value.detach()), share)
                 if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
                     fx, value = bound.get("reduce_fx", "mean"), plain(value.detach())
             calls.append((name, value, args, kwargs, fx))
@@ -116,21 +140,36 @@ class GlobalBatchLogs:
             del self.module.log
 
 
-def global_batch_logs(module: Any, reduce: ReduceBatch | None) -> GlobalBatchLogs:
+def global_batch_logs(module: Any, reduce: ReduceBatch | None, share: Tensor | None = None) -> GlobalBatchLogs:
     """While open, ``module.log`` combines what it logs over dp (module docstring) with ``reduce``, batched at the
     block's end (:class:`GlobalBatchLogs`); ``reduce`` None (one dp rank) changes nothing."""
-    return GlobalBatchLogs(module, reduce)
+    return GlobalBatchLogs(module, reduce, share)
 
 
-def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBatch | None, guard: Any | None) -> Any:
+def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBatch | None, guard: Any | None, *,
+                         share: Tensor | None = None) -> Any:
     """Run ``step`` (the module's training step) with its logged values combined over dp (:class:`GlobalBatchLogs`)
     and, when ``guard`` (a :class:`~lightning_parallel.callbacks.NonFiniteLossGuard`) is given -- ``reduce`` then
     all-reduces over every rank --, the guard's numbers of this batch summed in the same all-reduce: one collective
-    per batch for both, where Lightning broadcasts its preemption flag. Returns what ``step`` returns."""
-    with global_batch_logs(module, reduce) as logs:
+    per batch for both, where Lightning broadcasts its preemption flag. ``share`` (context parallelism, this rank's
+    share of the counted tokens): the step's loss and its mean-logged values are multiplied by it, so the mean over
+    the cp ranks is the mean over every counted token. Returns what ``step`` returns (its loss weighed)."""
+    with global_batch_logs(module, reduce, share) as logs:
         out = step()
+        if share is not None:
+            out = _weighed_loss(out, share)
         numbers = guard.local_numbers(module.trainer, out) if guard is not None and reduce is not None else None
         summed = logs.finish(numbers)
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
+    return out
+
+
+def _weighed_loss(out: Any, share: Tensor) -> Any:
+    """A training step's output with its loss (the tensor, or a dict's ``"loss"``) multiplied by ``share``; a
+    tensor-parallel loss (a replicated DTensor) as its local tensor, keeping its graph."""
+    if isinstance(out, Tensor):
+        return weigh(plain(out), share)
+    if isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
+        return {**out, "loss": weigh(plain(out["loss"]), share)}
     return out

@@ -54,6 +54,7 @@ from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 from .base import LayoutStrategy
 from .dcp import DCPCheckpointMixin
+from .layout import check_context_labels
 
 __all__ = ["LPPipelineStrategy"]
 
@@ -194,6 +195,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 f"{type(target).__name__}). Fix: return the tensor the first stage takes and the target "
                 "pipeline_loss compares the last stage's output with."
             )
+        if self.layout.context_parallel_size > 1:
+            check_context_labels(module, probe, target)
 
     @staticmethod
     def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
@@ -240,8 +243,13 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         self.stage_plan = composition.stage_plan
         assert self.stage_plan is not None
 
-        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        def module_loss(output: Tensor, target: Tensor) -> Tensor:
             return module.pipeline_loss(output, target)  # type: ignore[operator,no-any-return]
+
+        loss_fn: Callable[[Tensor, Tensor], Tensor] = module_loss
+        plan = composition.context_plan
+        if plan is not None and plan.labels is not None:
+            loss_fn = _token_weighed(module_loss, plan.ignore_index, self.dims.cp, self.mesh.get_group("cp"))
 
         self.runner = PipelineRunner(
             list(zip(self.stage_plan.my_stages, composition.chunks, strict=True)),
@@ -449,3 +457,21 @@ def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
             if isinstance(size, int) and not isinstance(size, bool):
                 yield f"the data module {type(arg).__name__}'s", size
 
+
+
+def _token_weighed(loss_fn: Callable[[Tensor, Tensor], Tensor], ignore_index: int, cp: int,
+                   group: dist.ProcessGroup) -> Callable[[Tensor, Tensor], Tensor]:
+    """Context parallelism with the labels named: each micro-batch's loss on the last stage multiplied by this rank's
+    share of the micro-batch's counted tokens (the target's labels other than ``ignore_index``, summed over the cp
+    ranks: one all-reduce of one number per micro-batch, run by the cp peers of the stage at the same point of their
+    schedule), so the mean over cp is the mean over every counted token of the micro-batch."""
+    from lightning_parallel.parallel.context_parallel import token_share, weigh
+    from lightning_parallel.parallel.tensor.local import plain
+
+    def weighed(output: Tensor, target: Tensor) -> Tensor:
+        mine = (target != ignore_index).sum()
+        total = mine.clone()
+        dist.all_reduce(total, group=group)
+        return weigh(plain(loss_fn(output, target)), token_share(mine, total, cp))
+
+    return weighed

@@ -95,6 +95,69 @@ def test_context_parallel_equals_one_device(reference: tuple[GPT, list[float]], 
     assert loss_diff < 2e-6
 
 
+class _Logged(_Losses):
+    """Also the logged ``val_loss`` of every validation run (sanity checks off)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.val: list[float] = []
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps({"train": self.losses, "val": self.val}))
+
+
+_REFERENCES: dict[str, tuple[GPT, dict[str, list[float]]]] = {}
+
+
+def _ignored(kind: str) -> dict[str, Any]:
+    """Fit settings: labels -100 (``kind``: "ragged", a prompt and a padding of varying lengths with one batch in
+    which cp rank 0 counts no token; "tail", the last quarter of every sample), validation every 4 batches."""
+    return dict(data={"ignored": kind}, limit_val_batches=2, val_check_interval=4)
+
+
+def _ignored_reference(kind: str, folder: Path) -> tuple[GPT, dict[str, list[float]]]:
+    if kind not in _REFERENCES:
+        model = fit("auto", 1, 1, model=_gpt(), callbacks=[_Logged(folder / "losses.json")], **_ignored(kind))[0]
+        _REFERENCES[kind] = model, json.loads((folder / "losses.json").read_text())
+    return _REFERENCES[kind]
+
+
+@pytest.mark.parametrize(("cls", "layout", "devices", "kind"), [
+    pytest.param(LPDDPStrategy, CP2, 2, "ragged", id="cp2"),
+    pytest.param(LPTensorStrategy, {**CP2, "tensor_parallel_size": 2}, 4, "ragged", id="cp2-tp2"),
+    pytest.param(LPPipelineStrategy, {**CP2, "pipeline_parallel_size": 2, "num_micro_batches": 1,
+                                      "pipeline_schedule": "gpipe"}, 4, "ragged", id="cp2-pp2"),
+    pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 3}, 4, "tail", id="dp2-cp2-zero3"),
+])
+def test_ignored_labels_count_every_token_once(tmp_path_factory: pytest.TempPathFactory, cls: Any,
+                                               layout: dict[str, Any], devices: int, kind: str) -> None:
+    """Ignored labels fall unevenly over the cp ranks' chunks: each rank's token mean is weighed by its share of the
+    counted tokens (the GPT's plan names its labels), so the loss, the logged train and validation losses and the
+    weights are one device's -- without the weighing 2e-2 apart (tail padding), or a NaN loss where a rank counts
+    no token (ragged). A pipeline counts on its last stage (an all-reduce over cp per micro-batch); a
+    tensor-parallel loss is a DTensor. With dp > 1, each dp rank's mean over its own counted tokens is averaged (as
+    under DDP): one device's only where the dp ranks count as many tokens (tail padding)."""
+    one_device, one = _ignored_reference(kind, tmp_path_factory.mktemp(f"one_device_{kind}"))
+    path = tmp_path_factory.mktemp("run") / "losses.json"
+    dp = devices // (layout["context_parallel_size"] * layout.get("pipeline_parallel_size", 1)
+                     * layout.get("tensor_parallel_size", 1))
+    model, _ = fit(cls(layout, start_method="fork"), devices, dp, model=_gpt(), callbacks=[_Logged(path)],
+                   **_ignored(kind))
+    logged = json.loads(path.read_text())
+    diff = weight_diff(model, one_device)
+    train = max(abs(a - b) for a, b in zip(logged["train"], one["train"], strict=True))
+    val = max(abs(a - b) for a, b in zip(logged["val"], one["val"], strict=True))
+    print(f"\n{cls.__name__} {layout}, {kind} -100 labels: max |w - w_1dev| = {diff:.2e}, train losses {train:.2e}, "
+          f"validation losses {val:.2e} ({len(logged['val'])} runs)")
+    assert len(logged["train"]) == 2 * STEPS and len(logged["val"]) == len(one["val"]) == 5
+    assert diff < 2e-5
+    assert train < 2e-6 and val < 2e-6
+
+
 def test_gradient_scale_over_dp_x_cp_with_sgd(tmp_path: Path) -> None:
     """AdamW and clipping hide a wrong gradient scale (a sum over cp instead of a mean): plain SGD without clipping
     shows it in the weights. dp2 x cp2 against one device."""
@@ -154,3 +217,44 @@ def test_attention_dropout_and_a_short_sequence_are_refused_before_spawn() -> No
 
     with pytest.raises(LayoutError, match=r"the data module TextDataModule's block_size is 12: 12 % 8 = 4"):
         trainer.fit(_gpt(), datamodule=TextDataModule(block_size=12, batch_size=2))
+
+
+def test_a_wrong_labels_entry_is_refused_before_spawn() -> None:
+    """The plan's ``labels``: an entry the plan does not split, a non-integer ``ignore_index``, an entry that holds
+    no integer labels in a real batch, and (pipelines) a target other than those labels -- each refused in the
+    launching process, with the entry and the fix."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Plan(GPT):
+        plan: dict[str, Any] = {}
+
+        def context_parallel_plan(self) -> dict[str, Any]:
+            return {**super().context_parallel_plan(), **self.plan}
+
+    class Shifted(Plan):
+        def pipeline_batch(self, batch: Any) -> tuple[Any, torch.Tensor | None]:
+            return batch[0], batch[1].roll(1, dims=1)
+
+    def refused(cls: type[Plan], plan: dict[str, Any], layout: dict[str, Any], loader: Any = None) -> str:
+        strategy = (LPPipelineStrategy if "pipeline_parallel_size" in layout else LPDDPStrategy)(
+            layout, start_method="fork")
+        torch.manual_seed(0)
+        model = cls(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64)
+        model.plan = plan
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4 if strategy.layout.pipeline_parallel_size
+                             > 1 else 2, logger=False, enable_progress_bar=False, max_steps=1)
+        tokens = torch.randint(0, 64, (16, T))
+        with pytest.raises(LayoutError) as err:
+            trainer.fit(model, train_dataloaders=loader or DataLoader(TensorDataset(tokens, tokens), batch_size=4))
+        return str(err.value)
+
+    ddp = CP2
+    assert "'labels' names batch entry 2, which 'batch' ({0: 1, 1: 1}) does not split" in refused(
+        Plan, {"labels": 2}, ddp)
+    assert "'ignore_index' must be an int" in refused(Plan, {"ignore_index": "pad"}, ddp)
+    tokens = torch.randint(0, 64, (16, T))
+    text = refused(Plan, {}, ddp, DataLoader(TensorDataset(tokens, tokens.float()), batch_size=4))
+    assert "names batch entry 1, which holds torch.float32, not integer token labels" in text
+    pipe = {**CP2, "pipeline_parallel_size": 2, "num_micro_batches": 2}
+    text = refused(Shifted, {}, pipe)
+    assert "pipeline_batch(batch) returns a different target" in text and "Fix: return the labels entry" in text

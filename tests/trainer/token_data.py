@@ -19,15 +19,24 @@ class TokenData(pl.LightningDataModule):
     """Fixed random tokens in order; dp rank r of d gets samples r, r+d, ... (one device: all, in order).
 
     ``as_dict``: batches are ``{"tokens", "labels"}`` dicts. ``val_samples``: the validation set is the first that
-    many samples (e.g. a count that leaves a short last batch)."""
+    many samples (e.g. a count that leaves a short last batch). ``ignored``: labels set to -100 (not counted by
+    the cross-entropy) -- ``"tail"``: the last quarter of every sample (padding); ``"ragged"``: a prompt and a
+    padding of varying lengths per sample (:func:`ragged_ignored`)."""
 
     def __init__(self, batch_size: int, samples: int = 2 * STEPS * GLOBAL_BATCH, vocab: int = 64,
-                 as_dict: bool = False, val_samples: int | None = None) -> None:
+                 as_dict: bool = False, val_samples: int | None = None, ignored: str | None = None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(7)
         data = torch.randint(0, vocab, (samples, T + 1), generator=g)
         self.tokens = data[:, :-1]
-        self.dataset: Any = TensorDataset(data[:, :-1], data[:, 1:])
+        labels = data[:, 1:].clone()
+        if ignored == "tail":
+            labels[:, -T // 4:] = -100
+        elif ignored == "ragged":
+            labels[ragged_ignored(samples)] = -100
+        elif ignored is not None:
+            raise ValueError(f"ignored={ignored!r}: 'tail', 'ragged' or None")
+        self.dataset: Any = TensorDataset(data[:, :-1], labels)
         if as_dict:
             self.dataset = [{"tokens": x, "labels": y} for x, y in self.dataset]
         self.batch_size = batch_size
@@ -53,6 +62,18 @@ class TokenData(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:  # token ids only: LightningModule's default predict_step is self(batch)
         return DataLoader(self.tokens, batch_size=self.batch_size, shuffle=False)
+
+
+def ragged_ignored(samples: int) -> torch.Tensor:
+    """A ``(samples, T)`` mask of labels not counted: sample ``i`` ignores its first ``(5 i) % 7`` (a prompt) and its
+    last ``(3 i) % 6`` (padding) labels; samples 20..23 (the sixth batch of 4) ignore their first and last quarter,
+    so under cp2 rank 0, which holds exactly those chunks, counts no token of that batch."""
+    pos = torch.arange(T)
+    prompt = torch.tensor([(5 * i) % 7 for i in range(samples)])[:, None]
+    padding = torch.tensor([(3 * i) % 6 for i in range(samples)])[:, None]
+    mask = (pos < prompt) | (pos >= T - padding)
+    mask[20:24] = (pos < T // 4) | (pos >= T - T // 4)
+    return mask
 
 
 def fit(strategy: Any, devices: int, dp: int, *, model: Any, steps: int = STEPS, batch: int | None = None,

@@ -8,7 +8,8 @@
   (``context_parallel_style: all_to_all``);
 * :mod:`.plan` -- a module's ``context_parallel_plan()``: its attention submodules routed to the above, its batch
   tensors split along their sequence dims (the composition's ``context parallel`` step,
-  :func:`~lightning_parallel.parallel.compose.apply_context_parallel_step`).
+  :func:`~lightning_parallel.parallel.compose.apply_context_parallel_step`), and a token-mean loss weighed by each
+  rank's share of the counted tokens (:func:`batch_token_share`).
 
 No Lightning import.
 """
@@ -17,10 +18,14 @@ from .plan import (
     MINIMAL_PLAN,
     ContextParallelPlan,
     apply_context_parallel,
+    batch_token_share,
     check_context_plan,
     context_parallel_modules,
+    labels_of,
     read_plan,
     split_batch,
+    token_share,
+    weigh,
 )
 from .ring import ring_attention
 from .sharding import (
@@ -39,6 +44,7 @@ from .sharding import (
 from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "SequenceShard", "activate", "activated",
-           "active", "all_to_all_attention", "apply_context_parallel", "check_context_plan",
-           "context_parallel_modules", "deactivate", "head_tail_order", "read_plan", "ring_attention",
-           "sequence_length", "sequence_positions", "shard_sequence", "split_batch", "unshard_sequence"]
+           "active", "all_to_all_attention", "apply_context_parallel", "batch_token_share", "check_context_plan",
+           "context_parallel_modules", "deactivate", "head_tail_order", "labels_of", "read_plan", "ring_attention",
+           "sequence_length", "sequence_positions", "shard_sequence", "split_batch", "token_share",
+           "unshard_sequence", "weigh"]

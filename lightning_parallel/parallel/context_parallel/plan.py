@@ -3,7 +3,8 @@
 A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixin.context_parallel_plan`, returning::
 
     {"attention": ["blocks.*.attn.core"],   # submodules whose forward(q, k, v) is causal attention
-     "batch": {0: 1, 1: 1}}                 # batch[0] and batch[1] are split along dim 1 (the sequence)
+     "batch": {0: 1, 1: 1},                 # batch[0] and batch[1] are split along dim 1 (the sequence)
+     "labels": 1}                           # optional: batch[1] holds the token labels (-100: not counted)
 
 * ``attention`` -- names or ``*`` patterns (one dotted component) of parameter-free submodules whose
   ``forward(q, k, v)`` computes exactly ``softmax(q k^T / sqrt(head_dim) + causal mask) v`` on
@@ -14,6 +15,16 @@ A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixi
 * ``batch`` -- where the sequence is in the batch: ``{index or key: dim}`` for a tuple/list or dict batch, or one
   ``int`` for every tensor of the batch. Those tensors are cut to this rank's head and tail chunks
   (:func:`~.sharding.shard_sequence`) before the module's step sees them; other entries pass whole.
+* ``labels`` (optional) -- the batch entry (index or key, one the ``batch`` entry splits) holding the token labels
+  of a loss that is the mean over the counted tokens (labels other than ``ignore_index``, default ``-100``, as
+  ``F.cross_entropy`` counts them). Each cp rank's loss is a mean over its own counted tokens, and padding or
+  masked prompts put the ignored labels unevenly over the chunks (padding at the end of every sample falls in the
+  tail chunks only); the mean of the ranks' means then weighs tokens unlike one device. With ``labels`` each rank's
+  loss (and every value logged with a mean) is scaled by its share of the counted tokens,
+  :func:`token_share` ``= cp x n_rank / n_sequence``, so the mean over the cp ranks is the mean over every counted
+  token of the micro-batch -- the module's loss on the whole sequence. The counts are read from the whole batch
+  before it is split (no collective); a pipeline's last stage counts its target's tokens per micro-batch and sums
+  them over cp (an all-reduce of one number per micro-batch).
 
 Positions: a module with position embeddings calls :func:`~.sharding.sequence_positions` (the GPT's embedding does),
 which returns this rank's global positions under cp and ``arange`` otherwise.
@@ -33,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_parallel.config import LayoutError
@@ -41,13 +53,14 @@ from .ring import ring_attention
 from .sharding import ContextParallelState, SequenceShard, activate, active, shard_sequence
 from .ulysses import all_to_all_attention
 
-__all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "check_context_plan",
-           "context_parallel_modules", "read_plan", "split_batch"]
+__all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
+           "context_parallel_modules", "labels_of", "read_plan", "split_batch", "token_share", "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
     "    # attention cores: forward(q, k, v) -> causal softmax(q k^T / sqrt(d)) v on (batch, heads, seq, head_dim)\n"
-    "    return {\"attention\": [\"layers.*.attn_core\"], \"batch\": {0: 1, 1: 1}}  # (tokens, labels): seq dim 1\n"
+    "    return {\"attention\": [\"layers.*.attn_core\"], \"batch\": {0: 1, 1: 1},  # (tokens, labels): seq dim 1\n"
+    "            \"labels\": 1}  # batch[1]: the labels of a token-mean loss (-100 not counted)\n"
     "# and positions from lightning_parallel.parallel.context_parallel.sequence_positions(t, device)"
 )
 """What a refusal of a module without the hook shows."""
@@ -55,10 +68,23 @@ MINIMAL_PLAN = (
 
 @dataclass(frozen=True)
 class ContextParallelPlan:
-    """A module's plan, expanded: the attention submodules' names (module order) and the batch's sequence dims."""
+    """A module's plan, expanded: the attention submodules' names (module order), the batch's sequence dims, and
+    the batch entry holding the token labels (None: the loss is not reweighted) with the label that is not
+    counted."""
 
     attention: tuple[str, ...]
     batch: int | Mapping[Any, int] = field(default_factory=dict)
+    labels: Any = None
+    ignore_index: int = -100
+
+    def sequence_dim(self, key: Any) -> int | None:
+        """The sequence dim of batch entry ``key``, None when the plan does not split it."""
+        if isinstance(self.batch, int):
+            return self.batch
+        return self.batch.get(key) if isinstance(self.batch, Mapping) else None
+
+
+_KEYS = {"attention", "batch", "labels", "ignore_index"}
 
 
 def _pattern(key: str) -> re.Pattern[str]:
@@ -79,10 +105,11 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
     except LayoutError as err:
         raise LayoutError(f"{err} A minimal implementation:\n{MINIMAL_PLAN}") from None
     raw = module.context_parallel_plan()  # type: ignore[operator]
-    if not isinstance(raw, Mapping) or set(raw) - {"attention", "batch"} or "attention" not in raw:
+    if not isinstance(raw, Mapping) or set(raw) - _KEYS or "attention" not in raw:
         raise _refuse(module, f"returned {raw!r}; it must return a dict with the keys 'attention' (names of the "
-                              f"attention submodules) and 'batch' (the sequence dim of the batch tensors). Example:\n"
-                              f"{MINIMAL_PLAN}")
+                              f"attention submodules) and 'batch' (the sequence dim of the batch tensors), and "
+                              f"optionally 'labels' (the batch entry of the token labels) and 'ignore_index'. "
+                              f"Example:\n{MINIMAL_PLAN}")
     keys = raw["attention"]
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys) or not keys:
         raise _refuse(module, f"'attention' must be a non-empty list of submodule names or patterns, got {keys!r}.")
@@ -101,7 +128,18 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
         raise _refuse(module, f"'batch' must be the sequence dim of every batch tensor (an int) or a mapping "
                               f"{{batch index or key: sequence dim}}, got {batch!r}.")
     order = {n: i for i, n in enumerate(names)}
-    return ContextParallelPlan(attention=tuple(sorted(found, key=order.__getitem__)), batch=batch)
+    plan = ContextParallelPlan(attention=tuple(sorted(found, key=order.__getitem__)), batch=batch,
+                               labels=raw.get("labels"), ignore_index=raw.get("ignore_index", -100))
+    if plan.labels is not None and plan.sequence_dim(plan.labels) is None:
+        raise _refuse(module, f"'labels' names batch entry {plan.labels!r}, which 'batch' ({batch!r}) does not "
+                              "split: the labels are cut with the tokens. Fix: add it to 'batch' with its sequence "
+                              "dim, or name the entry that holds the token labels.")
+    if "ignore_index" in raw and (plan.labels is None or isinstance(plan.ignore_index, bool)
+                                  or not isinstance(plan.ignore_index, int)):
+        raise _refuse(module, f"'ignore_index' must be an int (the label a token mean does not count, -100 for "
+                              f"F.cross_entropy) given with 'labels', got {raw['ignore_index']!r} with "
+                              f"'labels'={plan.labels!r}.")
+    return plan
 
 
 def check_context_plan(module: nn.Module) -> ContextParallelPlan:
@@ -219,3 +257,52 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> 
         return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)  # a namedtuple keeps its type
     raise TypeError(f"context parallelism cannot split a {type(batch).__name__} batch. Fix: batches of tensors in a "
                     "tuple, list or dict, with context_parallel_plan()['batch'] naming their sequence dims.")
+
+
+def _entry(batch: Any, key: Any) -> Any:
+    if isinstance(batch, Tensor):
+        return batch if key == 0 else None
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    if isinstance(batch, (list, tuple)) and isinstance(key, int) and -len(batch) <= key < len(batch):
+        return batch[key]
+    return None
+
+
+def labels_of(batch: Any, plan: ContextParallelPlan) -> Tensor:
+    """The token labels the plan names in ``batch`` (ValueError naming the entry when it holds no integer tensor)."""
+    labels = _entry(batch, plan.labels)
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"context_parallel_plan()['labels'] names batch entry {plan.labels!r}, which holds "
+                         f"{type(labels).__name__ if not isinstance(labels, Tensor) else labels.dtype}, not integer "
+                         "token labels. Fix: name the entry of the labels, or leave 'labels' out (the loss is then "
+                         "not reweighted by each rank's counted tokens).")
+    return labels
+
+
+def token_share(mine: Tensor, total: Tensor, cp: int) -> Tensor:
+    """``cp x mine / total`` (float): a cp rank's weight when it counts ``mine`` of the sequence's ``total`` counted
+    tokens; the weights of the cp ranks add up to ``cp``, so the mean over cp of ``weight x (mean over the rank's
+    tokens)`` is the mean over every counted token. 1 when nothing is counted (every rank's loss is then what one
+    device's is, NaN for a token mean). No host synchronisation."""
+    share = mine.float() * cp / total.clamp(min=1).float()
+    return torch.where(total > 0, share, torch.ones_like(share))
+
+
+def weigh(value: Tensor, weight: Tensor) -> Tensor:
+    """``value x weight``, and 0 where the weight is 0: a rank that counts no token contributes nothing, although
+    its token mean (0 / 0) is NaN -- its gradient is still computed (zero), so collectives in backward still run."""
+    return torch.where(weight > 0, value * weight, torch.zeros_like(value))
+
+
+def batch_token_share(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> Tensor | None:
+    """This rank's :func:`token_share` of ``batch`` (the whole batch, before :func:`split_batch`): the labels' counted
+    tokens in its head and tail chunks over those of the whole sequence, summed over the batch. None when the plan
+    names no labels. No collective: every cp rank holds the whole batch."""
+    if plan.labels is None:
+        return None
+    labels = labels_of(batch, plan)
+    dim = plan.sequence_dim(plan.labels)
+    assert dim is not None
+    counted = labels != plan.ignore_index
+    return token_share(shard_sequence(counted, dim, shard).sum(), counted.sum(), shard.cp)
