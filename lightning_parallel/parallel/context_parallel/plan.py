@@ -285,14 +285,13 @@ def token_share(mine: Tensor, total: Tensor, cp: int) -> Tensor:
     tokens; the weights of the cp ranks add up to ``cp``, so the mean over cp of ``weight x (mean over the rank's
     tokens)`` is the mean over every counted token. 1 when nothing is counted (every rank's loss is then what one
     device's is, NaN for a token mean). No host synchronisation."""
-    share = mine.float() * cp / total.clamp(min=1).float()
-    return torch.where(total > 0, share, torch.ones_like(share))
+    return torch.where(total > 0, mine * cp / total.clamp(min=1), 1.0)  # int / int: a float tensor
 
 
 def weigh(value: Tensor, weight: Tensor) -> Tensor:
     """``value x weight``, and 0 where the weight is 0: a rank that counts no token contributes nothing, although
     its token mean (0 / 0) is NaN -- its gradient is still computed (zero), so collectives in backward still run."""
-    return torch.where(weight > 0, value * weight, torch.zeros_like(value))
+    return torch.where(weight > 0, value * weight, 0.0)
 
 
 def batch_token_share(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> Tensor | None:
@@ -305,4 +304,7 @@ def batch_token_share(batch: Any, plan: ContextParallelPlan, shard: SequenceShar
     dim = plan.sequence_dim(plan.labels)
     assert dim is not None
     counted = labels != plan.ignore_index
-    return token_share(shard_sequence(counted, dim, shard).sum(), counted.sum(), shard.cp)
+    c = shard.check_length(labels.shape[dim], what=f"the labels of shape {tuple(labels.shape)} along dim {dim}")
+    head, tail = shard.chunks  # views, no copy: the rank's two chunks counted where they lie
+    mine = counted.narrow(dim, head * c, c).sum() + counted.narrow(dim, tail * c, c).sum()
+    return token_share(mine, counted.sum(), shard.cp)
