@@ -297,19 +297,90 @@ def _check_zero3(rank: int, world: int, *, keep: bool = False) -> dict[str, Any]
     return out
 
 
+class _Routed(nn.Module):
+    """``always`` on every sample; ``branch`` on the samples ``mask`` picks (not called when it picks none);
+    ``unused`` never called; ``frozen`` (``requires_grad=False``, still given to the optimizer) after ``always``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.always, self.branch, self.unused, self.frozen = (nn.Linear(8, 8) for _ in range(4))
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = self.frozen(torch.tanh(self.always(x)))
+        if bool(mask.any()):
+            y = y + self.branch(x) * mask[:, None]
+        return y
+
+
+def _without_gradients(rank: int, world: int, stage: int, kind: str) -> dict[str, float]:
+    """Parameters that receive no gradient in a step: torch's optimizers skip them (``.grad`` None: no weight decay,
+    no moment decay, no step count); the flat shards must leave them as they were. ``adamw``: the branch runs on
+    rank 1's samples only, every step (used on one rank: stepped everywhere); ``sgd`` (momentum, weight decay): on
+    every sample of the even steps only (skipped on the odd ones). Against one device on the global batch, 4 steps:
+    the largest weight difference per layer."""
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(4, world * 4, 8, generator=g)
+    masks = torch.zeros(4, world * 4)
+    for step in range(4):
+        if kind == "adamw":
+            masks[step, 4:8] = 1.0  # rank 1's samples
+        elif step % 2 == 0:
+            masks[step] = 1.0
+
+    def build() -> tuple[_Routed, torch.optim.Optimizer]:
+        model = _Routed()
+        params = list(model.parameters())
+        opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if kind == "adamw"
+               else torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1))
+        return model, opt
+
+    reference, ref_opt = build()
+    for x, mask in zip(xs, masks, strict=True):
+        ref_opt.zero_grad()
+        reference(x, mask).pow(2).mean().backward()
+        ref_opt.step()
+    model, inner = build()
+    zero = ZeroOptimizer(inner, stage=stage)
+    for x, mask in zip(xs, masks, strict=True):
+        zero.zero_grad()
+        mine = slice(rank * 4, rank * 4 + 4)
+        model(x[mine], mask[mine]).pow(2).mean().backward()
+        zero.step()
+    ref = dict(reference.named_parameters())
+    return {name: float((p.detach() - ref[name].detach()).abs().max()) for name, p in model.named_parameters()}
+
+
 def _world(rank: int, world: int, checks: list[tuple[int, str]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, kind in checks:
-        results[f"{stage}-{kind}"] = (_check_zero3(rank, world, keep=kind == "keep") if stage == 3
-                                      else _check_zero12(rank, world, stage, kind))
+        if kind.startswith("nograd-"):
+            results[f"{stage}-{kind}"] = _without_gradients(rank, world, stage, kind.split("-", 1)[1])
+        else:
+            results[f"{stage}-{kind}"] = (_check_zero3(rank, world, keep=kind == "keep") if stage == 3
+                                          else _check_zero12(rank, world, stage, kind))
         dist.barrier()
     return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return run_distributed(_world, 2, [(1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw"), (3, "keep")],
-                           timeout_s=180)
+    return run_distributed(_world, 2, [(1, "adamw"), (2, "adamw"), (2, "sgd"), (3, "adamw"), (3, "keep"),
+                                       (1, "nograd-adamw"), (2, "nograd-adamw"), (1, "nograd-sgd"),
+                                       (2, "nograd-sgd")], timeout_s=180)
+
+
+@pytest.mark.parametrize("key", ["1-nograd-adamw", "2-nograd-adamw", "1-nograd-sgd", "2-nograd-sgd"])
+def test_parameters_without_a_gradient_are_left_as_one_device_leaves_them(two_ranks: list[dict[str, Any]],
+                                                                          key: str) -> None:
+    """A layer never used, a frozen layer given to the optimizer, a branch used on one rank only (AdamW) or on some
+    steps only (SGD with momentum and weight decay): as one device. Before, the flat shard stepped every parameter
+    with a zero gradient: weight decay and moment decay on parameters torch's optimizers skip."""
+    for rank_result in two_ranks:
+        diffs = rank_result[key]
+        print(f"{key}: max |w - w_1dev| per layer: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+        assert max(diffs.values()) < 1e-6, diffs
 
 
 @pytest.mark.parametrize("key", ["1-adamw", "2-adamw", "2-sgd", "3-adamw", "3-keep"])

@@ -12,10 +12,14 @@ No Lightning import.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FlatShard"]
+__all__ = ["FlatShard", "hook_trainable"]
 
 
 class FlatShard:
@@ -141,3 +145,18 @@ class FlatShard:
                 p.grad = None
             assert self.shard_param.grad is not None
             self.shard_param.grad.zero_()
+
+
+def hook_trainable(shards: list[FlatShard], hook: Callable[[int, int, Tensor], None],
+                   trainable: tuple[bool, ...], handles: list[Any]) -> tuple[tuple[bool, ...], list[Any]]:
+    """``hook(s, i, param)`` as a post-accumulate-grad hook on every parameter of ``shards`` that takes gradients
+    (torch refuses a hook on a frozen one), made again -- the old ``handles`` removed -- only when that set changed
+    since ``trainable``. Returns the set and the handles (those given, when nothing changed)."""
+    now = tuple(p.requires_grad for shard in shards for p in shard.params)
+    if now == trainable:
+        return trainable, handles
+    for handle in handles:
+        handle.remove()
+    return now, [p.register_post_accumulate_grad_hook(partial(hook, s, i))
+                 for s, shard in enumerate(shards) for i, p in enumerate(shard.params) if p.requires_grad]
+

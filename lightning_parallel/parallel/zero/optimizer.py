@@ -28,7 +28,9 @@ No Lightning import.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .comm import all_gather_into, reduce_scatter_mean
-from .flat import FlatShard
+from .flat import FlatShard, hook_trainable
 from .overlap import ChunkedReduce
 
 __all__ = ["ZeroOptimizer"]
@@ -74,6 +76,13 @@ class ZeroOptimizer(Optimizer):
         self._grads_reduced = False
         # stage 2: the chunks of the gradient reduced during an armed backward (overlap_backward)
         self._chunked = ChunkedReduce(self.shards, group) if stage == 2 and self.world_size > 1 else None
+        # which parameters received a gradient since the last step (autograd's hooks), and where each lies in this
+        # rank's shard: a parameter without one is left as it was by the step (see _hold_unused)
+        self._used = [[False] * len(shard.params) for shard in self.shards]
+        self._spans = [_spans_in_shard(shard) for shard in self.shards]
+        self._trainable: tuple[bool, ...] = ()
+        self._usage_hooks: list[Any] = []
+        self._hook_usage()
 
     # shared with the inner optimizer (which may replace them, e.g. in load_state_dict), never copied
     @property  # type: ignore[override]
@@ -99,6 +108,10 @@ class ZeroOptimizer(Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optim.defaults = value
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_usage_hooks", ()):
+            handle.remove()
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
@@ -149,19 +162,58 @@ class ZeroOptimizer(Optimizer):
             all_gather_into(shard.flat, shard.shard_of(shard.flat), group=self.group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward + backward), reduce-scatter gradients, step the shards, all-gather parameters."""
+        """Run ``closure`` (forward + backward), reduce-scatter gradients, step the shards (leaving the parameters that
+        received no gradient as they were: :meth:`_hold_unused`), all-gather parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if not self._grads_reduced:
             self.reduce_gradients()
+        held = self._hold_unused()
         self.optim.step()
+        for view, saved, keep in held:
+            view.copy_(torch.where(keep, saved, view))
         self._grads_reduced = False
         for shard in self.shards:
             shard.reduced = None
+        self._reset_usage()
         self.all_gather_params()
         return loss
+
+    # ------------------------------------------------------------------ parameters without a gradient
+    def _hook_usage(self) -> None:
+        """Hooks that mark a parameter used when autograd accumulates its gradient (torch refuses a hook on a frozen
+        one: it stays unused), made again when the set of trainable parameters changed. Weakly bound, as
+        :class:`~lightning_parallel.parallel.zero.overlap.ChunkedReduce`'s are."""
+        self._trainable, self._usage_hooks = hook_trainable(self.shards, partial(_mark_used, weakref.ref(self)),
+                                                            self._trainable, self._usage_hooks)
+
+    def _reset_usage(self) -> None:
+        for used in self._used:
+            used[:] = [False] * len(used)
+        self._hook_usage()
+
+    def _hold_unused(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Before the inner step: for each parameter of this rank's shard that received no gradient on this rank
+        since the last step (unused in the forward, a branch not taken, frozen but given to the optimizer), its
+        slice of the shard and of every per-element optimizer state, saved, with a flag (a device tensor: no host
+        synchronisation) that its reduced gradient slice is all zero -- no rank gave it one. After the step those
+        slices are put back where the flag holds: as torch's optimizers skip a parameter whose ``.grad`` is None
+        (no weight decay, no moment decay), where the flat shard would have stepped it with a zero gradient. The
+        optimizer's step count is per param group (one flat tensor) and still advances."""
+        held: list[tuple[Tensor, Tensor, Tensor]] = []
+        for s, shard in enumerate(self.shards):
+            used, grad = self._used[s], shard.shard_param.grad
+            unused = [(lo, hi) for i, lo, hi in self._spans[s] if not used[i]]
+            if not unused or grad is None:
+                continue
+            views = [shard.shard_param.data]
+            views += [v for v in self.optim.state.get(shard.shard_param, {}).values() if _is_flat_state(v, shard)]
+            for lo, hi in unused:
+                keep = grad[lo:hi].eq(0).all()
+                held.extend((view[lo:hi], view[lo:hi].clone(), keep) for view in views)
+        return held
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. ZeRO-1 always zeroes its flat gradient buffer in place (the ``.grad`` views stay); the
@@ -172,6 +224,7 @@ class ZeroOptimizer(Optimizer):
             shard.zero_grad()
             shard.reduced = None
         self._grads_reduced = False
+        self._reset_usage()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -266,6 +319,25 @@ class ZeroOptimizer(Optimizer):
                         state[g][key] = value
             groups.append({**saved, "params": [g]})
         return {"state": state, "param_groups": groups}
+
+
+def _mark_used(owner: weakref.ref[ZeroOptimizer], s: int, i: int, _param: Tensor) -> None:
+    optimizer = owner()
+    if optimizer is not None:
+        optimizer._used[s][i] = True
+
+
+def _spans_in_shard(shard: FlatShard) -> list[tuple[int, int, int]]:
+    """``(parameter index, lo, hi)``: where each parameter of the group lies in this rank's shard (shard-local
+    element range; parameters outside the shard are left out)."""
+    start, end = shard.shard_range
+    spans, offset = [], 0
+    for i, n in enumerate(shard.numels):
+        lo, hi = max(offset, start), min(offset + n, end)
+        if lo < hi:
+            spans.append((i, lo - start, hi - start))
+        offset += n
+    return spans
 
 
 def _is_flat_state(value: Any, shard: FlatShard) -> bool:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .flat import FlatShard
+from .flat import FlatShard, hook_trainable
 
 __all__ = ["ChunkedReduce"]
 
@@ -94,15 +94,11 @@ class ChunkedReduce:
         """Hooks on the parameters that take gradients (torch refuses a hook on a frozen one), made again when that
         set changed. They hold this object weakly, so that an optimizer dropped (a second fit of the same module
         builds another) is freed with its flat buffers, and its hooks go with it."""
-        trainable = tuple(p.requires_grad for shard in self.shards for p in shard.params)
-        if trainable == self._trainable:
+        before = self._trainable
+        self._trainable, self._hooks = hook_trainable(self.shards, partial(_hook, weakref.ref(self)), before,
+                                                      self._hooks)
+        if self._trainable == before:
             return
-        for handle in self._hooks:
-            handle.remove()
-        me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(_hook, me, s, i))
-                       for s, shard in enumerate(self.shards) for i, p in enumerate(shard.params) if p.requires_grad]
-        self._trainable = trainable
         self._trainable_in = [[sum(shard.params[i].requires_grad for i, *_ in chunk) for chunk in pieces]
                               for shard, pieces in zip(self.shards, self.pieces, strict=True)]
 
