@@ -312,12 +312,9 @@ class NonFiniteLossGuard(Callback):
 def _ended_a_step(trainer: pl.Trainer) -> bool:
     """Whether the training batch that just ended completed an optimizer step: under automatic optimization the last
     batch of its accumulation window (or of the epoch), as Lightning's loop decided for it; under manual optimization
-    every batch (the module steps when it likes); under DeepSpeed's engine (``lp_zero_offload``), which counts its
-    micro-steps across epochs, where the engine's step just completed a window. Every rank decides the same."""
+    every batch (the module steps when it likes); ``lp_zero_offload`` sets DeepSpeed's engine to the same windows.
+    Every rank decides the same."""
     module = trainer.lightning_module
-    engine = getattr(trainer.strategy, "deepspeed_engine", None)
-    if engine is not None and hasattr(engine, "micro_steps") and hasattr(engine, "gradient_accumulation_steps"):
-        return int(engine.micro_steps) % int(engine.gradient_accumulation_steps()) == 0
     should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
     if module is None or not module.automatic_optimization or not callable(should_accumulate):
         return True

@@ -190,7 +190,7 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             raise ValueError(
                 "lp_dp cannot synchronise BatchNorm statistics across its replicas (Trainer(sync_batchnorm=True) needs "
                 "one process per device). Fix: drop sync_batchnorm (each replica then normalises its slice), or use "
-                "strategy lp_ddp with sync_batchnorm=True."
+                "strategy lp_ddp with sync_batchnorm=True on GPUs (torch's SyncBatchNorm runs on GPUs only)."
             )
         devices = self.parallel_devices or [self.root_device]
         self._saved_threads = torch.get_num_threads()

@@ -43,6 +43,7 @@ __all__ = [
     "check_ckpt_path",
     "check_context_labels",
     "check_data_modules",
+    "check_layer_sync",
     "check_nonfinite_guard",
     "check_output_dirs",
     "clip_by_norm_replaced",
@@ -554,6 +555,22 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
         )
 
 
+def check_layer_sync(strategy: Any) -> None:
+    """Before spawning: ``Trainer(sync_batchnorm=True)`` on CPU is refused -- it converts every BatchNorm layer to
+    torch's ``SyncBatchNorm``, whose forward runs on GPUs only (it failed inside the ranks at the first batch)."""
+    if getattr(strategy, "_layer_sync", None) is None:
+        return
+    devices = getattr(strategy, "parallel_devices", None) or []
+    kind = devices[0].type if devices else "cpu"
+    if kind == "cpu":
+        raise LayoutError(
+            "Trainer(sync_batchnorm=True) turns every BatchNorm layer into torch's SyncBatchNorm, which normalises "
+            "over the whole global batch with a collective in its forward and runs on GPUs only (CUDA, XPU); this "
+            "run is on CPU. Fix: sync_batchnorm=False (each data-parallel rank then normalises over its own part of "
+            "the batch: statistics of batch_size samples instead of the global batch's), a norm that does not "
+            "depend on the batch (LayerNorm, GroupNorm), or GPUs.")
+
+
 def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None) -> None:
     """Before spawning, with context parallelism: the batch entry the module's ``context_parallel_plan()`` names as
     ``labels`` holds integer token labels in a real training batch; ``target`` (a pipeline's, from
@@ -770,6 +787,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     if not fitting:
         return
     check_nonfinite_guard(strategy, trainer)
+    check_layer_sync(strategy)
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
     # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0

@@ -208,6 +208,8 @@ CASES: tuple[BadInput, ...] = (
              "2 counts that add up to 6 (e.g. [3, 3])"),
     BadInput("--model class path with a typo", _fit("--model", "lightning_parallel.models.GTP"),
              "Did you mean 'lightning_parallel.models.GPT'"),
+    BadInput("sync_batchnorm on CPU", _fit("--trainer.sync_batchnorm", "true"),
+             "SyncBatchNorm, which normalises over the whole global batch"),
     BadInput("plan --micro-batch-size 0", (*PLAN, "--micro-batch-size", "0"), "--micro-batch-size=0 must be"),
     BadInput("plan --seq-len 0", (*PLAN, "--seq-len", "0"), "--seq-len=0 must be"),
     BadInput("consolidate onto an existing file", ("consolidate", "{dir}/good.ckpt", "{dir}/random.ckpt"),

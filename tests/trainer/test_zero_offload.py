@@ -332,3 +332,67 @@ def test_accumulation_with_clipping_equals_one_device() -> None:
     diff = weight_diff(model, reference)
     print(f"lp_zero_offload ZeRO-2 x2, accumulation 2, clipping 0.5: max |w - w_1dev| = {diff:.2e}")
     assert diff < 1e-5
+
+
+def test_a_resume_from_inside_an_accumulation_window_steps_where_lightning_does(tmp_path: Path) -> None:
+    """A checkpoint written by a validation inside an accumulation window (batch 3 of windows of 2), then resumed:
+    the engine must end its windows where Lightning's loop does. A resumed engine counts its micro-steps from 0, so
+    it stepped one batch after Lightning from then on (1.3e-2 from one device's resume here, measured). Compared with
+    the same procedure on one device (whose resume drops the window's first batch, as Lightning does), with data
+    that resume where they stopped on both."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_parallel.data import ResumableDataModuleMixin
+    from lightning_parallel.models import GPT
+    from tests.trainer.token_data import GLOBAL_BATCH, T, TokenData, weight_diff
+
+    class Data(ResumableDataModuleMixin, TokenData):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.dataset, batch_size=self.batch_size,
+                              sampler=self.resumable_sampler(self.dataset, self.batch_size, shuffle=False))
+
+    def run(strategy: Any, devices: int, folder: Path) -> pl.LightningModule:
+        models = []
+        for ckpt in (None, folder / "step=1.ckpt"):
+            torch.manual_seed(0)
+            model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+            trainer = pl.Trainer(strategy=strategy(), accelerator="cpu", devices=devices, max_steps=6, logger=False,
+                                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                 val_check_interval=3, limit_val_batches=1, gradient_clip_val=0.5,
+                                 accumulate_grad_batches=2, use_distributed_sampler=False,
+                                 callbacks=[ModelCheckpoint(dirpath=folder, filename="{step}", save_top_k=-1,
+                                                            save_on_train_epoch_end=False)])
+            trainer.fit(model, datamodule=Data(GLOBAL_BATCH // 2 // devices),
+                        ckpt_path=None if ckpt is None else str(ckpt))
+            models.append(model)
+        assert (folder / "step=1.ckpt").exists(), sorted(p.name for p in folder.iterdir())
+        return models[1]
+
+    one = run(lambda: "auto", 1, tmp_path / "one")
+    offload = run(lambda: LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2,
+                  tmp_path / "offload")
+    diff = weight_diff(offload, one)
+    print(f"\nlp_zero_offload ZeRO-2 x2 resumed from a checkpoint inside an accumulation window: max |w - w_1dev| = "
+          f"{diff:.2e} (one device resumed the same way)")
+    assert diff < 1e-5
+
+
+def test_a_short_window_at_an_epochs_end_steps_as_on_one_device() -> None:
+    """An epoch of 5 batches per rank with windows of 2: one device (Lightning's loop) steps on the epoch's last,
+    short window; the engine's own count ran its windows across epochs instead (9.2e-3 from one device after 7
+    steps, measured): the engine now steps where Lightning's loop does."""
+    from lightning_parallel.models import GPT
+    from tests.trainer.token_data import T, fit, weight_diff
+
+    def gpt() -> pl.LightningModule:
+        torch.manual_seed(0)
+        return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+
+    reference, one = fit("auto", 1, 1, model=gpt(), samples=20, steps=7)
+    model, _ = fit(LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2, 2,
+                   model=gpt(), samples=20, steps=7)
+    diff = weight_diff(model, reference)
+    print(f"\nlp_zero_offload ZeRO-2 x2, epochs of 5 batches, windows of 2, 7 steps over {one.current_epoch} epochs: "
+          f"max |w - w_1dev| = {diff:.2e}")
+    assert one.current_epoch == 3 and diff < 1e-5
