@@ -288,6 +288,10 @@ class LightningParallelCLI(LightningCLI):
         launcher = getattr(self.trainer.strategy, "_launcher", None)
         if not isinstance(launcher, CheckedSubprocessLauncher | CheckedMultiProcessingLauncher):
             ckpt = self._get(self.config_init, "ckpt_path")
+            # as `check` does: the checks read the Trainer's function and module, which fit sets only when it starts
+            # (before, they saw no fit and no module and checked next to nothing)
+            self.trainer.state.fn = TrainerFn.FITTING
+            self.trainer.strategy._lightning_module = self.model
             preflight(self.trainer.strategy, self.trainer, (self.model, None, None, self.datamodule, ckpt))
 
     @override
@@ -484,15 +488,58 @@ def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
     init = getattr(model, "init_args", None) if model is not None else None
     if not saved or init is None:
         return
-    differ = [(key, init[key], saved[key]) for key in sorted(saved)
-              if key in init and _normalized(init[key]) != _normalized(saved[key])]
+    free = set(getattr(_model_class(model), "resume_free_hparams", ()))
+    differ = [found for key in sorted(saved) if key in init and key not in free
+              for found in _hparam_differences(key, init[key], saved[key])]
     if differ:
-        listing = "; ".join(f"{key}: configured {mine!r}, saved {theirs!r}" for key, mine, theirs in differ)
+        listing = "; ".join(f"{key}: configured {_shown(mine)}, saved {_shown(theirs)}"
+                            for key, mine, theirs in differ)
         raise LayoutError(
             f"--ckpt_path {ckpt_path} ({summary.info.describe()}) was saved by a model with other hyperparameters "
             f"than the one configured: {listing}. Fix: configure the model as it was saved (e.g. "
-            f"--model.init_args.{differ[0][0]} {differ[0][2]!r}), or start a new run without --ckpt_path."
+            f"model.init_args.{differ[0][0]}: {_shown(differ[0][2])}), or start a new run without --ckpt_path."
         )
+
+
+def _model_class(model: Any) -> Any:
+    """The configured model's class (``class_path``), or None when it cannot be imported here."""
+    path = getattr(model, "class_path", None)
+    if not isinstance(path, str) or "." not in path:
+        return None
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except Exception:
+        return None
+
+
+def _hparam_differences(key: str, configured: Any, saved: Any) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, configured, saved)`` where a configured init argument differs from the saved hyperparameter:
+    values compare equal with tuples and lists alike; a configured mapping matches when every key it sets has the
+    saved value (a model that saves its whole config -- a Hugging Face model's, every default filled in -- against
+    the few keys a recipe sets), its differences listed by their own keys; a configured name or path against a saved
+    mapping (a model id against the config it resolved to) cannot be compared and passes."""
+    from collections.abc import Mapping
+
+    if isinstance(configured, Mapping) and isinstance(saved, Mapping):
+        return [found for sub, value in configured.items()
+                for found in ([(f"{key}.{sub}", value, None)] if sub not in saved
+                              else _hparam_differences(f"{key}.{sub}", value, saved[sub]))]
+    if isinstance(configured, str) and isinstance(saved, Mapping):
+        return []
+    return [] if _normalized(configured) == _normalized(saved) else [(key, configured, saved)]
+
+
+def _shown(value: Any) -> str:
+    """A value as the command line or a recipe takes it (JSON: ``null``, ``false``, ``{...}``)."""
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def load_weights_only(module: Any, ckpt_path: str) -> None:

@@ -430,6 +430,11 @@ class HFCausalLM(HFModelMixin, pl.LightningModule):
     The hyperparameters hold the model's config as a dict, so ``HFCausalLM.load_from_checkpoint`` rebuilds it.
     """
 
+    resume_free_hparams = ("pretrained", "attn_implementation")
+    """Init arguments a checkpoint may have been saved with other values of: a checkpoint's weights replace the
+    downloaded ones (the hyperparameters save ``pretrained=False`` so that loading rebuilds without a download), and
+    the attention kernel does not change the weights."""
+
     def __init__(self, model: Any = None, *, pretrained: bool = True, attn_implementation: str | None = "sdpa",
                  lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 0) -> None:

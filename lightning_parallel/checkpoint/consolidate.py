@@ -83,6 +83,12 @@ def consolidate(src: str | Path, dst: str | Path, *, trusted: bool = False, resu
                                 str(out))
     if source.exists() and out.exists() and out.resolve() == source.resolve():
         raise CheckpointFormatError(f"{out}: the output is the input checkpoint itself; write it to another file.")
+    if source.is_dir() and source.resolve() in out.resolve().parents:
+        beside = source.resolve().parent / f"{source.name.removesuffix('.ckpt')}_consolidated.ckpt"
+        raise CheckpointFormatError(
+            f"{out}: the output is inside the input checkpoint folder {source}; a file added there is not one of the "
+            "files the save wrote, so the folder would be refused afterwards (its checksum list no longer matches). "
+            f"Write it outside the folder (e.g. {beside}).")
     if out.exists() and not overwrite:
         raise FileExistsError(errno.EEXIST, "the file exists; pass --force (overwrite=True) to replace it", str(out))
     check_writable_file(out)
@@ -134,8 +140,9 @@ def _own_storage(value: object) -> object:
 
 _DESCRIPTION = (
     "Convert a checkpoint written under any lightning-parallel strategy (a Lightning file from lp_ddp, lp_dp or "
-    "lp_sharded checkpoint='full'; an lp_sharded checkpoint='sharded' folder; an lp_zero_offload DeepSpeed folder, "
-    "CPU or NVMe offload) into one Lightning checkpoint file that MyModule.load_from_checkpoint(OUT) loads on one "
+    "lp_sharded checkpoint='full'; an lp_sharded checkpoint='sharded' folder; an lp_tensor, lp_pipeline or lp_hybrid "
+    "distributed-checkpoint folder; an lp_zero_offload DeepSpeed folder, CPU or NVMe offload) into one Lightning "
+    "checkpoint file that MyModule.load_from_checkpoint(OUT) loads on one "
     "device. The format is detected from the files. Optimizer and LR-scheduler states are dropped (a weights-only "
     "checkpoint); weights, hyper_parameters and Lightning's other keys are kept."
 )

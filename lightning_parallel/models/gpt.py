@@ -356,6 +356,11 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
 
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """The logits of the batch's tokens: a tensor of token ids, or the input of an ``(input, target)`` pair (as
+        the training data comes)."""
+        return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)

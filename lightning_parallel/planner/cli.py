@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     out.add_argument("--top", type=int, default=12, help="candidates in the table (0 = all)")
     out.add_argument("--write-recipe", metavar="PATH", help="write a recipe YAML of the recommended layout")
-    out.add_argument("--max-steps", type=int, default=20, help="trainer.max_steps of the written recipe")
+    out.add_argument("--max-steps", type=int, default=None,
+                     help="trainer.max_steps of the written recipe (default: the --recipe's, else 20)")
     return parser
 
 
@@ -272,9 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(model, _training(args, hints), hardware)
         if args.write_recipe:
             command = shlex.join(["lightning-parallel", "plan", *argv])
-            write_recipe(
-                plan, args.write_recipe, command=command, max_steps=args.max_steps, accelerator=args.accelerator
-            )
+            write_recipe(plan, args.write_recipe, command=command, max_steps=args.max_steps,
+                         accelerator=args.accelerator, base=hints.get("recipe"))
     except ValueError as err:
         print(f"lightning-parallel plan: error: {err}", file=sys.stderr)
         return 2

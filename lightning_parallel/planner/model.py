@@ -227,7 +227,8 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
 
     The recipe is read as the CLI reads it: its ``defaults`` fragments merged in and its ``${...}`` interpolations
     resolved. Returns the shape and ``{"batch_per_replica", "seq_len", "precision", "trainer",
-    "accumulate_grad_batches", "global_batch_size"}`` where the recipe sets them (``batch_per_replica``: the data
+    "accumulate_grad_batches", "global_batch_size"}`` where the recipe sets them, and ``"recipe"``: the composed
+    recipe itself (``batch_per_replica``: the data
     module's ``batch_size``, sequences per data-parallel rank and step, which a pipeline splits into micro-batches;
     ``trainer``: its ``accelerator``, ``devices`` and ``num_nodes``, what the hardware is found for when no
     ``--hardware``/``--gpu-memory`` is given; the accumulation: the trainer's, and the ``parallel`` section's
@@ -271,4 +272,5 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     parallel = data.get("parallel")  # a mapping, or `auto` (lp_auto)
     if isinstance(parallel, dict) and parallel.get("global_batch_size") is not None:
         hints["global_batch_size"] = int(parallel["global_batch_size"])
+    hints["recipe"] = data  # the whole recipe as fit reads it: a written recipe keeps what the plan does not decide
     return shape, hints

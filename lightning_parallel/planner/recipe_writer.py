@@ -34,8 +34,74 @@ def _parallel_section(layout: ParallelConfig, *, multi_node: bool = False) -> di
     return {k: v for k, v in values.items() if k in always or v != defaults[k]}
 
 
-def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = None) -> dict[str, Any]:
-    """The recipe of the recommended layout: trainer, parallel, model (GPT) and data sections."""
+_PLANNED = frozenset({"data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size", "sequence_parallel",
+                      "num_micro_batches", "context_parallel_size", "zero_stage", "offload", "nvme_path",
+                      "activation_checkpointing", "data_parallel_shard_size", "mesh_order", "global_batch_size"})
+"""The ``parallel`` keys the planner decides; a base recipe's other keys (timeouts, the schedule, checkpoint format,
+...) are kept where the planned layout takes them."""
+
+
+def _merged_parallel(base: Any, planned: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The planned ``parallel`` section with the base recipe's keys the planner does not decide, each kept where the
+    layout's rules accept it with the planned ones; returns the section and the keys left out."""
+    from lightning_parallel.config import LayoutError
+
+    kept = {k: v for k, v in (base if isinstance(base, dict) else {}).items() if k not in _PLANNED}
+    out, dropped = dict(planned), []
+    for key, value in kept.items():
+        try:
+            ParallelConfig.from_dict({**out, key: value})
+        except (LayoutError, TypeError, ValueError):
+            dropped.append(key)
+            continue
+        out[key] = value
+    return {**{k: v for k, v in out.items() if k in kept}, **planned}, dropped
+
+
+def recipe_dict(plan: Plan, *, max_steps: int | None = None, accelerator: str | None = None,
+                base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The recipe of the recommended layout: trainer, parallel, model (GPT) and data sections. With ``base`` (the
+    recipe the plan was made from, as fit reads it), the written recipe is that recipe with what the plan decides
+    replaced -- the trainer's strategy, devices, nodes, precision and accumulation, the ``parallel`` layout keys,
+    the data's batch size and sequence length, and ``tie_embeddings`` under a pipeline -- and everything else (the
+    optimizer's settings, the data path, loggers, callbacks, validation, ``max_steps``) kept."""
+    return _recipe_and_dropped(plan, max_steps=max_steps, accelerator=accelerator, base=base)[0]
+
+
+def _recipe_and_dropped(plan: Plan, *, max_steps: int | None, accelerator: str | None,
+                        base: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """:func:`recipe_dict`, and the base recipe's ``parallel`` keys the planned layout does not take."""
+    recipe = _planned_recipe(plan, max_steps=20 if max_steps is None and base is None else max_steps,
+                             accelerator=accelerator)
+    if base is None:
+        return recipe, []
+    import copy
+
+    out = copy.deepcopy({k: v for k, v in base.items() if k != "defaults"})  # its fragments are merged in already
+    trainer = dict(out.get("trainer") or {})
+    if "accumulate_grad_batches" not in recipe["trainer"]:
+        trainer.pop("accumulate_grad_batches", None)
+    trainer.setdefault("max_steps", 20)
+    out["trainer"] = {**trainer, **recipe["trainer"]}
+    parallel, dropped = _merged_parallel(out.get("parallel"), recipe.get("parallel", {}))
+    if parallel:
+        out["parallel"] = parallel
+    else:
+        out.pop("parallel", None)
+    for section in ("model", "data"):
+        current = out.get(section)
+        if not (isinstance(current, dict) and isinstance(current.get("init_args"), dict)):
+            out[section] = recipe[section]
+    tie = recipe["model"]["init_args"]["tie_embeddings"]
+    if out["model"] is not recipe["model"] and ("tie_embeddings" in out["model"]["init_args"] or not tie):
+        out["model"]["init_args"]["tie_embeddings"] = tie
+    if out["data"] is not recipe["data"]:
+        out["data"]["init_args"].update(recipe["data"]["init_args"])
+    return out, dropped
+
+
+def _planned_recipe(plan: Plan, *, max_steps: int | None, accelerator: str | None) -> dict[str, Any]:
+    """The recipe of the recommended layout alone (no base recipe): trainer, parallel, model (GPT), data."""
     shape, chosen = plan.model.shape, plan.recommended
     if shape is None:
         raise ValueError(
@@ -67,7 +133,7 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
             "devices": 1 if single else hw.gpus_per_node,
             "num_nodes": hw.nodes,
             "precision": training.trainer_precision,
-            "max_steps": max_steps,
+            **({"max_steps": max_steps} if max_steps is not None else {}),
             # the accumulation the plan was made for (its memory and step time count it)
             **({"accumulate_grad_batches": training.accumulate_grad_batches}
                if training.accumulate_grad_batches > 1 and training.global_batch_size is None else {}),
@@ -97,18 +163,21 @@ def recipe_dict(plan: Plan, *, max_steps: int = 20, accelerator: str | None = No
     return recipe
 
 
-def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: str | None = None,
-                path: str | None = None) -> str:
-    """The recipe as YAML, headed by comments that say where it came from and why (memory per device, the
-    pipeline's bubble, bytes between nodes per mesh order, and -- on several nodes -- the launch commands for
-    ``path``)."""
-    body = recipe_dict(plan, max_steps=max_steps, accelerator=accelerator)
+def recipe_text(plan: Plan, *, command: str, max_steps: int | None = None, accelerator: str | None = None,
+                path: str | None = None, base: dict[str, Any] | None = None) -> str:
+    """The recipe as YAML (:func:`recipe_dict`), headed by comments that say where it came from and why (memory per
+    device, the pipeline's bubble, bytes between nodes per mesh order, and -- on several nodes -- the launch
+    commands for ``path``)."""
+    body, dropped = _recipe_and_dropped(plan, max_steps=max_steps, accelerator=accelerator, base=base)
     chosen = plan.recommended
     assert chosen is not None  # recipe_dict raised otherwise
     mem = chosen.memory
     pipelined = chosen.layout.pipeline_parallel_size > 1
     notes = [
         f"written by: {command}",
+        *(textwrap.wrap("kept from the source recipe: everything but the planned layout, devices, precision and "
+                        "batch" + (f"; left out (the planned layout refuses them): {', '.join(dropped)}"
+                                   if dropped else ""), width=116) if base is not None else []),
         f"branch: {plan.branch}",
         f"predicted per device: {format_bytes(mem.total)} (model states {format_bytes(mem.model_states)})",
         *textwrap.wrap(f"why: {plan.reason}", width=116),
@@ -147,11 +216,12 @@ def recipe_text(plan: Plan, *, command: str, max_steps: int = 20, accelerator: s
     return f"{header}\n{yaml.safe_dump(body, sort_keys=False)}"
 
 
-def write_recipe(
-    plan: Plan, path: str | Path, *, command: str, max_steps: int = 20, accelerator: str | None = None
-) -> Path:
-    """Write the recipe to ``path`` (folders created) and return the path."""
-    text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator, path=str(path))
+def write_recipe(plan: Plan, path: str | Path, *, command: str, max_steps: int | None = None,
+                 accelerator: str | None = None, base: dict[str, Any] | None = None) -> Path:
+    """Write the recipe (:func:`recipe_text`; ``base``: the recipe the plan was made from) to ``path`` (folders
+    created) and return the path."""
+    text = recipe_text(plan, command=command, max_steps=max_steps, accelerator=accelerator, path=str(path),
+                       base=base)
     out = Path(path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ __all__ = [
     "check_ckpt_path",
     "check_context_labels",
     "check_data_modules",
+    "check_evaluation_data",
     "check_layer_sync",
     "check_nonfinite_guard",
     "check_output_dirs",
@@ -429,6 +430,18 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
     check = getattr(strategy, "check_resume_source", None)
     if callable(check) and "://" not in text:
         check(text)
+    if "://" not in text and os.path.isdir(text) and _loads_files_only(strategy):
+        from lightning_parallel.checkpoint.formats import detect_format
+
+        try:
+            kind = detect_format(text).describe()
+        except CheckpointFormatError:
+            kind = "a folder"
+        raise CheckpointFormatError(
+            f"--ckpt_path {text} is a checkpoint folder ({kind}), and {type(strategy).__name__} (Lightning's own "
+            "strategy) loads one checkpoint file only. Fix: join it into one file with `lightning-parallel "
+            f"consolidate --resumable {text} OUT.ckpt` and resume from OUT.ckpt, or run under one of the library's "
+            "strategies (e.g. strategy lp_ddp, on any number of devices), which read every format.")
     if module is None or "://" in text:
         return
     from lightning_parallel.checkpoint.errors import ResumeError
@@ -443,6 +456,23 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
                          schedulers=configured[1] if configured else None)
     if why:
         raise ResumeError(why)
+
+
+def _loads_files_only(strategy: Any) -> bool:
+    """Lightning's own single-device and DDP strategies: their checkpoint IO reads one file (the library's
+    strategies, and Lightning's DeepSpeed, FSDP and model-parallel ones, read folders of their own)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    from .resumable import ResumableDataMixin
+
+    folders = (LayoutMixin, ResumableDataMixin, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)
+    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, folders)
 
 
 def configured_optimizers(module: Any) -> tuple[list[Any], list[Any]] | None:
@@ -553,6 +583,38 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
             f"val_check_interval <= {batches}, a fraction of the epoch (e.g. 0.5), or check_val_every_n_epoch=null "
             "to count batches across epochs."
         )
+
+
+_EVAL_HOOKS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def check_evaluation_data(trainer: pl.Trainer | None, module: Any, args: tuple[Any, ...]) -> None:
+    """Before spawning ``validate``, ``test`` or ``predict``: without DataLoaders among the call's arguments, the
+    data module (or the module) must define the stage's DataLoader hook -- Lightning's default raises only inside
+    the ranks (e.g. ``predict`` of a recipe whose ``TextDataModule`` has no ``predict_dataloader``)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from torch.utils.data import DataLoader
+
+    fn = str(trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else "")
+    hook = _EVAL_HOOKS.get(fn)
+    if hook is None:
+        return
+    loaders = [a for a in args if isinstance(a, DataLoader)
+               or (isinstance(a, (list, tuple, dict)) and a and all(isinstance(v, DataLoader) for v in
+                                                                     (a.values() if isinstance(a, dict) else a)))]
+    if loaders:
+        return
+    data = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
+    if data is not None and is_overridden(hook, data):
+        return
+    if data is None and module is not None and is_overridden(hook, module):
+        return
+    owner = f"the data module {type(data).__name__}" if data is not None else (
+        f"the module {type(module).__name__}" if module is not None else "the call")
+    raise LayoutError(
+        f"trainer.{fn} needs its data, and {owner} does not define {hook}() (nor were DataLoaders given): Lightning "
+        f"would fail inside the ranks after they start. Fix: pass dataloaders to trainer.{fn}(...), or define "
+        f"{hook}() on the data module.")
 
 
 def check_layer_sync(strategy: Any) -> None:
@@ -785,6 +847,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
         check_module(module)
     fitting = trainer is None or trainer.state.fn == "fit"
     if not fitting:
+        check_evaluation_data(trainer, module, args)
         return
     check_nonfinite_guard(strategy, trainer)
     check_layer_sync(strategy)

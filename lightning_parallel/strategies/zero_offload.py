@@ -132,6 +132,13 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         self._base = load_deepspeed_config(config)
         self.init_layout(parallel)
         self._timeout_given = timeout
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise LayoutError(
+                "lp_zero_offload runs on DeepSpeed's engine, which is not installed in this environment. Fix: pip "
+                "install 'lightning-parallel[deepspeed]' (scripts/_env.sh builds it and its ops), or ZeRO without "
+                "offload under lp_sharded (zero_stage 1-3), which needs no DeepSpeed.")
         super().__init__(config=self._effective_config(), timeout=timeout or default_pg_timeout,
                          logging_level=logging_level, **kwargs)
         self._start_method = start_method

@@ -214,6 +214,12 @@ CASES: tuple[BadInput, ...] = (
     BadInput("plan --seq-len 0", (*PLAN, "--seq-len", "0"), "--seq-len=0 must be"),
     BadInput("consolidate onto an existing file", ("consolidate", "{dir}/good.ckpt", "{dir}/random.ckpt"),
              "pass --force", code=1),
+    BadInput("a checkpoint folder under Lightning's own strategy",
+             _fit("--trainer.devices", "1", "--trainer.strategy", "auto", "--ckpt_path", "{dir}/dcp"),
+             "loads one checkpoint file only"),
+    BadInput("predict without predict data", ("predict", *FIT[1:]), "does not define predict_dataloader()"),
+    BadInput("consolidate into the input folder", ("consolidate", "{dir}/dcp", "{dir}/dcp/model.ckpt"),
+             "the output is inside the input checkpoint folder", code=1),
     BadInput("consolidate to an unwritable path", ("consolidate", "{dir}/good.ckpt", "{dir}/empty.txt/out.ckpt"),
              "cannot write", code=1),
 )

@@ -209,3 +209,15 @@ def test_pipeline_layers_follow_the_block_keys_in_layer_order() -> None:
     model.embed = None
     assert model.pipeline_layers() == [blocks["0"], blocks["2"], model.head]
     assert list(model.tensor_parallel_plan())[:3] == ["head.lm_head", "head.ln_f", "blocks.0.attn.q_proj"]
+
+
+def test_predict_step_takes_token_ids_or_an_input_target_pair() -> None:
+    """``predict`` over the training data's ``(input, target)`` pairs (a recipe's data module) gives the input's
+    logits, as over bare token ids (Lightning's default ``self(batch)`` failed on the pair)."""
+    torch.manual_seed(0)
+    model = GPT(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    x = torch.randint(0, 32, (2, 8))
+    expected = model(x)
+    assert torch.equal(model.predict_step((x, x.roll(-1, 1)), 0), expected)
+    assert torch.equal(model.predict_step([x, x], 0), expected)
+    assert torch.equal(model.predict_step(x, 0), expected)

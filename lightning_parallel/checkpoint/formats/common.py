@@ -247,8 +247,9 @@ def _library_version() -> str:
 def expected_any() -> str:
     """What a path given as a checkpoint should be, for the refusals."""
     return ("a checkpoint written by trainer.save_checkpoint: a Lightning file (a dict with 'state_dict'), an "
-            f"lp_sharded folder ({META_FILE} + rank_XXXXX.pt) or a DeepSpeed folder ('{DEEPSPEED_LATEST_FILE}'"
-            " + <tag>/*_model_states.pt + *_optim_states.pt)")
+            f"lp_sharded folder ({META_FILE} + rank_XXXXX.pt), an lp_tensor/lp_pipeline/lp_hybrid folder ({META_FILE} "
+            f"+ layout.json + a distributed checkpoint's .metadata and *.distcp) or a DeepSpeed folder "
+            f"('{DEEPSPEED_LATEST_FILE}' + <tag>/*_model_states.pt + *_optim_states.pt)")
 
 
 # Path components that only wrappers add (FSDP1, activation checkpointing, torch.compile): removed anywhere in a key.
