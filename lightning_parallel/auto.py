@@ -143,13 +143,14 @@ class AutoDecision:
     def text(self) -> str:
         """The decision as printed before training: model, hardware, branch, chosen and runner-up, why."""
         plan = self.plan
+        pipelines = plan.training.batch_per_replica and self.chosen.layout.pipeline_parallel_size > 1
         lines = [
             f"lp_auto: model {plan.model.name}: {self.model_note}",
             f"lp_auto: hardware {plan.hardware.describe()}",
             *(f"lp_auto:   {note}" for note in self.hardware_notes),
             f"lp_auto: training {plan.training.precision}, {plan.training.optimizer}, batch "
             f"{plan.training.micro_batch_size} per data-parallel rank"
-            f"{' (a pipeline splits it into micro-batches)' if plan.training.batch_per_replica else ''}, sequence "
+            f"{' (a pipeline splits it into micro-batches)' if pipelines else ''}, sequence "
             f"{plan.training.sequence_length(_block(plan.model))}; {self._global_batch_text()}",
             f"lp_auto: {_facts_text(plan)}",
             f"lp_auto: guide branch {plan.branch}: {_BRANCH_TEXT[plan.branch]}",
@@ -427,9 +428,10 @@ def refusal(plan: Plan, *, module: nn.Module | None, options: PlannerOptions, pa
         if nvme is not None:
             fixes.append(f"an NVMe folder (--planner.nvme_path DIR): {nvme.strategy} {nvme.layout.describe()} "
                          "would fit")
-    if options.activation_checkpointing in ("none", "selective"):
+    counted = model.shape is not None  # activations are estimated from a GPT shape only
+    if counted and options.activation_checkpointing in ("none", "selective"):
         fixes.append("full activation checkpointing (--planner.activation_checkpointing full or auto)")
-    if training.micro_batch_size > 1:
+    if counted and training.micro_batch_size > 1:
         fixes.append(f"a smaller micro-batch (now {training.micro_batch_size}: data.init_args.batch_size)")
     if options.gpu_memory is not None:
         fixes.append(f"a larger --planner.gpu_memory (now {options.gpu_memory}) if the devices have more")

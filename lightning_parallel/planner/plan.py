@@ -165,12 +165,13 @@ def _facts(situation: Situation, hardware: Hardware) -> str:
     return text
 
 
-def no_fit_fixes(hardware: Hardware, training: TrainingSettings) -> list[str]:
-    """What could make a layout fit, naming only what was not already given or tried."""
+def no_fit_fixes(hardware: Hardware, training: TrainingSettings, *, activations_counted: bool = True) -> list[str]:
+    """What could make a layout fit, naming only what was not already given or tried (and nothing about activations
+    when they are not counted: recomputation or a smaller batch would not change the verdict)."""
     fixes = ["more devices or more memory per device"]
-    if training.activation_checkpointing in ("none", "selective"):
+    if activations_counted and training.activation_checkpointing in ("none", "selective"):
         fixes.append("activation checkpointing (--activation-checkpointing full or auto)")
-    if training.micro_batch_size > 1:
+    if activations_counted and training.micro_batch_size > 1:
         fixes.append(f"a smaller micro-batch (now {training.micro_batch_size})")
     if not hardware.nvme:
         fixes.append("an NVMe disk for ZeRO-Infinity offload (--nvme)")
@@ -189,7 +190,9 @@ def _reason(
         nearest = ranked[0] if ranked else None
         hint = f" The nearest is {nearest.layout.describe()} ({nearest.why_not})." if nearest else ""
         return (f"{text} No layout fits on {hardware.describe()}.{hint} Fix: "
-                + "; or ".join(no_fit_fixes(hardware, training)) + ".")
+                + "; or ".join(no_fit_fixes(hardware, training,
+                                            activations_counted=situation.single_device.activations is not None))
+                + ".")
     if chosen.family != families[0]:
         before = families[: families.index(chosen.family)] if chosen.family in families else families
         skipped = ", ".join(_FAMILY_TEXT[f] for f in before)

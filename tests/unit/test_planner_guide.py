@@ -281,11 +281,16 @@ def test_when_nothing_fits_the_fix_names_only_what_was_not_given() -> None:
     for already in ("activation checkpointing", "smaller micro-batch", "NVMe", "--reserved-memory"):
         assert already not in fix, fix
     untried = TrainingSettings(precision="bf16-mixed", micro_batch_size=8, activation_checkpointing="none")
-    plan = make_plan(model, untried, make_hardware(gpus_per_node=2, gpu_memory="1GB", cpu_memory_per_node="1GB",
-                                                   reserved_memory="100MB"))
-    fix = plan.reason.split("Fix: ")[1]
+    hardware = make_hardware(gpus_per_node=2, gpu_memory="1GB", cpu_memory_per_node="1GB", reserved_memory="100MB")
+    from lightning_parallel.planner.model import MODEL_PRESETS
+
+    shaped = ModelSpec.from_shape(MODEL_PRESETS["gpt3-6.7b"])  # activations counted: recomputation and batch matter
+    fix = make_plan(shaped, untried, hardware).reason.split("Fix: ")[1]
     for offered in ("activation checkpointing", "a smaller micro-batch (now 8)", "NVMe", "--reserved-memory"):
         assert offered in fix, fix
+    # a bare parameter count: activations are not counted, so neither would change the verdict
+    fix = make_plan(model, untried, hardware).reason.split("Fix: ")[1]
+    assert "activation checkpointing" not in fix and "micro-batch" not in fix and "NVMe" in fix, fix
 
 
 def test_a_recipes_batch_is_per_replica_and_a_pipeline_splits_it(tmp_path: Path,
