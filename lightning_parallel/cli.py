@@ -475,7 +475,7 @@ def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
     format version is readable, and the model's configured init arguments equal the hyperparameters it was saved
     with, for every checkpoint format; refused with both values otherwise."""
     from lightning_parallel.checkpoint.resume import TRUST_ENV
-    from lightning_parallel.checkpoint.summary import summarize
+    from lightning_parallel.checkpoint.summary import hparam_differences, shown, summarize
     from lightning_parallel.checkpoint.verify import verify_folder
     from lightning_parallel.strategies.layout import check_ckpt_path
 
@@ -488,16 +488,13 @@ def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
     init = getattr(model, "init_args", None) if model is not None else None
     if not saved or init is None:
         return
-    free = set(getattr(_model_class(model), "resume_free_hparams", ()))
-    differ = [found for key in sorted(saved) if key in init and key not in free
-              for found in _hparam_differences(key, init[key], saved[key])]
+    differ = hparam_differences(saved, init, free=getattr(_model_class(model), "resume_free_hparams", ()))
     if differ:
-        listing = "; ".join(f"{key}: configured {_shown(mine)}, saved {_shown(theirs)}"
-                            for key, mine, theirs in differ)
+        listing = "; ".join(f"{key}: configured {shown(mine)}, saved {shown(theirs)}" for key, mine, theirs in differ)
         raise LayoutError(
             f"--ckpt_path {ckpt_path} ({summary.info.describe()}) was saved by a model with other hyperparameters "
             f"than the one configured: {listing}. Fix: configure the model as it was saved (e.g. "
-            f"model.init_args.{differ[0][0]}: {_shown(differ[0][2])}), or start a new run without --ckpt_path."
+            f"model.init_args.{differ[0][0]}: {shown(differ[0][2])}), or start a new run without --ckpt_path."
         )
 
 
@@ -513,33 +510,6 @@ def _model_class(model: Any) -> Any:
         return getattr(importlib.import_module(module), name, None)
     except Exception:
         return None
-
-
-def _hparam_differences(key: str, configured: Any, saved: Any) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, configured, saved)`` where a configured init argument differs from the saved hyperparameter:
-    values compare equal with tuples and lists alike; a configured mapping matches when every key it sets has the
-    saved value (a model that saves its whole config -- a Hugging Face model's, every default filled in -- against
-    the few keys a recipe sets), its differences listed by their own keys; a configured name or path against a saved
-    mapping (a model id against the config it resolved to) cannot be compared and passes."""
-    from collections.abc import Mapping
-
-    if isinstance(configured, Mapping) and isinstance(saved, Mapping):
-        return [found for sub, value in configured.items()
-                for found in ([(f"{key}.{sub}", value, None)] if sub not in saved
-                              else _hparam_differences(f"{key}.{sub}", value, saved[sub]))]
-    if isinstance(configured, str) and isinstance(saved, Mapping):
-        return []
-    return [] if _normalized(configured) == _normalized(saved) else [(key, configured, saved)]
-
-
-def _shown(value: Any) -> str:
-    """A value as the command line or a recipe takes it (JSON: ``null``, ``false``, ``{...}``)."""
-    import json
-
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 def load_weights_only(module: Any, ckpt_path: str) -> None:
@@ -581,13 +551,6 @@ def _check_devices(config: dict[str, Any]) -> None:
                           "or a list of device indices.")
     if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes < 1:
         raise LayoutError(f"trainer.num_nodes={nodes} must be at least 1.")
-
-
-def _normalized(value: Any) -> Any:
-    """Tuples and lists alike (a YAML list against a saved tuple), for comparing hyperparameters."""
-    if isinstance(value, tuple | list):
-        return [_normalized(v) for v in value]
-    return value
 
 
 def _launching_process() -> bool:

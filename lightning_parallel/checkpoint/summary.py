@@ -28,8 +28,8 @@ from .formats import CheckpointInfo, detect_format
 from .formats.common import load_torch_file, strip_wrapper_prefixes
 from .names import DCP_MODEL_KEY, DEEPSPEED_OPTIM_STATES_GLOB, META_FILE, OPTIMIZER_GROUPS_KEY, SHARDED_KEY, rank_file
 
-__all__ = ["OptimizerSummary", "SavedSummary", "describe_optimizer", "live_optimizers", "resume_refusal",
-           "scheduler_keys", "summarize"]
+__all__ = ["OptimizerSummary", "SavedSummary", "describe_optimizer", "hparam_differences", "live_optimizers",
+           "resume_refusal", "scheduler_keys", "shown", "summarize"]
 
 _VOLATILE_GROUP_KEYS = frozenset({
     "params", "param_names", "initial_lr", "lr", "weight_decay", "foreach", "fused", "capturable", "differentiable",
@@ -250,22 +250,45 @@ def live_optimizers(optimizers: Sequence[Any]) -> list[OptimizerSummary]:
     return out
 
 
-def _hparam_differences(saved: Mapping[str, Any] | None, live: Mapping[str, Any] | None) -> list[tuple[str, Any, Any]]:
-    if not saved or live is None:
+def hparam_differences(saved: Mapping[str, Any] | None, configured: Mapping[str, Any] | None, *,
+                       free: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, configured, saved)`` for each configured hyperparameter (or init argument) that differs from
+    the saved one, keys in ``free`` and keys absent on either side left out. Values compare equal with tuples and
+    lists alike; a configured mapping matches when every key it sets has the saved value (a model that saves its
+    whole config -- a Hugging Face model's, every default filled in -- against the few keys a recipe sets), its
+    differences named by their own keys; a configured name or path against a saved mapping (a model id against the
+    config it resolved to) cannot be compared and passes."""
+    if not saved or configured is None:
+        return []
+    return [found for key in sorted(saved) if key in configured and key not in free
+            for found in _differences(key, configured[key], saved[key])]
+
+
+def _differences(key: str, configured: Any, saved: Any) -> list[tuple[str, Any, Any]]:
+    if isinstance(configured, Mapping) and isinstance(saved, Mapping):
+        return [found for sub, value in configured.items()
+                for found in ([(f"{key}.{sub}", value, None)] if sub not in saved
+                              else _differences(f"{key}.{sub}", value, saved[sub]))]
+    if isinstance(configured, str) and isinstance(saved, Mapping):
+        return []
+    try:
+        return [] if _plain(configured) == _plain(saved) else [(key, configured, saved)]
+    except Exception:  # values that do not compare (tensors, objects): not ours to judge
         return []
 
-    def norm(value: Any) -> Any:
-        return [norm(v) for v in value] if isinstance(value, list | tuple) else value
 
-    out = []
-    for key in sorted(saved):
-        if key in live and isinstance(saved[key], int | float | str | bool | list | tuple | type(None)):
-            try:
-                if norm(saved[key]) != norm(live[key]):
-                    out.append((key, live[key], saved[key]))
-            except Exception:
-                continue
-    return out
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def shown(value: Any) -> str:
+    """A value as a recipe or the command line takes it (JSON: ``null``, ``false``, ``{...}``)."""
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[Any] | None = None,
@@ -275,13 +298,14 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
     only the weights are compared. The message names the format, what was saved and what is configured, and the fix.
     """
     where = f"--ckpt_path {summary.info.path} ({summary.info.describe()})"
-    hp = _hparam_differences(summary.hyper_parameters, getattr(module, "hparams", None))
-    listing = "; ".join(f"{k}: configured {mine!r}, saved {theirs!r}" for k, mine, theirs in hp[:6])
+    hp = hparam_differences(summary.hyper_parameters, getattr(module, "hparams", None),
+                            free=getattr(type(module), "resume_free_hparams", ()))
+    listing = "; ".join(f"{k}: configured {shown(mine)}, saved {shown(theirs)}" for k, mine, theirs in hp[:6])
     live = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     mismatched = [(k, summary.shapes[k], shape) for k, shape in live.items()
                   if k in summary.shapes and tuple(summary.shapes[k]) != shape]
-    shape_fix = (f" Fix: configure the model as it was saved (e.g. --model.init_args.{hp[0][0]} {hp[0][2]!r}), or "
-                 "start a new run without --ckpt_path." if hp else
+    shape_fix = (f" Fix: configure the model as it was saved (e.g. model.init_args.{hp[0][0]}: {shown(hp[0][2])}), "
+                 "or start a new run without --ckpt_path." if hp else
                  " Fix: resume with the model it was saved with, or start a new run without --ckpt_path.")
     if mismatched:
         name, saved, mine = mismatched[0]

@@ -81,7 +81,8 @@ def _recipe_and_dropped(plan: Plan, *, max_steps: int | None, accelerator: str |
     trainer = dict(out.get("trainer") or {})
     if "accumulate_grad_batches" not in recipe["trainer"]:
         trainer.pop("accumulate_grad_batches", None)
-    trainer.setdefault("max_steps", 20)
+    if not any(trainer.get(k) not in (None, -1) for k in ("max_steps", "max_epochs", "max_time")):
+        trainer["max_steps"] = 20  # the source does not say when to stop (Lightning's default: 1000 epochs)
     out["trainer"] = {**trainer, **recipe["trainer"]}
     parallel, dropped = _merged_parallel(out.get("parallel"), recipe.get("parallel", {}))
     if parallel:
@@ -93,11 +94,21 @@ def _recipe_and_dropped(plan: Plan, *, max_steps: int | None, accelerator: str |
         if not (isinstance(current, dict) and isinstance(current.get("init_args"), dict)):
             out[section] = recipe[section]
     tie = recipe["model"]["init_args"]["tie_embeddings"]
-    if out["model"] is not recipe["model"] and ("tie_embeddings" in out["model"]["init_args"] or not tie):
-        out["model"]["init_args"]["tie_embeddings"] = tie
-    if out["data"] is not recipe["data"]:
-        out["data"]["init_args"].update(recipe["data"]["init_args"])
+    model, data = out["model"], out["data"]
+    if model is not recipe["model"] and ("tie_embeddings" in model["init_args"]
+                                         or (not tie and _is_default(model, recipe["model"]))):
+        model["init_args"]["tie_embeddings"] = tie
+    if data is not recipe["data"]:  # a data module of the user's: only the keys it has
+        planned = recipe["data"]["init_args"]
+        data["init_args"].update({k: v for k, v in planned.items()
+                                  if k in data["init_args"] or _is_default(data, recipe["data"])})
     return out, dropped
+
+
+def _is_default(section: dict[str, Any], planned: dict[str, Any]) -> bool:
+    """Whether a base recipe's model or data section is the class the writer plans for (the library's GPT, its
+    TextDataModule): then keys it leaves to their defaults are written too."""
+    return section.get("class_path", planned["class_path"]) == planned["class_path"]
 
 
 def _planned_recipe(plan: Plan, *, max_steps: int | None, accelerator: str | None) -> dict[str, Any]:

@@ -217,28 +217,38 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
         return split_batch(batch, plan, self._sequence_shard())
 
-    def context_token_share(self, batch: Any) -> Tensor | None:
+    def context_token_share(self, batch: Any, *, optional: bool = False) -> Tensor | None:
         """With cp > 1 and a plan that names the labels: this rank's share of the whole ``batch``'s counted tokens,
         ``cp x n_rank / n_batch`` (:func:`~lightning_parallel.parallel.context_parallel.batch_token_share`), by
-        which its loss and its mean-logged values are multiplied; None otherwise."""
+        which its loss and its mean-logged values are multiplied; None otherwise. A batch without the labels entry
+        is refused (a training batch: checked before launch), or with ``optional`` (an evaluation batch) not
+        weighed."""
         plan = self.composition.context_plan if self.composition is not None else None
         if plan is None or plan.labels is None:
             return None
         from lightning_parallel.parallel.context_parallel import batch_token_share
 
-        return batch_token_share(batch, plan, self._sequence_shard())
+        try:
+            return batch_token_share(batch, plan, self._sequence_shard())
+        except ValueError:
+            if optional:
+                return None
+            raise
 
     def _sequence_shard(self) -> Any:
         from lightning_parallel.parallel.context_parallel import SequenceShard
 
         return SequenceShard(self.dims.cp, self.dims.coord(self.global_rank, "cp"))
 
-    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, weighed: bool = True
+    def _context_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                      labels: Literal["required", "optional", "none"] = "required"
                       ) -> tuple[tuple[Any, ...], dict[str, Any], Tensor | None]:
-        """The step's arguments with this rank's part of the batch, and (``weighed``: a step with a loss) its token
-        share (None: no weighting)."""
+        """The step's arguments with this rank's part of the batch, and its token share (None: no weighting):
+        ``labels`` ``required`` for a training batch, ``optional`` for an evaluation batch (one without labels is not
+        weighed), ``none`` for a prediction."""
         batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
-        share = self.context_token_share(batch) if weighed and batch is not None else None
+        share = (self.context_token_share(batch, optional=labels == "optional")
+                 if labels != "none" and batch is not None else None)
         if "batch" in kwargs:
             return args, {**kwargs, "batch": self.context_batch(batch)}, share
         return ((self.context_batch(args[0]), *args[1:]) if args else args), kwargs, share
@@ -261,7 +271,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if isinstance(value, Tensor) and value.is_floating_point():
-                value = plain(value).detach()
+                value = plain(value).detach()  # averaged by a collective here: its graph is not kept
                 if share is not None and weighed_when_logged(log_options(module, name, value, args, kwargs)):
                     value = weigh(value, share)
                 value = self.train_step.reduce_mean(value)
@@ -280,7 +290,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.dims.cp == 1:
             return super().validation_step(*args, **kwargs)
-        args, kwargs, share = self._context_args(args, kwargs)
+        args, kwargs, share = self._context_args(args, kwargs, labels="optional")
         with self.context_parallel_logging(share):
             return super().validation_step(*args, **kwargs)
 
@@ -288,7 +298,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.dims.cp == 1:
             return super().test_step(*args, **kwargs)
-        args, kwargs, share = self._context_args(args, kwargs)
+        args, kwargs, share = self._context_args(args, kwargs, labels="optional")
         with self.context_parallel_logging(share):
             return super().test_step(*args, **kwargs)
 
@@ -298,7 +308,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         along the batch's sequence dim) are gathered back over cp into the whole sequence, in order."""
         if self.dims.cp == 1 or self.composition is None or self.composition.context_plan is None:
             return super().predict_step(*args, **kwargs)
-        args, kwargs, _ = self._context_args(args, kwargs, weighed=False)
+        args, kwargs, _ = self._context_args(args, kwargs, labels="none")
         local = kwargs["batch"] if "batch" in kwargs else args[0]
         dim = self._context_dim()
         return self.context_unshard(super().predict_step(*args, **kwargs), local_len=_first_tensor(local).shape[dim])
@@ -471,8 +481,27 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                       else self.train_step.reduce_logged_world)
         elif replicas > 1:
             reduce = self.train_step.reduce_logged_batch
-        return training_step_agreed(self.lightning_module, lambda: super(LayoutStrategy, self).training_step(
-            *args, **kwargs), reduce, guard, share=share)
+        module = self.lightning_module
+        manual = share is not None and module is not None and not module.automatic_optimization
+        self._manual_share = share if manual else None  # manual_backward inside the step: weighed in backward
+        try:
+            return training_step_agreed(module, lambda: super(LayoutStrategy, self).training_step(*args, **kwargs),
+                                        reduce, guard, share=share)
+        finally:
+            self._manual_share = None
+
+    _manual_share: Tensor | None = None
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; under manual optimization with context parallelism and the plan's labels, the
+        loss ``manual_backward`` is given is weighed by this rank's token share first (under automatic optimization
+        the step's returned loss is, in :meth:`training_step`)."""
+        if self._manual_share is not None:
+            from lightning_parallel.parallel.tensor.local import plain
+
+            closure_loss = weigh(plain(closure_loss), self._manual_share)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _agreeing_guard(self) -> Any:
         """The non-finite-loss guard when the ranks agree on it in the step's own all-reduce (a multi-rank run with

@@ -430,7 +430,8 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
     check = getattr(strategy, "check_resume_source", None)
     if callable(check) and "://" not in text:
         check(text)
-    if "://" not in text and os.path.isdir(text) and _loads_files_only(strategy):
+    library = strategy is None or _is_library_strategy(strategy)
+    if "://" not in text and os.path.isdir(text) and not library and _loads_files_only(strategy):
         from lightning_parallel.checkpoint.formats import detect_format
 
         try:
@@ -442,7 +443,7 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
             "strategy) loads one checkpoint file only. Fix: join it into one file with `lightning-parallel "
             f"consolidate --resumable {text} OUT.ckpt` and resume from OUT.ckpt, or run under one of the library's "
             "strategies (e.g. strategy lp_ddp, on any number of devices), which read every format.")
-    if module is None or "://" in text:
+    if module is None or "://" in text or not library:  # Lightning's own strategies read their own formats
         return
     from lightning_parallel.checkpoint.errors import ResumeError
     from lightning_parallel.checkpoint.resume import TRUST_ENV
@@ -458,9 +459,16 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
         raise ResumeError(why)
 
 
+def _is_library_strategy(strategy: Any) -> bool:
+    from .resumable import ResumableDataMixin
+
+    return isinstance(strategy, (LayoutMixin, ResumableDataMixin))
+
+
 def _loads_files_only(strategy: Any) -> bool:
-    """Lightning's own single-device and DDP strategies: their checkpoint IO reads one file (the library's
-    strategies, and Lightning's DeepSpeed, FSDP and model-parallel ones, read folders of their own)."""
+    """Lightning's own single-device and DDP strategies with Lightning's file checkpoint IO: they read one file
+    (Lightning's DeepSpeed, FSDP and model-parallel strategies read folders of their own, a custom IO may too)."""
+    from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.strategies import (
         DDPStrategy,
         DeepSpeedStrategy,
@@ -469,10 +477,9 @@ def _loads_files_only(strategy: Any) -> bool:
         SingleDeviceStrategy,
     )
 
-    from .resumable import ResumableDataMixin
-
-    folders = (LayoutMixin, ResumableDataMixin, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)
-    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, folders)
+    folders = (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)
+    return (isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, folders)
+            and type(getattr(strategy, "checkpoint_io", None)) is TorchCheckpointIO)
 
 
 def configured_optimizers(module: Any) -> tuple[list[Any], list[Any]] | None:
@@ -593,17 +600,14 @@ def check_evaluation_data(trainer: pl.Trainer | None, module: Any, args: tuple[A
     data module (or the module) must define the stage's DataLoader hook -- Lightning's default raises only inside
     the ranks (e.g. ``predict`` of a recipe whose ``TextDataModule`` has no ``predict_dataloader``)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
-    from torch.utils.data import DataLoader
 
     fn = str(trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else "")
     hook = _EVAL_HOOKS.get(fn)
     if hook is None:
         return
-    loaders = [a for a in args if isinstance(a, DataLoader)
-               or (isinstance(a, (list, tuple, dict)) and a and all(isinstance(v, DataLoader) for v in
-                                                                     (a.values() if isinstance(a, dict) else a)))]
-    if loaders:
-        return
+    given = args[1] if len(args) > 1 else None  # trainer.validate/test/predict(model, dataloaders, ...)
+    if given is not None and not isinstance(given, pl.LightningDataModule):
+        return  # DataLoaders, a list of batches, a CombinedLoader...: Lightning iterates what it is given
     data = next((a for a in args if isinstance(a, pl.LightningDataModule)), None)
     if data is not None and is_overridden(hook, data):
         return
@@ -630,19 +634,23 @@ def check_layer_sync(strategy: Any) -> None:
             "over the whole global batch with a collective in its forward and runs on GPUs only (CUDA, XPU); this "
             "run is on CPU. Fix: sync_batchnorm=False (each data-parallel rank then normalises over its own part of "
             "the batch: statistics of batch_size samples instead of the global batch's), a norm that does not "
-            "depend on the batch (LayerNorm, GroupNorm), or GPUs.")
+            "depend on the batch (LayerNorm, GroupNorm), or GPUs with a strategy of one process per device "
+            "(lp_ddp, lp_sharded, ...).")
 
 
 def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None) -> None:
     """Before spawning, with context parallelism: the batch entry the module's ``context_parallel_plan()`` names as
     ``labels`` holds integer token labels in a real training batch; ``target`` (a pipeline's, from
     ``pipeline_batch``): it must be those labels, since a pipeline's last stage counts the target's tokens."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
     from lightning_parallel.parallel.context_parallel import labels_of, read_plan
 
     plan = read_plan(module)
     batch = probe.first_batch() if plan.labels is not None else None
-    if batch is None:
-        return
+    if batch is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
+                                                                     "on_after_batch_transfer")):
+        return  # the step sees the batch the module's transfer hooks make, not the loader's: nothing to judge here
     try:
         labels = labels_of(batch, plan)
     except ValueError as err:

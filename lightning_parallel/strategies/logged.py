@@ -99,7 +99,7 @@ class GlobalBatchLogs:
             if isinstance(value, Tensor) and value.is_floating_point():
                 bound = log_options(module, name, value, args, kwargs)
                 if share is not None and weighed_when_logged(bound):
-                    value = weigh(plain(value.detach()), share)
+                    value = weigh(plain(value if bound.get("enable_graph") else value.detach()), share)
                 if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
                     fx, value = bound.get("reduce_fx", "mean"), plain(value.detach())
             calls.append((name, value, args, kwargs, fx))

@@ -428,3 +428,28 @@ def test_stage2_on_4_ranks() -> None:
         print(f"2-adamw on 4 ranks: max |w - w_ref| = {r['2-adamw']['weights']:.2e}")
         assert r["2-adamw"]["weights"] < 1e-5
         assert r["2-adamw"]["optim"] < 1e-5
+
+
+def _tp_gradients_count_as_used(rank: int, world: int) -> tuple[list[list[bool]], int]:
+    """ZeRO-1 over the local tensors of a tensor-parallel module: the DTensor gradients are set on the local tensors
+    by hand (no autograd hook runs on them); they must count as used, or every step would hold back (clone and
+    select) every tp parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    parallelize_module(model, mesh, {"0": ColwiseParallel()})
+    zero = LocalShardZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1),
+                                   group=dist.group.WORLD, tp_group=mesh.get_group(), tp_size=world)
+    out = model(torch.randn(2, 4))
+    (out.full_tensor() if hasattr(out, "full_tensor") else out).sum().backward()
+    zero.reduce_gradients()
+    return [list(u) for u in zero._used], len(zero._hold_unused())
+
+
+def test_tensor_parallel_gradients_set_by_hand_count_as_used() -> None:
+    for used, held in run_distributed(_tp_gradients_count_as_used, 1, timeout_s=120):
+        assert all(all(u) for u in used) and held == 0, (used, held)

@@ -39,3 +39,13 @@ def test_the_written_recipe_keeps_what_the_plan_does_not_decide(tmp_path: Path) 
     assert main(["--recipe", str(src), "--hardware", "cpu-2proc", "--write-recipe", str(out), "--max-steps",
                  "3"]) == 0
     assert yaml.safe_load(out.read_text())["trainer"]["max_steps"] == 3
+
+
+def test_a_source_that_stops_by_epochs_keeps_doing_so(tmp_path: Path) -> None:
+    src = tmp_path / "src.yaml"
+    src.write_text(f"defaults:\n  - {ROOT / 'recipes' / 'quickstart.yaml'}\ntrainer:\n  max_steps: -1\n"
+                   "  max_epochs: 3\n")
+    out = tmp_path / "out.yaml"
+    assert main(["--recipe", str(src), "--hardware", "cpu-2proc", "--write-recipe", str(out)]) == 0
+    trainer = yaml.safe_load(out.read_text())["trainer"]
+    assert trainer["max_epochs"] == 3 and trainer["max_steps"] == -1

@@ -103,6 +103,15 @@ class FlatShard:
             if p.grad is not view:
                 p.grad = view
 
+    def params_with_own_grad(self) -> list[int]:
+        """The parameters whose ``.grad`` is a tensor of their own, not one that autograd accumulated into in place:
+        any ``.grad`` at ZeRO-2, one that replaced its view into ``flat_grad`` at ZeRO-1 (a gradient set by hand, as
+        the tensor-parallel wrapper and torch's zero-bubble schedules do)."""
+        if self.flat_grad is None:
+            return [i for i, p in enumerate(self.params) if p.grad is not None]
+        return [i for i, (p, view) in enumerate(zip(self.params, self._grad_views, strict=True))
+                if p.grad is not None and p.grad is not view]
+
     def full_local_grad(self) -> Tensor:
         """This rank's local (not yet reduced) gradients as one full flat buffer.
 

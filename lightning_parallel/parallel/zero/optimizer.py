@@ -136,6 +136,8 @@ class ZeroOptimizer(Optimizer):
         """
         chunks = self._chunked.finish() if self._chunked is not None else None
         for k, shard in enumerate(self.shards):
+            for i in shard.params_with_own_grad():  # set by hand, not by autograd: no hook ran (see _hook_usage)
+                self._used[k][i] = True
             grad = shard.shard_param.grad
             assert grad is not None
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
@@ -172,8 +174,7 @@ class ZeroOptimizer(Optimizer):
             self.reduce_gradients()
         held = self._hold_unused()
         self.optim.step()
-        for view, saved, keep in held:
-            view.copy_(torch.where(keep, saved, view))
+        self._put_back(held)
         self._grads_reduced = False
         for shard in self.shards:
             shard.reduced = None
@@ -194,7 +195,17 @@ class ZeroOptimizer(Optimizer):
             used[:] = [False] * len(used)
         self._hook_usage()
 
-    def _hold_unused(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+    def _put_back(self, held: list[tuple[int, Any, int, int, Tensor, Tensor]]) -> None:
+        """After the inner step: each held slice back where its flag holds, into the tensor that holds it now (the
+        parameter shard, or the optimizer state read again by key: an optimizer may replace a state tensor)."""
+        for s, key, lo, hi, saved, keep in held:
+            shard = self.shards[s]
+            tensor = shard.shard_param.data if key is None else self.optim.state.get(shard.shard_param, {}).get(key)
+            if isinstance(tensor, Tensor) and _is_flat_state(tensor, shard):
+                view = tensor[lo:hi]
+                view.copy_(torch.where(keep, saved, view))
+
+    def _hold_unused(self) -> list[tuple[int, Any, int, int, Tensor, Tensor]]:
         """Before the inner step: for each parameter of this rank's shard that received no gradient on this rank
         since the last step (unused in the forward, a branch not taken, frozen but given to the optimizer), its
         slice of the shard and of every per-element optimizer state, saved, with a flag (a device tensor: no host
@@ -202,17 +213,18 @@ class ZeroOptimizer(Optimizer):
         slices are put back where the flag holds: as torch's optimizers skip a parameter whose ``.grad`` is None
         (no weight decay, no moment decay), where the flat shard would have stepped it with a zero gradient. The
         optimizer's step count is per param group (one flat tensor) and still advances."""
-        held: list[tuple[Tensor, Tensor, Tensor]] = []
+        held: list[tuple[int, Any, int, int, Tensor, Tensor]] = []
         for s, shard in enumerate(self.shards):
             used, grad = self._used[s], shard.shard_param.grad
             unused = [(lo, hi) for i, lo, hi in self._spans[s] if not used[i]]
             if not unused or grad is None:
                 continue
-            views = [shard.shard_param.data]
-            views += [v for v in self.optim.state.get(shard.shard_param, {}).values() if _is_flat_state(v, shard)]
+            tensors: list[tuple[Any, Tensor]] = [(None, shard.shard_param.data)]
+            tensors += [(key, value) for key, value in self.optim.state.get(shard.shard_param, {}).items()
+                        if _is_flat_state(value, shard)]
             for lo, hi in unused:
                 keep = grad[lo:hi].eq(0).all()
-                held.extend((view[lo:hi], view[lo:hi].clone(), keep) for view in views)
+                held.extend((s, key, lo, hi, tensor[lo:hi].clone(), keep) for key, tensor in tensors)
         return held
 
     def zero_grad(self, set_to_none: bool = True) -> None:
