@@ -245,7 +245,7 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     epoch, batches = trainer_position(trainer)
     if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
         return loader  # saved at an epoch's boundary: nothing to skip
-    messages = [resume_warning(loader, epoch=epoch, batches=batches)]
+    messages = [resume_warning(loader, epoch=epoch, batches=batches), partial_step_warning(trainer, batches)]
     owner = fast_forward_of(loader)
     if owner is not None:
         owner.resume_at(epoch, batches)
@@ -264,6 +264,24 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
 
             warnings.warn(message, UserWarning, stacklevel=2)
     return loader
+
+
+def partial_step_warning(trainer: Any, batches: int) -> str:
+    """The warning for a resume from a checkpoint written inside an accumulation window (``batches`` run in the epoch
+    are not a whole number of windows), or ``""``: the gradients of the window's batches already run are in no
+    checkpoint (Lightning saves none), so the resumed run's first step averages the rest of the window only."""
+    module = getattr(trainer, "lightning_module", None)
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    if accumulate == 1 or batches % accumulate == 0 or (module is not None and not module.automatic_optimization):
+        return ""
+    done = batches % accumulate
+    return (f"lightning-parallel: resuming from a checkpoint written inside an accumulation window (after {done} of "
+            f"its {accumulate} batches, batch {batches} of the epoch): the gradients of those {done} batch(es) are in "
+            f"no checkpoint, so the resumed run's first optimizer step averages the window's last {accumulate - done} "
+            "batch(es) only, and the run goes on off the uninterrupted one (as Lightning does on one device). Fix: "
+            "save on optimizer steps -- ModelCheckpoint(every_n_train_steps=...), a val_check_interval that is a "
+            "multiple of accumulate_grad_batches for checkpoints saved after validation, or the library's "
+            "PreemptionCheckpoint, which waits for the step's end.")
 
 
 def _silence_lightnings_warning() -> None:
