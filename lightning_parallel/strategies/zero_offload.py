@@ -325,8 +325,9 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         """Before a training batch: tell the engine whether this batch ends an optimizer step, as Lightning's loop
         decided it (``not fit_loop._should_accumulate()``). The engine's own rule counts its micro-steps since it was
         built, and a resumed engine starts that count at 0: from a checkpoint written inside an accumulation window
-        (a validation or ``ModelCheckpoint(every_n_train_steps)`` mid-window) the engine stepped one batch after
-        Lightning did, every window of the resumed run shifted by one batch (1.3e-2 from one device's resume)."""
+        (after a validation whose ``val_check_interval`` is not a multiple of the accumulation) the engine stepped one
+        batch after Lightning did, every window of the resumed run shifted by one batch (1.3e-2 from one device's
+        resume)."""
         module = self.lightning_module
         set_boundary = getattr(self.model, "set_gradient_accumulation_boundary", None)
         if module is None or not module.automatic_optimization or not callable(set_boundary):

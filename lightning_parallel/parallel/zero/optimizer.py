@@ -190,10 +190,13 @@ class ZeroOptimizer(Optimizer):
         self._trainable, self._usage_hooks = hook_trainable(self.shards, partial(_mark_used, weakref.ref(self)),
                                                             self._trainable, self._usage_hooks)
 
-    def _reset_usage(self) -> None:
+    def _reset_usage(self, *, rehook: bool = False) -> None:
+        """Every parameter unused again; ``rehook`` (``zero_grad``, before a step's first backward): hooks for the
+        parameters made trainable since (a callback unfreezing a backbone)."""
         for used in self._used:
             used[:] = [False] * len(used)
-        self._hook_usage()
+        if rehook:
+            self._hook_usage()
 
     def _put_back(self, held: list[tuple[int, Any, int, int, Tensor, Tensor]]) -> None:
         """After the inner step: each held slice back where its flag holds, into the tensor that holds it now (the
@@ -236,7 +239,7 @@ class ZeroOptimizer(Optimizer):
             shard.zero_grad()
             shard.reduced = None
         self._grads_reduced = False
-        self._reset_usage()
+        self._reset_usage(rehook=True)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
