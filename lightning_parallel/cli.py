@@ -475,7 +475,7 @@ def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
     format version is readable, and the model's configured init arguments equal the hyperparameters it was saved
     with, for every checkpoint format; refused with both values otherwise."""
     from lightning_parallel.checkpoint.resume import TRUST_ENV
-    from lightning_parallel.checkpoint.summary import hparam_differences, shown, summarize
+    from lightning_parallel.checkpoint.summary import configure_as_saved, hparam_differences, shown, summarize
     from lightning_parallel.checkpoint.verify import verify_folder
     from lightning_parallel.strategies.layout import check_ckpt_path
 
@@ -494,7 +494,7 @@ def check_ckpt_against_config(section: Any, ckpt_path: str) -> None:
         raise LayoutError(
             f"--ckpt_path {ckpt_path} ({summary.info.describe()}) was saved by a model with other hyperparameters "
             f"than the one configured: {listing}. Fix: configure the model as it was saved (e.g. "
-            f"model.init_args.{differ[0][0]}: {shown(differ[0][2])}), or start a new run without --ckpt_path."
+            f"{configure_as_saved(differ[0][0], differ[0][2])}), or start a new run without --ckpt_path."
         )
 
 

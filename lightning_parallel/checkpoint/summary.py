@@ -28,8 +28,8 @@ from .formats import CheckpointInfo, detect_format
 from .formats.common import load_torch_file, strip_wrapper_prefixes
 from .names import DCP_MODEL_KEY, DEEPSPEED_OPTIM_STATES_GLOB, META_FILE, OPTIMIZER_GROUPS_KEY, SHARDED_KEY, rank_file
 
-__all__ = ["OptimizerSummary", "SavedSummary", "describe_optimizer", "hparam_differences", "live_optimizers",
-           "resume_refusal", "scheduler_keys", "shown", "summarize"]
+__all__ = ["OptimizerSummary", "SavedSummary", "configure_as_saved", "describe_optimizer", "hparam_differences",
+           "live_optimizers", "resume_refusal", "scheduler_keys", "shown", "summarize"]
 
 _VOLATILE_GROUP_KEYS = frozenset({
     "params", "param_names", "initial_lr", "lr", "weight_decay", "foreach", "fused", "capturable", "differentiable",
@@ -281,6 +281,13 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
+def configure_as_saved(key: str, value: Any) -> str:
+    """The fix's example for a hyperparameter that differs: the command-line form for a top-level init argument and
+    the recipe form (also the only one for a key inside a mapping, e.g. a Hugging Face config's)."""
+    recipe = f"model.init_args.{key}: {shown(value)} in the recipe"
+    return recipe if "." in key else f"--model.init_args.{key} '{shown(value)}', or {recipe}"
+
+
 def shown(value: Any) -> str:
     """A value as a recipe or the command line takes it (JSON: ``null``, ``false``, ``{...}``)."""
     import json
@@ -304,7 +311,7 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
     live = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     mismatched = [(k, summary.shapes[k], shape) for k, shape in live.items()
                   if k in summary.shapes and tuple(summary.shapes[k]) != shape]
-    shape_fix = (f" Fix: configure the model as it was saved (e.g. model.init_args.{hp[0][0]}: {shown(hp[0][2])}), "
+    shape_fix = (f" Fix: configure the model as it was saved (e.g. {configure_as_saved(hp[0][0], hp[0][2])}), "
                  "or start a new run without --ckpt_path." if hp else
                  " Fix: resume with the model it was saved with, or start a new run without --ckpt_path.")
     if mismatched:

@@ -109,7 +109,7 @@ def test_what_was_saved_is_compared_with_the_configured_model_in_every_message(s
         assert resume_refusal(summary, module=same, optimizers=conf[0], schedulers=conf[1]) is None
         wider = OptimizerChoiceGPT(**{**dict(tiny_gpt().hparams), "n_embd": 64})
         why = resume_refusal(summary, module=wider)
-        assert why and "n_embd: configured 64, saved 32" in why and "--model.init_args.n_embd 32" in why, why
+        assert why and "n_embd: configured 64, saved 32" in why and "--model.init_args.n_embd '32'" in why, why
         sgd = OptimizerChoiceGPT(**dict(tiny_gpt().hparams), optimizer="sgd", step_lr=True)
         conf = configured_optimizers(sgd)
         assert conf is not None
