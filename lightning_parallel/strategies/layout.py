@@ -430,7 +430,7 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
     check = getattr(strategy, "check_resume_source", None)
     if callable(check) and "://" not in text:
         check(text)
-    library = strategy is None or _is_library_strategy(strategy)
+    library = strategy is None or getattr(strategy, "resumes_dataloaders", False)  # every strategy of the library
     if "://" not in text and os.path.isdir(text) and not library and _loads_files_only(strategy):
         from lightning_parallel.checkpoint.formats import detect_format
 
@@ -457,12 +457,6 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
                          schedulers=configured[1] if configured else None)
     if why:
         raise ResumeError(why)
-
-
-def _is_library_strategy(strategy: Any) -> bool:
-    from .resumable import ResumableDataMixin
-
-    return isinstance(strategy, (LayoutMixin, ResumableDataMixin))
 
 
 def _loads_files_only(strategy: Any) -> bool:
@@ -564,7 +558,8 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
     if trainer is None:
         return
     probe = probe or TrainingDataProbe(args, module=module)
-    if layout is not None and layout.context_parallel_size > 1 and module is not None:
+    if layout is not None and layout.context_parallel_size > 1 and module is not None \
+            and not getattr(strategy, "pipelined", False):  # a pipeline's check_data checks them with its target
         check_context_labels(module, probe)
     batches = probe.batches_per_rank(dp)
     if batches is None:
