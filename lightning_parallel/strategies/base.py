@@ -59,12 +59,12 @@ from typing_extensions import override
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
 from lightning_parallel.parallel.context_parallel import weigh
-from lightning_parallel.parallel.counters import CommCounter
+from lightning_parallel.parallel.counters import CommCounter, uncounted_all_reduce
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
 from .layout import LayoutMixin, clip_by_norm_replaced
-from .logged import log_options, training_step_agreed, weighed_when_logged
+from .logged import TokenWeights, log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
 
 __all__ = ["CPU_COLLECTIVE_TIMEOUT", "LayoutStrategy", "StartMethod", "resolve_collective_timeout"]
@@ -235,6 +235,51 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                 return None
             raise
 
+    loss_labels: Any = None
+    """The token labels the module's ``context_parallel_plan()`` names (a
+    :class:`~lightning_parallel.parallel.context_parallel.ContextParallelPlan` read by
+    :func:`~lightning_parallel.parallel.context_parallel.loss_labels`), or None: set when the module is composed."""
+
+    def batch_share(self, batch: Any, *, optional: bool = False) -> Tensor | None:
+        """This rank's share of the counted tokens of the global batch, by which its loss and its mean-logged values
+        are multiplied: ``dp x cp x n_rank / N`` (``n_rank``: the labels this rank's loss counts, its cp chunks of its
+        dp batch; ``N``: those of every dp rank's batch, summed over ``dp`` in one all-reduce of one number), so the
+        mean over the replicas counts every token of the global batch once. None (no weighing) when the module
+        names no labels or there is one replica. A batch without the labels entry is refused (a training batch:
+        checked before launch), or with ``optional`` (an evaluation batch) not weighed. (A training step under
+        automatic optimization sums ``N`` in its logged values' all-reduce instead: :meth:`batch_tokens`.)"""
+        tokens = self.batch_tokens(batch, optional=optional)
+        if tokens is None or tokens.count is None:
+            return tokens.local if tokens is not None else None
+        total = tokens.count.clone()
+        uncounted_all_reduce(total, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
+        return tokens.share(total)
+
+    def batch_tokens(self, batch: Any, *, optional: bool = False) -> TokenWeights | None:
+        """What this rank knows of the token weighing of ``batch`` before any collective
+        (:class:`~lightning_parallel.strategies.logged.TokenWeights`): with cp only, its cp share ``cp x n_rank /
+        n_batch`` (no count: nothing to sum); with dp > 1 the multiplier ``dp x cp x n_rank`` and the count
+        ``n_batch`` of its whole batch, whose sum over dp divides it. None when nothing is weighed (see
+        :meth:`batch_share`)."""
+        labels, dp = self.loss_labels, self.dims.dp
+        if labels is None or batch is None or (dp == 1 and self.dims.cp == 1):
+            return None
+        try:
+            share = self.context_token_share(batch) if self.dims.cp > 1 else None
+            if dp == 1:
+                return None if share is None else TokenWeights(local=share)
+            from lightning_parallel.parallel.context_parallel import counted_tokens
+
+            count = counted_tokens(batch, labels)
+        except ValueError:
+            if optional:
+                return None
+            raise
+        scaled = count * dp
+        # dp x cp x n_rank: the cp share is cp x n_rank / n_batch (1 where the batch counts none: then 0 here)
+        return TokenWeights(local=scaled if share is None else share * scaled, count=count, copies=self.dims.cp,
+                            dp=dp)
+
     def _sequence_shard(self) -> Any:
         from lightning_parallel.parallel.context_parallel import SequenceShard
 
@@ -247,21 +292,26 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         ``labels`` ``required`` for a training batch, ``optional`` for an evaluation batch (one without labels is not
         weighed), ``none`` for a prediction."""
         batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
-        share = (self.context_token_share(batch, optional=labels == "optional")
-                 if labels != "none" and batch is not None else None)
+        share = self.batch_share(batch, optional=labels == "optional") if labels != "none" else None
+        return *self._local_args(args, kwargs), share
+
+    def _local_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The step's arguments with this rank's part of the batch (:meth:`context_batch`)."""
         if "batch" in kwargs:
-            return args, {**kwargs, "batch": self.context_batch(batch)}, share
-        return ((self.context_batch(args[0]), *args[1:]) if args else args), kwargs, share
+            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"])}
+        return ((self.context_batch(args[0]), *args[1:]) if args else args), kwargs
 
     @contextlib.contextmanager
     def context_parallel_logging(self, share: Tensor | None = None) -> Generator[None, None, None]:
         """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
         is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch; with
-        ``share``, this rank's :meth:`context_token_share`, those logged with a mean are weighed by it first, so
-        the mean counts every token once however the ignored labels fall). A collective per logged tensor: every
-        rank logs the same names in the same order."""
+        ``share``, this rank's :meth:`batch_share`, those logged with a mean are weighed by it first, so the mean
+        counts every token once however the ignored labels fall). A collective per logged tensor: every rank logs
+        the same names in the same order. With cp = 1 and ``share`` (dp ranks weighing their counted tokens):
+        values logged with ``sync_dist=True`` and a mean are weighed, and Lightning averages them over the ranks."""
         module = self.lightning_module
-        if self.dims.cp == 1 or module is None:
+        cp = self.dims.cp
+        if (cp == 1 and share is None) or module is None:
             yield None
             return
         from lightning_parallel.parallel.tensor.local import plain
@@ -271,10 +321,14 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if isinstance(value, Tensor) and value.is_floating_point():
-                value = plain(value).detach()  # averaged by a collective here: its graph is not kept
-                if share is not None and weighed_when_logged(log_options(module, name, value, args, kwargs)):
-                    value = weigh(value, share)
-                value = self.train_step.reduce_mean(value)
+                options = log_options(module, name, value, args, kwargs)
+                if cp > 1:
+                    value = plain(value).detach()  # averaged by a collective here: its graph is not kept
+                    if share is not None and weighed_when_logged(options):
+                        value = weigh(value, share)
+                    value = self.train_step.reduce_mean(value)
+                elif share is not None and options.get("sync_dist") and weighed_when_logged(options):
+                    value = weigh(plain(value).detach(), share)  # Lightning's sync_dist takes the mean over dp
             original(name, value, *args, **kwargs)
 
         module.log = log  # type: ignore[method-assign]
@@ -288,7 +342,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.dims.cp == 1:
+        if self.dims.cp == 1 and (self.dims.dp == 1 or self.loss_labels is None):
             return super().validation_step(*args, **kwargs)
         args, kwargs, share = self._context_args(args, kwargs, labels="optional")
         with self.context_parallel_logging(share):
@@ -296,7 +350,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.dims.cp == 1:
+        if self.dims.cp == 1 and (self.dims.dp == 1 or self.loss_labels is None):
             return super().test_step(*args, **kwargs)
         args, kwargs, share = self._context_args(args, kwargs, labels="optional")
         with self.context_parallel_logging(share):
@@ -442,6 +496,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                               data_parallel=self.precision_plan(self.data_parallel_plan()), fitting=fitting,
                               pipeline=self.pipelined)
         self.composition = composition
+        from lightning_parallel.parallel.context_parallel import loss_labels
+
+        self.loss_labels = loss_labels(model)
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
         return composition
 
@@ -469,24 +526,36 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         tail chunks of the sequence); the values it logs are combined over the model's replicas (``dp``, ``dp x cp``)
         first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`). In a multi-rank run
         the non-finite guard's agreement rides in that all-reduce, then over every rank (tp peers hold the same
-        values): one collective per batch for both."""
-        share = None
-        if self.dims.cp > 1:
-            args, kwargs, share = self._context_args(args, kwargs)
+        values): one collective per batch for both. When the module names its token labels, the step's loss and
+        its mean-logged values are weighed by this rank's share of the global batch's counted tokens
+        (:meth:`batch_tokens`; the count summed over dp in that same all-reduce), so every counted token of the
+        global batch weighs as on one device. (Under manual optimization the loss ``manual_backward`` is given inside
+        the step is weighed, so the count is summed before the step: one all-reduce of one number more.)"""
         replicas = self.dims.replicas
         guard = self._agreeing_guard()
         reduce: Any = None
+        world = guard is not None and replicas != self.world_size
         if guard is not None:  # the logged values and the guard: one world all-reduce
-            reduce = (self.train_step.reduce_logged_batch if replicas == self.world_size
-                      else self.train_step.reduce_logged_world)
+            reduce = self.train_step.reduce_logged_world if world else self.train_step.reduce_logged_batch
         elif replicas > 1:
             reduce = self.train_step.reduce_logged_batch
         module = self.lightning_module
-        manual = share is not None and module is not None and not module.automatic_optimization
-        self._manual_share = share if manual else None  # manual_backward inside the step: weighed in backward
+        manual = module is not None and not module.automatic_optimization
+        tokens: TokenWeights | None = None
+        if self.dims.cp > 1 or (self.dims.dp > 1 and self.loss_labels is not None):
+            batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
+            if manual:  # manual_backward inside the step: the whole weight is needed before it
+                share = self.batch_share(batch)
+                tokens = None if share is None else TokenWeights(local=share)
+            else:
+                tokens = self.batch_tokens(batch)
+                if world and tokens is not None and tokens.count is not None:  # each batch's count on all its peers
+                    tokens = dataclasses.replace(tokens, copies=self.world_size // self.dims.dp)
+            args, kwargs = self._local_args(args, kwargs)
+        self._manual_share = tokens.local if manual and tokens is not None else None  # weighed in backward
         try:
             return training_step_agreed(module, lambda: super(LayoutStrategy, self).training_step(*args, **kwargs),
-                                        reduce, guard, share=share)
+                                        reduce, guard, tokens=tokens)
         finally:
             self._manual_share = None
 

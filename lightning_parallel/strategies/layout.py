@@ -558,9 +558,9 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
     if trainer is None:
         return
     probe = probe or TrainingDataProbe(args, module=module)
-    if layout is not None and layout.context_parallel_size > 1 and module is not None \
+    if layout is not None and (layout.context_parallel_size > 1 or dp > 1) and module is not None \
             and not getattr(strategy, "pipelined", False):  # a pipeline's check_data checks them with its target
-        check_context_labels(module, probe)
+        check_context_labels(module, probe, strict=layout.context_parallel_size > 1)
     batches = probe.batches_per_rank(dp)
     if batches is None:
         return
@@ -633,16 +633,20 @@ def check_layer_sync(strategy: Any) -> None:
             "(lp_ddp, lp_sharded, ...).")
 
 
-def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None) -> None:
-    """Before spawning, with context parallelism: the batch entry the module's ``context_parallel_plan()`` names as
-    ``labels`` holds integer token labels in a real training batch; ``target`` (a pipeline's, from
-    ``pipeline_batch``): it must be those labels, since a pipeline's last stage counts the target's tokens."""
+def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None, *, strict: bool = True) -> None:
+    """Before spawning, where the token labels weigh the losses (context parallelism, dp ranks, a pipeline's
+    micro-batches): the batch entry the module's ``context_parallel_plan()`` names as ``labels`` holds integer token
+    labels in a real training batch; ``target`` (a pipeline's, from ``pipeline_batch``): it must be those labels,
+    since a pipeline's last stage counts the target's tokens. ``strict`` (cp > 1): the whole plan is checked;
+    otherwise only its labels are read (:func:`~lightning_parallel.parallel.context_parallel.loss_labels`)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_parallel.parallel.context_parallel import labels_of, read_plan
+    from lightning_parallel.parallel.context_parallel import labels_of, loss_labels, read_plan
 
-    plan = read_plan(module)
-    batch = probe.first_batch() if plan.labels is not None else None
+    plan = read_plan(module) if strict else loss_labels(module)
+    if plan is None or plan.labels is None:
+        return
+    batch = probe.first_batch()
     if batch is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
                                                                      "on_after_batch_transfer")):
         return  # the step sees the batch the module's transfer hooks make, not the loader's: nothing to judge here
@@ -656,9 +660,9 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
         raise LayoutError(
             f"{type(module).__name__}.context_parallel_plan() names batch entry {plan.labels!r} as the labels, but "
             f"pipeline_batch(batch) returns a different target ({_describe_tensor(target)} vs the labels' "
-            f"{_describe_tensor(labels)}): a pipeline's last stage weighs each cp rank's loss by the counted tokens "
-            "of the target it receives. Fix: return the labels entry as the target, or leave 'labels' out of the "
-            "plan (the loss is then not reweighted).")
+            f"{_describe_tensor(labels)}): a pipeline's last stage weighs each micro-batch's loss by the counted "
+            "tokens of the target it receives. Fix: return the labels entry as the target, or leave 'labels' out of "
+            "the plan (the loss is then not reweighted).")
 
 
 def _describe_tensor(value: Any) -> str:

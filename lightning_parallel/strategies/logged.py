@@ -27,17 +27,20 @@ themselves, averaged over ``dp``.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
 from lightning_parallel.parallel.context_parallel import weigh
 from lightning_parallel.parallel.step import logged_reduce_op
 from lightning_parallel.parallel.tensor.local import plain
 
-__all__ = ["GlobalBatchLogs", "ReduceBatch", "global_batch_logs", "log_options", "training_step_agreed",
+__all__ = ["GlobalBatchLogs", "ReduceBatch", "TokenWeights", "global_batch_logs", "log_options", "training_step_agreed",
            "weighed_when_logged"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
@@ -59,6 +62,30 @@ def weighed_when_logged(options: Mapping[str, Any]) -> bool:
     return logged_reduce_op(options.get("reduce_fx", "mean")) == "mean"
 
 
+@dataclass(frozen=True)
+class TokenWeights:
+    """How a rank weighs its token-mean loss (and the values it logs with a mean) so that every counted token of the
+    global batch weighs once (the module names its token labels: ``context_parallel_plan()['labels']``).
+
+    ``local``: the multiplier known before any collective -- with one dp rank the whole weight (the cp share ``cp x
+    n_rank / n_batch``); with ``count`` (``dp`` > 1) ``dp x cp x n_rank``, still to be divided by ``N``, the counted
+    tokens of the global batch: the sum of ``count`` (this rank's whole batch's) over the ranks of the step's
+    all-reduce, each dp rank's batch held by ``copies`` of them (its cp ranks, or all its model-parallel peers over
+    the whole world). ``N`` rides in the all-reduce of the logged values: no collective of its own."""
+
+    local: Tensor
+    count: Tensor | None = None
+    copies: int = 1
+    dp: int = 1
+
+    def share(self, total: Tensor) -> Tensor:
+        """The weight once ``total`` (``N``) is known: ``local / N``, 1 where ``N = 0`` (the loss is then one
+        device's, NaN for a token mean)."""
+        if self.count is None:
+            return self.local
+        return torch.where(total > 0, self.local / total.clamp(min=1), 1.0)
+
+
 ReduceBatch = Callable[[Sequence[tuple[Tensor, Any]], Tensor | None], tuple[list[Tensor], Tensor | None]]
 """``(values with their reduce_fx, extra) -> (combined values, extra summed)``: e.g.
 :meth:`~lightning_parallel.parallel.step.TrainStep.reduce_logged_batch`."""
@@ -74,16 +101,19 @@ class GlobalBatchLogs:
     The values are recorded, not logged, until the step returns: a training step that logs a value and then reads it
     back from ``trainer.callback_metrics`` in the same step sees the previous step's.
 
-    ``share`` (context parallelism with the labels named: this rank's share of the counted tokens,
-    :func:`~lightning_parallel.parallel.context_parallel.batch_token_share`): every value averaged with a mean
-    (:func:`weighed_when_logged`) is multiplied by it first."""
+    ``tokens`` (the module names its token labels, :class:`TokenWeights`): every value averaged with a mean
+    (:func:`weighed_when_logged`) is multiplied by its ``local`` weight first and, when the weight waits for the
+    global batch's count, divided by that count once the all-reduce has summed it (the count rides in it:
+    :attr:`total_tokens`)."""
 
-    def __init__(self, module: Any, reduce: ReduceBatch | None, share: Tensor | None = None) -> None:
-        self.module, self.reduce, self.share = module, reduce, share
-        self._calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any], Any]] = []
+    def __init__(self, module: Any, reduce: ReduceBatch | None, tokens: TokenWeights | None = None) -> None:
+        self.module, self.reduce, self.tokens = module, reduce, tokens
+        self._calls: list[tuple[str, Any, tuple[Any, ...], dict[str, Any], Any, bool]] = []
         self._previous: Any = None
         self._had_own = False
         self._open = False
+        self.total_tokens: Tensor | None = None
+        """The counted tokens of the global batch, summed in :meth:`finish` (with ``tokens.count``)."""
 
     def __enter__(self) -> GlobalBatchLogs:
         module = self.module
@@ -92,17 +122,19 @@ class GlobalBatchLogs:
         self._had_own = "log" in vars(module)
         self._previous = module.log
         self._calls = []
-        calls, share = self._calls, self.share
+        calls, tokens = self._calls, self.tokens
+        waits = tokens is not None and tokens.count is not None  # weighed values are divided by the total later
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            fx = None
+            fx, weighed = None, False
             if isinstance(value, Tensor) and value.is_floating_point():
                 bound = log_options(module, name, value, args, kwargs)
-                if share is not None and weighed_when_logged(bound):
-                    value = weigh(plain(value if bound.get("enable_graph") else value.detach()), share)
+                if tokens is not None and weighed_when_logged(bound):
+                    value = weigh(plain(value if bound.get("enable_graph") else value.detach()), tokens.local)
+                    weighed = waits
                 if not (bound.get("sync_dist") or bound.get("rank_zero_only") or bound.get("enable_graph")):
                     fx, value = bound.get("reduce_fx", "mean"), plain(value.detach())
-            calls.append((name, value, args, kwargs, fx))
+            calls.append((name, value, args, kwargs, fx, weighed))
 
         module.log = log
         self._open = True
@@ -115,11 +147,23 @@ class GlobalBatchLogs:
             return extra
         self._restore()
         assert self.reduce is not None
+        tokens = self.tokens
+        count = None if tokens is None or tokens.count is None else tokens.count.to(torch.float32).reshape(1)
+        if count is not None and extra is not None:
+            count = torch.cat((extra, count.to(extra.device)))
         reduced = [i for i, call in enumerate(self._calls) if call[4] is not None]
-        values, summed = self.reduce([(self._calls[i][1], self._calls[i][4]) for i in reduced], extra)
+        values, summed = self.reduce([(self._calls[i][1], self._calls[i][4]) for i in reduced],
+                                     extra if count is None else count)
+        inverse = None
+        if count is not None:
+            assert tokens is not None and summed is not None
+            self.total_tokens = total = summed[-1] / tokens.copies
+            summed = summed[:-1] if extra is not None else None
+            inverse = torch.where(total > 0, 1.0 / total.clamp(min=1), math.nan)  # one device's mean of nothing
         combined = dict(zip(reduced, values, strict=True))
-        for i, (name, value, args, kwargs, _) in enumerate(self._calls):
-            self._previous(name, combined.get(i, value), *args, **kwargs)
+        for i, (name, value, args, kwargs, _, weighed) in enumerate(self._calls):
+            value = combined.get(i, value)
+            self._previous(name, value * inverse if weighed and inverse is not None else value, *args, **kwargs)
         self._calls.clear()
         return summed
 
@@ -140,26 +184,41 @@ class GlobalBatchLogs:
             del self.module.log
 
 
-def global_batch_logs(module: Any, reduce: ReduceBatch | None, share: Tensor | None = None) -> GlobalBatchLogs:
+def global_batch_logs(module: Any, reduce: ReduceBatch | None, tokens: TokenWeights | None = None
+                      ) -> GlobalBatchLogs:
     """While open, ``module.log`` combines what it logs over dp (module docstring) with ``reduce``, batched at the
     block's end (:class:`GlobalBatchLogs`); ``reduce`` None (one dp rank) changes nothing."""
-    return GlobalBatchLogs(module, reduce, share)
+    return GlobalBatchLogs(module, reduce, tokens)
 
 
 def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBatch | None, guard: Any | None, *,
-                         share: Tensor | None = None) -> Any:
+                         tokens: TokenWeights | None = None) -> Any:
     """Run ``step`` (the module's training step) with its logged values combined over dp (:class:`GlobalBatchLogs`)
     and, when ``guard`` (a :class:`~lightning_parallel.callbacks.NonFiniteLossGuard`) is given -- ``reduce`` then
     all-reduces over every rank --, the guard's numbers of this batch summed in the same all-reduce: one collective
-    per batch for both, where Lightning broadcasts its preemption flag. ``share`` (context parallelism, this rank's
-    share of the counted tokens): the step's loss and its mean-logged values are multiplied by it, so the mean over
-    the cp ranks is the mean over every counted token. Returns what ``step`` returns (its loss weighed)."""
-    with global_batch_logs(module, reduce, share) as logs:
+    per batch for both, where Lightning broadcasts its preemption flag. ``tokens`` (the module names its token
+    labels): the step's loss and its mean-logged values are weighed by this rank's share of the global batch's
+    counted tokens (:class:`TokenWeights`; the global count summed in the same all-reduce), so the mean over the
+    replicas is the mean over every counted token. Returns what ``step`` returns (its loss weighed)."""
+    with global_batch_logs(module, reduce, tokens) as logs:
         out = step()
-        if share is not None:
-            out = _weighed_loss(out, share)
-        numbers = guard.local_numbers(module.trainer, out) if guard is not None and reduce is not None else None
+        waits = tokens is not None and tokens.count is not None and reduce is not None
+        if tokens is not None:
+            out = _weighed_loss(out, tokens.local)
+        numbers = None
+        if guard is not None and reduce is not None:
+            # the guard sees each rank's own token mean (0 where it counts none), not the weight still to be divided
+            seen = out
+            if waits:
+                assert tokens is not None and tokens.count is not None
+                seen = _weighed_loss(out, 1.0 / (tokens.count * tokens.dp).clamp(min=1))
+            numbers = guard.local_numbers(module.trainer, seen)
         summed = logs.finish(numbers)
+        if waits:
+            total = logs.total_tokens
+            assert total is not None
+            # a global batch without any counted token contributes nothing (one device's loss would be NaN)
+            out = _weighed_loss(out, 1.0 / total.clamp(min=1))
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
     return out

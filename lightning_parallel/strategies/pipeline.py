@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import ParallelModuleMixin, require_hook
+from lightning_parallel.parallel.context_parallel import loss_labels
 from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 from .base import LayoutStrategy
@@ -195,8 +196,9 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                 f"{type(target).__name__}). Fix: return the tensor the first stage takes and the target "
                 "pipeline_loss compares the last stage's output with."
             )
-        if self.layout.context_parallel_size > 1:
-            check_context_labels(module, probe, target)
+        strict = self.layout.context_parallel_size > 1
+        if strict or loss_labels(module) is not None:  # the last stage weighs each micro-batch by its tokens
+            check_context_labels(module, probe, target, strict=strict)
 
     @staticmethod
     def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
@@ -247,9 +249,9 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             return module.pipeline_loss(output, target)  # type: ignore[operator,no-any-return]
 
         loss_fn: Callable[[Tensor, Tensor], Tensor] = module_loss
-        plan = composition.context_plan
-        if plan is not None and plan.labels is not None:
-            loss_fn = _token_weighed(module_loss, plan.ignore_index, self.dims.cp, self.mesh.get_group("cp"))
+        if self.loss_labels is not None:
+            self._tokens = _BatchTokens()
+            loss_fn = _token_weighed(module_loss, self.loss_labels.ignore_index, self._tokens)
 
         self.runner = PipelineRunner(
             list(zip(self.stage_plan.my_stages, composition.chunks, strict=True)),
@@ -316,6 +318,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
+        self._count_tokens(batch, micro_batches=self.runner.m)
         if batch_idx % self.accumulate_grad_batches == 0:
             # Lightning zeroes the gradients between training_step and backward; the schedule runs both here, so
             # the zeroing happens now and the loop's own zero_grad of this batch is skipped (see fit_patches)
@@ -347,6 +350,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(self.context_batch(batch))
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
+        self._count_tokens(batch, micro_batches=1)  # the eval loss is the whole batch's
         with self.precision_plugin.val_step_context(), self._tp_loss():
             loss, _ = self.runner.eval_loss(inputs, target)
         self.lightning_module.log(name, loss, prog_bar=prog_bar, sync_dist=True)
@@ -370,6 +374,24 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         with self.precision_plugin.predict_step_context(), self._tp_loss():
             out = self.runner.forward_only(inputs)
             return self.context_unshard(self.runner.outputs_everywhere(out), local_len=inputs.shape[1])
+
+    _tokens: _BatchTokens | None = None
+
+    def _count_tokens(self, batch: Any, *, micro_batches: int) -> None:
+        """With the module's token labels named: the counted tokens of the global batch (this rank's whole batch,
+        summed over ``dp``: one all-reduce of one number) and the losses they are averaged over (``dp x cp x
+        micro_batches``), which the last stage's loss weighs each micro-batch's token mean by."""
+        tokens = self._tokens
+        if tokens is None:
+            return
+        from lightning_parallel.parallel.context_parallel import counted_tokens
+
+        assert self.loss_labels is not None
+        total = counted_tokens(batch, self.loss_labels)
+        if self.dims.dp > 1:
+            total = total.clone()
+            uncounted_all_reduce(total, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
+        tokens.total, tokens.pieces = total, self.dims.dp * self.dims.cp * micro_batches
 
     def _tp_loss(self) -> contextlib.AbstractContextManager[Any]:
         """With tp > 1 the head's logits are split by vocabulary: the loss is torch's ``loss_parallel``."""
@@ -459,19 +481,26 @@ def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
 
 
 
-def _token_weighed(loss_fn: Callable[[Tensor, Tensor], Tensor], ignore_index: int, cp: int,
-                   group: dist.ProcessGroup) -> Callable[[Tensor, Tensor], Tensor]:
-    """Context parallelism with the labels named: each micro-batch's loss on the last stage multiplied by this rank's
-    share of the micro-batch's counted tokens (the target's labels other than ``ignore_index``, summed over the cp
-    ranks: one all-reduce of one number per micro-batch, run by the cp peers of the stage at the same point of their
-    schedule), so the mean over cp is the mean over every counted token of the micro-batch."""
+class _BatchTokens:
+    """The token count of the batch a pipeline runs (set by the strategy before each schedule): ``total`` counted
+    tokens of the global batch and the ``pieces`` (token-mean losses: ``dp x cp x`` micro-batches) averaged."""
+
+    total: Tensor | None = None
+    pieces: int = 1
+
+
+def _token_weighed(loss_fn: Callable[[Tensor, Tensor], Tensor], ignore_index: int,
+                   tokens: _BatchTokens) -> Callable[[Tensor, Tensor], Tensor]:
+    """With the module's token labels named: each micro-batch's loss on the last stage multiplied by its share of the
+    global batch's counted tokens, ``pieces x n_micro / N`` (its target's labels other than ``ignore_index``; ``N``
+    and ``pieces`` from :class:`_BatchTokens`), so the mean over the micro-batches, the cp ranks and the dp ranks is
+    the mean over every counted token of the global batch. No collective here."""
     from lightning_parallel.parallel.context_parallel import token_share, weigh
     from lightning_parallel.parallel.tensor.local import plain
 
     def weighed(output: Tensor, target: Tensor) -> Tensor:
+        assert tokens.total is not None, "the batch's tokens are counted before its schedule runs"
         mine = (target != ignore_index).sum()
-        total = mine.clone()
-        dist.all_reduce(total, group=group)
-        return weigh(plain(loss_fn(output, target)), token_share(mine, total, cp))
+        return weigh(plain(loss_fn(output, target)), token_share(mine, tokens.total.to(mine.device), tokens.pieces))
 
     return weighed

@@ -300,8 +300,32 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         def reduce(values: Any, extra: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
             return reduce_logged_batch(values, group=None, size=size, extra=extra)
 
+        tokens = self._batch_tokens(args[0] if args else kwargs.get("batch")) if size > 1 else None
         return training_step_agreed(self.lightning_module, lambda: super(LPZeroOffloadStrategy, self).training_step(
-            *args, **kwargs), reduce if size > 1 else None, self._nonfinite_guard if size > 1 else None)
+            *args, **kwargs), reduce if size > 1 else None, self._nonfinite_guard if size > 1 else None, tokens=tokens)
+
+    def _batch_tokens(self, batch: Any) -> Any:
+        """With the module's token labels named (``context_parallel_plan()['labels']``) under automatic
+        optimization: this rank's token weighing (:class:`~lightning_parallel.strategies.logged.TokenWeights`):
+        its loss and mean-logged values multiplied by ``dp x n_rank / N``, ``N`` (the global batch's counted
+        tokens) summed in the step's all-reduce of its logged values, so every counted token weighs as on one
+        device; None otherwise."""
+        from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
+
+        from .logged import TokenWeights
+
+        module = self.lightning_module
+        if module is None or batch is None or not module.automatic_optimization:  # manual: its own backward
+            return None
+        if self._labels_of is not module:
+            self._labels_of, self._labels = module, loss_labels(module)
+        if self._labels is None:
+            return None
+        count = counted_tokens(batch, self._labels)
+        return TokenWeights(local=count * self.world_size, count=count, dp=self.world_size)
+
+    _labels_of: Any = None
+    _labels: Any = None
 
     @property
     @override

@@ -131,19 +131,25 @@ def _ignored_reference(kind: str, folder: Path) -> tuple[GPT, dict[str, list[flo
     pytest.param(LPTensorStrategy, {**CP2, "tensor_parallel_size": 2}, 4, "ragged", id="cp2-tp2"),
     pytest.param(LPPipelineStrategy, {**CP2, "pipeline_parallel_size": 2, "num_micro_batches": 1,
                                       "pipeline_schedule": "gpipe"}, 4, "ragged", id="cp2-pp2"),
-    pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 3}, 4, "tail", id="dp2-cp2-zero3"),
+    pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 3}, 4, "ragged", id="dp2-cp2-zero3"),
+    pytest.param(LPDDPStrategy, {}, 2, "ragged", id="dp2"),
+    pytest.param(LPShardedStrategy, {"zero_stage": 3, "data_parallel_shard_size": 2}, 4, "ragged", id="hsdp2x2"),
+    pytest.param(LPPipelineStrategy, {"pipeline_parallel_size": 2, "num_micro_batches": 2}, 2, "ragged",
+                 id="pp2-m2"),
+    pytest.param(LPPipelineStrategy, {"pipeline_parallel_size": 2, "num_micro_batches": 2}, 4, "ragged",
+                 id="dp2-pp2-m2"),
 ])
 def test_ignored_labels_count_every_token_once(tmp_path_factory: pytest.TempPathFactory, cls: Any,
                                                layout: dict[str, Any], devices: int, kind: str) -> None:
-    """Ignored labels fall unevenly over the cp ranks' chunks: each rank's token mean is weighed by its share of the
-    counted tokens (the GPT's plan names its labels), so the loss, the logged train and validation losses and the
-    weights are one device's -- without the weighing 2e-2 apart (tail padding), or a NaN loss where a rank counts
-    no token (ragged). A pipeline counts on its last stage (an all-reduce over cp per micro-batch); a
-    tensor-parallel loss is a DTensor. With dp > 1, each dp rank's mean over its own counted tokens is averaged (as
-    under DDP): one device's only where the dp ranks count as many tokens (tail padding)."""
+    """Ignored labels fall unevenly over the cp ranks' chunks, the dp ranks' batches and a pipeline's micro-batches:
+    each token mean is weighed by its share of the global batch's counted tokens (the GPT's plan names its labels),
+    so the loss, the logged train and validation losses and the weights are one device's -- without the weighing
+    2e-2 apart (cp2, tail padding), 1.2e-2 (dp2, dp2 x cp2), 7.7e-3 (pp2 with 2 micro-batches), 1.4e-2 (dp2 x pp2),
+    or a NaN loss where a cp rank counts no token (ragged). A pipeline weighs on its last stage; a tensor-parallel
+    loss is a DTensor."""
     one_device, one = _ignored_reference(kind, tmp_path_factory.mktemp(f"one_device_{kind}"))
     path = tmp_path_factory.mktemp("run") / "losses.json"
-    dp = devices // (layout["context_parallel_size"] * layout.get("pipeline_parallel_size", 1)
+    dp = devices // (layout.get("context_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
                      * layout.get("tensor_parallel_size", 1))
     model, _ = fit(cls(layout, start_method="fork"), devices, dp, model=_gpt(), callbacks=[_Logged(path)],
                    **_ignored(kind))
@@ -260,10 +266,12 @@ def test_a_wrong_labels_entry_is_refused_before_spawn() -> None:
     assert "pipeline_batch(batch) returns a different target" in text and "Fix: return the labels entry" in text
 
 
-def test_manual_optimization_weighs_the_loss_it_backpropagates() -> None:
+@pytest.mark.parametrize(("layout", "dp"), [pytest.param(CP2, 1, id="cp2"), pytest.param({}, 2, id="dp2")])
+def test_manual_optimization_weighs_the_loss_it_backpropagates(layout: dict[str, Any], dp: int) -> None:
     """Under manual optimization the loss goes to ``manual_backward`` inside the step, not back to the loop: it is
-    weighed there (in the strategy's ``backward``) by the rank's token share. cp2 with ragged ignored labels (one
-    batch in which rank 0 counts nothing), against the same manual loop on one device."""
+    weighed there (in the strategy's ``backward``) by the rank's token share (over dp summed before the step). cp2
+    and dp2 with ragged ignored labels (one batch in which cp rank 0 counts nothing), against the same manual loop
+    on one device."""
     from tests.trainer.test_tensor import ManualGPT
     from tests.trainer.token_data import GLOBAL_BATCH
 
@@ -274,8 +282,8 @@ def test_manual_optimization_weighs_the_loss_it_backpropagates() -> None:
     kw: dict[str, Any] = dict(gradient_clip_val=None, accumulate_grad_batches=1, steps=8, batch=GLOBAL_BATCH // 2,
                               data={"ignored": "ragged"})
     ref, _ = fit("auto", 1, 1, model=manual(), **kw)
-    model, _ = fit(LPDDPStrategy(CP2, start_method="fork"), 2, 1, model=manual(), **kw)
+    model, _ = fit(LPDDPStrategy(layout, start_method="fork"), 2, dp, model=manual(), **{**kw, "batch": 4 // dp})
     diff = weight_diff(model, ref)
-    print(f"\nlp_ddp cp2, manual optimization, ragged -100 labels, 8 AdamW steps: max |w - w_1dev| = {diff:.2e}")
+    print(f"\nlp_ddp {layout}, manual optimization, ragged -100 labels, 8 AdamW steps: max |w - w_1dev| = {diff:.2e}")
     assert weight_diff(ref, manual()) > 1e-3  # it trained
     assert diff < 2e-5

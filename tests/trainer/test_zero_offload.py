@@ -316,9 +316,12 @@ def test_nvme_consolidation_keeps_buffers(tmp_path: Path) -> None:
     assert max_abs_diff(fresh, model) < 1e-6
 
 
-def test_accumulation_with_clipping_equals_one_device() -> None:
+@pytest.mark.parametrize("ignored", [None, "ragged"])
+def test_accumulation_with_clipping_equals_one_device(ignored: str | None) -> None:
     """Lightning's loop divides the loss by accumulate_grad_batches; the engine must not divide it again (the
-    gradients were 1/a^2 of one device's: 4.9e-4 off after 10 steps with a = 2 and clipping 0.5 before the fix)."""
+    gradients were 1/a^2 of one device's: 4.9e-4 off after 10 steps with a = 2 and clipping 0.5 before the fix).
+    ``ragged``: labels ignored (-100) unevenly over the ranks' batches; each rank's token mean is weighed by its share
+    of the global batch's counted tokens (1.2e-2 from one device without the weighing)."""
     from tests.trainer.token_data import T, fit, weight_diff
 
     def gpt() -> pl.LightningModule:
@@ -327,10 +330,13 @@ def test_accumulation_with_clipping_equals_one_device() -> None:
 
         return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
 
-    reference = fit("auto", 1, 1, model=gpt())[0]  # accumulation 2, clipping 0.5 by norm
-    model, _ = fit(LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2, 2, model=gpt())
+    data = {"ignored": ignored}
+    reference = fit("auto", 1, 1, model=gpt(), data=data)[0]  # accumulation 2, clipping 0.5 by norm
+    model, _ = fit(LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2, 2, model=gpt(),
+                   data=data)
     diff = weight_diff(model, reference)
-    print(f"lp_zero_offload ZeRO-2 x2, accumulation 2, clipping 0.5: max |w - w_1dev| = {diff:.2e}")
+    print(f"lp_zero_offload ZeRO-2 x2, accumulation 2, clipping 0.5, {ignored} -100 labels: max |w - w_1dev| = "
+          f"{diff:.2e}")
     assert diff < 1e-5
 
 

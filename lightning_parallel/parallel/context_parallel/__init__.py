@@ -21,7 +21,9 @@ from .plan import (
     batch_token_share,
     check_context_plan,
     context_parallel_modules,
+    counted_tokens,
     labels_of,
+    loss_labels,
     read_plan,
     split_batch,
     token_share,
@@ -45,6 +47,6 @@ from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "SequenceShard", "activate", "activated",
            "active", "all_to_all_attention", "apply_context_parallel", "batch_token_share", "check_context_plan",
-           "context_parallel_modules", "deactivate", "head_tail_order", "labels_of", "read_plan", "ring_attention",
-           "sequence_length", "sequence_positions", "shard_sequence", "split_batch", "token_share",
-           "unshard_sequence", "weigh"]
+           "context_parallel_modules", "counted_tokens", "deactivate", "head_tail_order", "labels_of", "loss_labels",
+           "read_plan", "ring_attention", "sequence_length", "sequence_positions", "shard_sequence", "split_batch",
+           "token_share", "unshard_sequence", "weigh"]

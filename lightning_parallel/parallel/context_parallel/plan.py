@@ -23,8 +23,9 @@ A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixi
   loss (and every value logged with a mean) is scaled by its share of the counted tokens,
   :func:`token_share` ``= cp x n_rank / n_sequence``, so the mean over the cp ranks is the mean over every counted
   token of the micro-batch -- the module's loss on the whole sequence. The counts are read from the whole batch
-  before it is split (no collective); a pipeline's last stage counts its target's tokens per micro-batch and sums
-  them over cp (an all-reduce of one number per micro-batch).
+  before it is split (no collective). The same ``labels`` weigh the data-parallel ranks' losses and a pipeline's
+  micro-batches by their counted tokens too, at any cp (:func:`loss_labels`, :func:`counted_tokens`; the strategies
+  sum each batch's count over ``dp``), so every counted token of a global batch weighs the same.
 
 Positions: a module with position embeddings calls :func:`~.sharding.sequence_positions` (the GPT's embedding does),
 which returns this rank's global positions under cp and ``arange`` otherwise.
@@ -54,7 +55,8 @@ from .sharding import ContextParallelState, SequenceShard, activate, active, sha
 from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
-           "context_parallel_modules", "labels_of", "read_plan", "split_batch", "token_share", "weigh"]
+           "context_parallel_modules", "counted_tokens", "labels_of", "loss_labels", "read_plan", "split_batch",
+           "token_share", "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
@@ -280,18 +282,46 @@ def labels_of(batch: Any, plan: ContextParallelPlan) -> Tensor:
     return labels
 
 
-def token_share(mine: Tensor, total: Tensor, cp: int) -> Tensor:
-    """``cp x mine / total`` (float): a cp rank's weight when it counts ``mine`` of the sequence's ``total`` counted
-    tokens; the weights of the cp ranks add up to ``cp``, so the mean over cp of ``weight x (mean over the rank's
-    tokens)`` is the mean over every counted token. 1 when nothing is counted (every rank's loss is then what one
-    device's is, NaN for a token mean). No host synchronisation."""
-    return torch.where(total > 0, mine * cp / total.clamp(min=1), 1.0)  # int / int: a float tensor
+def token_share(mine: Tensor, total: Tensor, pieces: int) -> Tensor:
+    """``pieces x mine / total`` (float): the weight of one of ``pieces`` token-mean losses averaged together (cp
+    ranks' chunks, dp ranks' batches, a pipeline's micro-batches) when it counts ``mine`` of their ``total`` counted
+    tokens; the weights add up to ``pieces``, so the mean of ``weight x (mean over the piece's tokens)`` is the mean
+    over every counted token. 1 when nothing is counted (every loss is then what one device's is, NaN for a token
+    mean). No host synchronisation."""
+    return torch.where(total > 0, mine * pieces / total.clamp(min=1), 1.0)  # int / int: a float tensor
 
 
 def weigh(value: Tensor, weight: Tensor) -> Tensor:
     """``value x weight``, and 0 where the weight is 0: a rank that counts no token contributes nothing, although
     its token mean (0 / 0) is NaN -- its gradient is still computed (zero), so collectives in backward still run."""
     return torch.where(weight > 0, value * weight, 0.0)
+
+
+def loss_labels(module: nn.Module) -> ContextParallelPlan | None:
+    """The token labels the module's ``context_parallel_plan()`` names (``labels``, ``ignore_index``), read at any cp
+    without checking the rest of the plan (a module run without cp need not route its attention): the plan's other
+    keys are kept as given. None when the module has no such hook, the hook raises ``NotImplementedError`` (the
+    mixin's default), or the plan names no labels."""
+    hook = getattr(module, "context_parallel_plan", None)
+    if not callable(hook):
+        return None
+    try:
+        raw = hook()
+    except NotImplementedError:
+        return None
+    if not isinstance(raw, Mapping) or raw.get("labels") is None:
+        return None
+    ignore = raw.get("ignore_index", -100)
+    if isinstance(ignore, bool) or not isinstance(ignore, int):
+        raise _refuse(module, f"'ignore_index' must be an int (the label a token mean does not count, -100 for "
+                              f"F.cross_entropy), got {ignore!r}.")
+    return ContextParallelPlan(attention=(), batch=raw.get("batch", {}), labels=raw["labels"], ignore_index=ignore)
+
+
+def counted_tokens(batch: Any, plan: ContextParallelPlan) -> Tensor:
+    """How many labels of ``batch`` (the plan's :func:`labels_of`) a token-mean loss counts (those other than the
+    plan's ``ignore_index``): an integer tensor on the labels' device, no host synchronisation."""
+    return (labels_of(batch, plan) != plan.ignore_index).sum()
 
 
 def batch_token_share(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> Tensor | None:
