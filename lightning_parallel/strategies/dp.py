@@ -229,6 +229,8 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             with context():
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
+        weights = self._token_weights(slices, sizes, optional=method != "training_step") \
+            if method != "predict_step" and len(slices) > 1 else None
         # the precision's step context runs in each replica's thread (autocast is per thread); bf16-true's also sets
         # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
         # dtype the step started with is put back once, here
@@ -237,9 +239,56 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             outputs = engine.apply(call, len(slices))
         finally:
             torch.set_default_dtype(default_dtype)
+        if weights is not None:
+            outputs = self._weighed(module, outputs, recorders, weights, loss=method == "training_step")
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
+
+    def _token_weights(self, slices: list[Any], sizes: list[int], *, optional: bool) -> list[Tensor] | None:
+        """With the module's token labels named (``context_parallel_plan()['labels']``): each replica's multiplier
+        ``n_i / N x B / b_i`` (``n_i`` counted tokens of its slice, ``N`` of the batch; ``b_i`` its samples of ``B``),
+        so the outputs' sample-weighted mean becomes the mean over every counted token. None otherwise, and for a
+        batch without the labels entry when ``optional`` (an evaluation batch). No host synchronisation."""
+        from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels, token_share
+
+        module = self.lightning_module
+        if module is None:
+            return None
+        if self._labels_of is not module:
+            self._labels_of, self._labels = module, loss_labels(module)
+        if self._labels is None:
+            return None
+        try:
+            counts = [counted_tokens(part, self._labels) for part in slices]
+        except ValueError:
+            if optional:
+                return None
+            raise
+        total = torch.stack([c.to(self.root_device) for c in counts]).sum()
+        whole = sum(sizes)
+        return [token_share(c, total.to(c.device), 1) * (whole / b) for c, b in zip(counts, sizes, strict=True)]
+
+    _labels_of: Any = None
+    _labels: Any = None
+
+    @staticmethod
+    def _weighed(module: pl.LightningModule, outputs: list[Any], recorders: list[_LogRecorder],
+                 weights: list[Tensor], *, loss: bool) -> list[Any]:
+        """Each replica's loss (``loss``: a training step's) and the values it logged with a mean multiplied by its
+        token weight (:meth:`_token_weights`)."""
+        from lightning_parallel.parallel.context_parallel import weigh
+
+        from .logged import log_options, weighed_loss, weighed_when_logged
+
+        for recorder, weight in zip(recorders, weights, strict=True):
+            for i, (name, value, args, kwargs) in enumerate(recorder.calls):
+                if isinstance(value, Tensor) and value.is_floating_point() \
+                        and weighed_when_logged(log_options(module, name, value, args, kwargs)):
+                    recorder.calls[i] = (name, weigh(value, weight.to(value.device)), args, kwargs)
+        if not loss:
+            return outputs
+        return [weighed_loss(out, weight) for out, weight in zip(outputs, weights, strict=True)]
 
     def _replay_logs(self, module: pl.LightningModule, recorders: list[_LogRecorder], sizes: list[int]) -> None:
         """Each metric logged on the replicas, reduced over them, logged once on the master module."""

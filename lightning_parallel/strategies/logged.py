@@ -41,7 +41,7 @@ from lightning_parallel.parallel.step import logged_reduce_op
 from lightning_parallel.parallel.tensor.local import plain
 
 __all__ = ["GlobalBatchLogs", "ReduceBatch", "TokenWeights", "global_batch_logs", "log_options", "training_step_agreed",
-           "weighed_when_logged"]
+           "weighed_loss", "weighed_when_logged"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 
@@ -204,27 +204,27 @@ def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBat
         out = step()
         waits = tokens is not None and tokens.count is not None and reduce is not None
         if tokens is not None:
-            out = _weighed_loss(out, tokens.local)
+            out = weighed_loss(out, tokens.local)
         numbers = None
         if guard is not None and reduce is not None:
             # the guard sees each rank's own token mean (0 where it counts none), not the weight still to be divided
             seen = out
             if waits:
                 assert tokens is not None and tokens.count is not None
-                seen = _weighed_loss(out, 1.0 / (tokens.count * tokens.dp).clamp(min=1))
+                seen = weighed_loss(out, 1.0 / (tokens.count * tokens.dp).clamp(min=1))
             numbers = guard.local_numbers(module.trainer, seen)
         summed = logs.finish(numbers)
         if waits:
             total = logs.total_tokens
             assert total is not None
             # a global batch without any counted token contributes nothing (one device's loss would be NaN)
-            out = _weighed_loss(out, 1.0 / total.clamp(min=1))
+            out = weighed_loss(out, 1.0 / total.clamp(min=1))
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
     return out
 
 
-def _weighed_loss(out: Any, share: Tensor) -> Any:
+def weighed_loss(out: Any, share: Tensor) -> Any:
     """A training step's output with its loss (the tensor, or a dict's ``"loss"``) multiplied by ``share``; a
     tensor-parallel loss (a replicated DTensor) as its local tensor, keeping its graph."""
     if isinstance(out, Tensor):

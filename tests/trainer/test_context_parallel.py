@@ -22,6 +22,7 @@ from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import (
     LPDDPStrategy,
+    LPDPStrategy,
     LPHybridStrategy,
     LPPipelineStrategy,
     LPShardedStrategy,
@@ -133,6 +134,7 @@ def _ignored_reference(kind: str, folder: Path) -> tuple[GPT, dict[str, list[flo
                                       "pipeline_schedule": "gpipe"}, 4, "ragged", id="cp2-pp2"),
     pytest.param(LPShardedStrategy, {**CP2, "zero_stage": 3}, 4, "ragged", id="dp2-cp2-zero3"),
     pytest.param(LPDDPStrategy, {}, 2, "ragged", id="dp2"),
+    pytest.param(LPDPStrategy, None, 2, "ragged", id="lp_dp-x2"),
     pytest.param(LPShardedStrategy, {"zero_stage": 3, "data_parallel_shard_size": 2}, 4, "ragged", id="hsdp2x2"),
     pytest.param(LPPipelineStrategy, {"pipeline_parallel_size": 2, "num_micro_batches": 2}, 2, "ragged",
                  id="pp2-m2"),
@@ -140,7 +142,7 @@ def _ignored_reference(kind: str, folder: Path) -> tuple[GPT, dict[str, list[flo
                  id="dp2-pp2-m2"),
 ])
 def test_ignored_labels_count_every_token_once(tmp_path_factory: pytest.TempPathFactory, cls: Any,
-                                               layout: dict[str, Any], devices: int, kind: str) -> None:
+                                               layout: dict[str, Any] | None, devices: int, kind: str) -> None:
     """Ignored labels fall unevenly over the cp ranks' chunks, the dp ranks' batches and a pipeline's micro-batches:
     each token mean is weighed by its share of the global batch's counted tokens (the GPT's plan names its labels),
     so the loss, the logged train and validation losses and the weights are one device's -- without the weighing
@@ -149,10 +151,13 @@ def test_ignored_labels_count_every_token_once(tmp_path_factory: pytest.TempPath
     loss is a DTensor."""
     one_device, one = _ignored_reference(kind, tmp_path_factory.mktemp(f"one_device_{kind}"))
     path = tmp_path_factory.mktemp("run") / "losses.json"
-    dp = devices // (layout.get("context_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
-                     * layout.get("tensor_parallel_size", 1))
-    model, _ = fit(cls(layout, start_method="fork"), devices, dp, model=_gpt(), callbacks=[_Logged(path)],
-                   **_ignored(kind))
+    if layout is None:  # lp_dp: one process, the batch split over its devices' replicas
+        strategy, dp = cls(), 1
+    else:
+        strategy = cls(layout, start_method="fork")
+        dp = devices // (layout.get("context_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
+                         * layout.get("tensor_parallel_size", 1))
+    model, _ = fit(strategy, devices, dp, model=_gpt(), callbacks=[_Logged(path)], **_ignored(kind))
     logged = json.loads(path.read_text())
     diff = weight_diff(model, one_device)
     train = max(abs(a - b) for a, b in zip(logged["train"], one["train"], strict=True))
