@@ -202,7 +202,8 @@ class ParallelModuleMixin:
         the mean over the counted tokens (labels other than ``ignore_index``, default -100): each rank's loss is then
         weighed by its share of the counted tokens, so ignored labels that fall unevenly over the ranks' chunks
         (padding, masked prompts) weigh as on one device -- and at any cp (only ``labels`` and ``ignore_index`` are
-        read at cp = 1) the dp ranks' batches and a pipeline's micro-batches are weighed the same way. See
+        read at cp = 1) the dp ranks' batches, a pipeline's micro-batches and a step's accumulated batches are
+        weighed the same way. See
         :mod:`lightning_parallel.parallel.context_parallel.plan`."""
         raise NotImplementedError
 

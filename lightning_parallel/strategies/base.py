@@ -255,18 +255,21 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         uncounted_all_reduce(total, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
         return tokens.share(total)
 
-    def batch_tokens(self, batch: Any, *, optional: bool = False) -> TokenWeights | None:
+    def batch_tokens(self, batch: Any, *, optional: bool = False, window: tuple[int, int] | None = None
+                     ) -> TokenWeights | None:
         """What this rank knows of the token weighing of ``batch`` before any collective
         (:class:`~lightning_parallel.strategies.logged.TokenWeights`): with cp only, its cp share ``cp x n_rank /
-        n_batch`` (no count: nothing to sum); with dp > 1 the multiplier ``dp x cp x n_rank`` and the count
-        ``n_batch`` of its whole batch, whose sum over dp divides it. None when nothing is weighed (see
-        :meth:`batch_share`)."""
+        n_batch`` (no count: nothing to sum); with dp > 1 or an accumulation window (``window``: this rank's counted
+        tokens of the optimizer step's batches, read ahead, and how many batches the window holds) the multiplier
+        ``dp x cp x n_rank``, the count ``n_batch`` of its whole batch and the window's, whose sums over dp divide
+        it. None when nothing is weighed (see :meth:`batch_share`)."""
         labels, dp = self.loss_labels, self.dims.dp
-        if labels is None or batch is None or (dp == 1 and self.dims.cp == 1):
+        windowed = window is not None and window[1] > 1
+        if labels is None or batch is None or (dp == 1 and self.dims.cp == 1 and not windowed):
             return None
         try:
             share = self.context_token_share(batch) if self.dims.cp > 1 else None
-            if dp == 1:
+            if dp == 1 and not windowed:
                 return None if share is None else TokenWeights(local=share)
             from lightning_parallel.parallel.context_parallel import counted_tokens
 
@@ -277,8 +280,10 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             raise
         scaled = count * dp
         # dp x cp x n_rank: the cp share is cp x n_rank / n_batch (1 where the batch counts none: then 0 here)
-        return TokenWeights(local=scaled if share is None else share * scaled, count=count, copies=self.dims.cp,
-                            dp=dp)
+        step = window if windowed else None
+        return TokenWeights(local=scaled if share is None else share * scaled, count=count,
+                            window=None if step is None else torch.full((1,), float(step[0]), device=count.device),
+                            accumulation=1 if step is None else step[1], copies=self.dims.cp, dp=dp)
 
     def _sequence_shard(self) -> Any:
         from lightning_parallel.parallel.context_parallel import SequenceShard
@@ -526,11 +531,12 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         tail chunks of the sequence); the values it logs are combined over the model's replicas (``dp``, ``dp x cp``)
         first, so the logged curve is one device's (:mod:`lightning_parallel.strategies.logged`). In a multi-rank run
         the non-finite guard's agreement rides in that all-reduce, then over every rank (tp peers hold the same
-        values): one collective per batch for both. When the module names its token labels, the step's loss and
-        its mean-logged values are weighed by this rank's share of the global batch's counted tokens
-        (:meth:`batch_tokens`; the count summed over dp in that same all-reduce), so every counted token of the
-        global batch weighs as on one device. (Under manual optimization the loss ``manual_backward`` is given inside
-        the step is weighed, so the count is summed before the step: one all-reduce of one number more.)"""
+        values): one collective per batch for both. When the module names its token labels, the step's loss is
+        weighed by this rank's share of the optimizer step's counted tokens and its mean-logged values by its share
+        of the global batch's (:meth:`batch_tokens`; the counts summed over dp in that same all-reduce, the step's
+        read ahead by the training loader: :attr:`step_tokens`), so every counted token weighs as on one device.
+        (Under manual optimization the loss ``manual_backward`` is given inside the step is weighed, so the count
+        is summed before the step: one all-reduce of one number more.)"""
         replicas = self.dims.replicas
         guard = self._agreeing_guard()
         reduce: Any = None
@@ -542,13 +548,14 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         module = self.lightning_module
         manual = module is not None and not module.automatic_optimization
         tokens: TokenWeights | None = None
-        if self.dims.cp > 1 or (self.dims.dp > 1 and self.loss_labels is not None):
+        window = self.step_tokens.take() if self.step_tokens is not None else None  # one per training batch
+        if self.dims.cp > 1 or (self.loss_labels is not None and (self.dims.dp > 1 or window is not None)):
             batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
             if manual:  # manual_backward inside the step: the whole weight is needed before it
                 share = self.batch_share(batch)
                 tokens = None if share is None else TokenWeights(local=share)
             else:
-                tokens = self.batch_tokens(batch)
+                tokens = self.batch_tokens(batch, window=window)
                 if world and tokens is not None and tokens.count is not None:  # each batch's count on all its peers
                     tokens = dataclasses.replace(tokens, copies=self.world_size // self.dims.dp)
             args, kwargs = self._local_args(args, kwargs)

@@ -229,8 +229,10 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             with context():
                 return getattr(replicas[i], method)(slices[i], *args[1:], **kwargs)
 
-        weights = self._token_weights(slices, sizes, optional=method != "training_step") \
-            if method != "predict_step" and len(slices) > 1 else None
+        training = method == "training_step"
+        window = self.step_tokens.take() if training and self.step_tokens is not None else None  # one per batch
+        weights = self._token_weights(slices, sizes, optional=not training, window=window) \
+            if method != "predict_step" else None
         # the precision's step context runs in each replica's thread (autocast is per thread); bf16-true's also sets
         # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
         # dtype the step started with is put back once, here
@@ -240,20 +242,27 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         finally:
             torch.set_default_dtype(default_dtype)
         if weights is not None:
-            outputs = self._weighed(module, outputs, recorders, weights, loss=method == "training_step")
+            outputs = self._weighed(module, outputs, recorders, *weights, loss=training)
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
 
-    def _token_weights(self, slices: list[Any], sizes: list[int], *, optional: bool) -> list[Tensor] | None:
-        """With the module's token labels named (``context_parallel_plan()['labels']``): each replica's multiplier
-        ``n_i / N x B / b_i`` (``n_i`` counted tokens of its slice, ``N`` of the batch; ``b_i`` its samples of ``B``),
-        so the outputs' sample-weighted mean becomes the mean over every counted token. None otherwise, and for a
-        batch without the labels entry when ``optional`` (an evaluation batch). No host synchronisation."""
+    def _token_weights(self, slices: list[Any], sizes: list[int], *, optional: bool,
+                       window: tuple[int, int] | None = None) -> tuple[list[Tensor], list[Tensor]] | None:
+        """With the module's token labels named (``context_parallel_plan()['labels']``): each replica's multipliers
+        of its logged values, ``n_i / N x B / b_i`` (``n_i`` counted tokens of its slice, ``N`` of the batch; ``b_i``
+        its samples of ``B``), so their sample-weighted mean becomes the mean over every counted token, and of its
+        loss: the same, or with an accumulation window (``window``: the counted tokens of the optimizer step's
+        batches, read ahead, and the ``k`` > 1 batches it holds) ``k x n_i / N_step x B / b_i``, so every token of
+        the step weighs once (Lightning divides the loss by its accumulation). None otherwise, and for a batch
+        without the labels entry when ``optional`` (an evaluation batch). No host synchronisation."""
         from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels, token_share
 
         module = self.lightning_module
         if module is None:
+            return None
+        accumulation = 1 if window is None else window[1]
+        if len(slices) == 1 and accumulation == 1:
             return None
         if self._labels_of is not module:
             self._labels_of, self._labels = module, loss_labels(module)
@@ -267,21 +276,28 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             raise
         total = torch.stack([c.to(self.root_device) for c in counts]).sum()
         whole = sum(sizes)
-        return [token_share(c, total.to(c.device), 1) * (whole / b) for c, b in zip(counts, sizes, strict=True)]
+        logged = [token_share(c, total.to(c.device), 1) * (whole / b) for c, b in zip(counts, sizes, strict=True)]
+        if accumulation == 1 or window is None:
+            return logged, logged
+        assert window is not None
+        step = torch.full_like(total, window[0])
+        loss = [token_share(c, step.to(c.device), accumulation) * (whole / b)
+                for c, b in zip(counts, sizes, strict=True)]
+        return loss, logged
 
     _labels_of: Any = None
     _labels: Any = None
 
     @staticmethod
     def _weighed(module: pl.LightningModule, outputs: list[Any], recorders: list[_LogRecorder],
-                 weights: list[Tensor], *, loss: bool) -> list[Any]:
-        """Each replica's loss (``loss``: a training step's) and the values it logged with a mean multiplied by its
-        token weight (:meth:`_token_weights`)."""
+                 weights: list[Tensor], logged: list[Tensor], *, loss: bool) -> list[Any]:
+        """Each replica's loss (``loss``: a training step's; by ``weights``) and the values it logged with a mean (by
+        ``logged``) multiplied by its token weights (:meth:`_token_weights`)."""
         from lightning_parallel.parallel.context_parallel import weigh
 
         from .logged import log_options, weighed_loss, weighed_when_logged
 
-        for recorder, weight in zip(recorders, weights, strict=True):
+        for recorder, weight in zip(recorders, logged, strict=True):
             for i, (name, value, args, kwargs) in enumerate(recorder.calls):
                 if isinstance(value, Tensor) and value.is_floating_point() \
                         and weighed_when_logged(log_options(module, name, value, args, kwargs)):

@@ -65,25 +65,44 @@ def weighed_when_logged(options: Mapping[str, Any]) -> bool:
 @dataclass(frozen=True)
 class TokenWeights:
     """How a rank weighs its token-mean loss (and the values it logs with a mean) so that every counted token of the
-    global batch weighs once (the module names its token labels: ``context_parallel_plan()['labels']``).
+    optimizer step weighs once (the module names its token labels: ``context_parallel_plan()['labels']``).
 
-    ``local``: the multiplier known before any collective -- with one dp rank the whole weight (the cp share ``cp x
-    n_rank / n_batch``); with ``count`` (``dp`` > 1) ``dp x cp x n_rank``, still to be divided by ``N``, the counted
-    tokens of the global batch: the sum of ``count`` (this rank's whole batch's) over the ranks of the step's
-    all-reduce, each dp rank's batch held by ``copies`` of them (its cp ranks, or all its model-parallel peers over
-    the whole world). ``N`` rides in the all-reduce of the logged values: no collective of its own."""
+    ``local``: the multiplier known before any collective -- without ``count`` the whole weight (one dp rank and no
+    accumulation window: the cp share ``cp x n_rank / n_batch``); with ``count`` ``dp x cp x n_rank``, still to be
+    divided by the global batch's counted tokens ``N_batch`` (the logged values) or, with ``window``, multiplied by
+    the window's batches ``accumulation`` and divided by the step's counted tokens ``N_step`` (the loss: Lightning
+    divides it by its accumulation). ``count`` (this rank's
+    whole batch's) and ``window`` (its batches' of the step, read ahead: :mod:`lightning_parallel.data.step_tokens`)
+    are summed over dp in the step's all-reduce of its logged values, each dp rank's numbers held by ``copies`` of
+    its ranks (its cp ranks, or all its model-parallel peers over the whole world): no collective of their own."""
 
     local: Tensor
     count: Tensor | None = None
+    window: Tensor | None = None
+    accumulation: int = 1
     copies: int = 1
     dp: int = 1
 
     def share(self, total: Tensor) -> Tensor:
-        """The weight once ``total`` (``N``) is known: ``local / N``, 1 where ``N = 0`` (the loss is then one
-        device's, NaN for a token mean)."""
+        """The weight of a value once ``total`` (``N_batch``) is known: ``local / N_batch``, 1 where ``N_batch = 0``
+        (the value is then one device's, NaN for a token mean)."""
         if self.count is None:
             return self.local
         return torch.where(total > 0, self.local / total.clamp(min=1), 1.0)
+
+    def numbers(self) -> Tensor | None:
+        """What is summed over the ranks: ``[count]`` or ``[count, window]`` (float32), None without ``count``."""
+        if self.count is None:
+            return None
+        count = self.count.to(torch.float32).reshape(1)
+        return count if self.window is None else torch.cat((count, self.window.to(count)))
+
+    def loss_scale(self, summed: Tensor) -> Tensor:
+        """What the locally weighed loss is multiplied by once ``summed`` (:meth:`numbers` summed over the ranks) is
+        known: ``1 / N_batch``, or ``A / N_step`` with a window; 0 where nothing is counted (a step without any
+        counted token contributes nothing: one device's loss would be NaN)."""
+        total = summed[-1] / self.copies
+        return (1.0 if self.window is None else float(self.accumulation)) / total.clamp(min=1)
 
 
 ReduceBatch = Callable[[Sequence[tuple[Tensor, Any]], Tensor | None], tuple[list[Tensor], Tensor | None]]
@@ -103,8 +122,8 @@ class GlobalBatchLogs:
 
     ``tokens`` (the module names its token labels, :class:`TokenWeights`): every value averaged with a mean
     (:func:`weighed_when_logged`) is multiplied by its ``local`` weight first and, when the weight waits for the
-    global batch's count, divided by that count once the all-reduce has summed it (the count rides in it:
-    :attr:`total_tokens`)."""
+    global batch's count, divided by that count once the all-reduce has summed it (the counts ride in it:
+    :attr:`token_numbers`)."""
 
     def __init__(self, module: Any, reduce: ReduceBatch | None, tokens: TokenWeights | None = None) -> None:
         self.module, self.reduce, self.tokens = module, reduce, tokens
@@ -112,8 +131,8 @@ class GlobalBatchLogs:
         self._previous: Any = None
         self._had_own = False
         self._open = False
-        self.total_tokens: Tensor | None = None
-        """The counted tokens of the global batch, summed in :meth:`finish` (with ``tokens.count``)."""
+        self.token_numbers: Tensor | None = None
+        """``tokens.numbers()`` summed over the ranks in :meth:`finish` (with ``tokens.count``)."""
 
     def __enter__(self) -> GlobalBatchLogs:
         module = self.module
@@ -148,17 +167,19 @@ class GlobalBatchLogs:
         self._restore()
         assert self.reduce is not None
         tokens = self.tokens
-        count = None if tokens is None or tokens.count is None else tokens.count.to(torch.float32).reshape(1)
-        if count is not None and extra is not None:
-            count = torch.cat((extra, count.to(extra.device)))
+        numbers = tokens.numbers() if tokens is not None else None
+        if numbers is not None and extra is not None:
+            numbers = torch.cat((extra, numbers.to(extra.device)))
         reduced = [i for i, call in enumerate(self._calls) if call[4] is not None]
         values, summed = self.reduce([(self._calls[i][1], self._calls[i][4]) for i in reduced],
-                                     extra if count is None else count)
+                                     extra if numbers is None else numbers)
         inverse = None
-        if count is not None:
+        if numbers is not None:
             assert tokens is not None and summed is not None
-            self.total_tokens = total = summed[-1] / tokens.copies
-            summed = summed[:-1] if extra is not None else None
+            mine = 1 if tokens.window is None else 2
+            self.token_numbers = summed[-mine:]
+            summed = summed[:-mine] if extra is not None else None
+            total = self.token_numbers[0] / tokens.copies  # the global batch's counted tokens
             inverse = torch.where(total > 0, 1.0 / total.clamp(min=1), math.nan)  # one device's mean of nothing
         combined = dict(zip(reduced, values, strict=True))
         for i, (name, value, args, kwargs, _, weighed) in enumerate(self._calls):
@@ -202,23 +223,24 @@ def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBat
     replicas is the mean over every counted token. Returns what ``step`` returns (its loss weighed)."""
     with global_batch_logs(module, reduce, tokens) as logs:
         out = step()
-        waits = tokens is not None and tokens.count is not None and reduce is not None
+        counts = tokens is not None and tokens.count is not None
         if tokens is not None:
             out = weighed_loss(out, tokens.local)
         numbers = None
         if guard is not None and reduce is not None:
             # the guard sees each rank's own token mean (0 where it counts none), not the weight still to be divided
             seen = out
-            if waits:
+            if counts:
                 assert tokens is not None and tokens.count is not None
                 seen = weighed_loss(out, 1.0 / (tokens.count * tokens.dp).clamp(min=1))
             numbers = guard.local_numbers(module.trainer, seen)
         summed = logs.finish(numbers)
-        if waits:
-            total = logs.total_tokens
-            assert total is not None
-            # a global batch without any counted token contributes nothing (one device's loss would be NaN)
-            out = weighed_loss(out, 1.0 / total.clamp(min=1))
+        if counts:
+            assert tokens is not None
+            # one replica (nothing to sum, no routed logs): this rank's own numbers are the totals
+            totals = logs.token_numbers if reduce is not None else tokens.numbers()
+            assert totals is not None
+            out = weighed_loss(out, tokens.loss_scale(totals))
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
     return out

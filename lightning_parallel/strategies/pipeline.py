@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -318,7 +319,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
-        self._count_tokens(batch, micro_batches=self.runner.m)
+        window = self.step_tokens.take() if self.step_tokens is not None else None  # one per training batch
+        log_scale = self._count_tokens(batch, micro_batches=self.runner.m, window=window)
         if batch_idx % self.accumulate_grad_batches == 0:
             # Lightning zeroes the gradients between training_step and backward; the schedule runs both here, so
             # the zeroing happens now and the loop's own zero_grad of this batch is skipped (see fit_patches)
@@ -331,6 +333,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches,
                                           everywhere=guard is None,
                                           loss_scale=scaler.scale if scaler is not None else None)
+        if log_scale is not None:  # with a window the step's loss is A x (its tokens' sum) / N_step: as the batch's
+            loss = loss * log_scale  # mean for the log and the guard
         if guard is not None:
             # one world all-reduce for the loss and the non-finite guard, in place of three collectives (the loss's
             # broadcast over pp, its mean over dp, the guard's agreement at the batch's end): the last stage's ranks
@@ -377,21 +381,34 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     _tokens: _BatchTokens | None = None
 
-    def _count_tokens(self, batch: Any, *, micro_batches: int) -> None:
-        """With the module's token labels named: the counted tokens of the global batch (this rank's whole batch,
-        summed over ``dp``: one all-reduce of one number) and the losses they are averaged over (``dp x cp x
-        micro_batches``), which the last stage's loss weighs each micro-batch's token mean by."""
+    def _count_tokens(self, batch: Any, *, micro_batches: int, window: tuple[int, int] | None = None
+                      ) -> Tensor | None:
+        """With the module's token labels named: the counted tokens the last stage divides each micro-batch's
+        weighed token mean by -- the global batch's (this rank's whole batch, summed over ``dp``), or with ``window``
+        (this rank's counted tokens of the optimizer step's batches, read ahead, and the ``k`` > 1 batches it holds)
+        the step's, the loss then multiplied by ``k`` too (Lightning divides it by its accumulation) -- and the
+        losses they are averaged over (``dp x cp x micro_batches``). One all-reduce of one or two numbers over dp
+        (none with dp = 1). Returns what the step's mean loss is multiplied by to log the global batch's mean
+        (``N_step / (k N_batch)``; None without a window)."""
         tokens = self._tokens
         if tokens is None:
-            return
+            return None
         from lightning_parallel.parallel.context_parallel import counted_tokens
 
         assert self.loss_labels is not None
-        total = counted_tokens(batch, self.loss_labels)
+        accumulation = 1 if window is None else window[1]
+        count = counted_tokens(batch, self.loss_labels)
+        numbers = count.reshape(1) if window is None or accumulation == 1 else torch.stack(
+            (count, torch.full_like(count, window[0])))
         if self.dims.dp > 1:
-            total = total.clone()
-            uncounted_all_reduce(total, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
-        tokens.total, tokens.pieces = total, self.dims.dp * self.dims.cp * micro_batches
+            numbers = numbers.clone()
+            uncounted_all_reduce(numbers, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
+        pieces = self.dims.dp * self.dims.cp * micro_batches
+        if numbers.numel() == 1:
+            tokens.total, tokens.pieces = numbers[0], pieces
+            return None
+        tokens.total, tokens.pieces = numbers[1], pieces * accumulation
+        return numbers[1] / (accumulation * numbers[0].clamp(min=1))
 
     def _tp_loss(self) -> contextlib.AbstractContextManager[Any]:
         """With tp > 1 the head's logits are split by vocabulary: the loss is torch's ``loss_parallel``."""
@@ -483,7 +500,8 @@ def _batch_sizes(launch_args: tuple[Any, ...]) -> Iterator[tuple[str, int]]:
 
 class _BatchTokens:
     """The token count of the batch a pipeline runs (set by the strategy before each schedule): ``total`` counted
-    tokens of the global batch and the ``pieces`` (token-mean losses: ``dp x cp x`` micro-batches) averaged."""
+    tokens of the global batch (or of the optimizer step's batches) and the ``pieces`` (token-mean losses: ``dp x cp
+    x`` micro-batches, times the step's batches) they are averaged over."""
 
     total: Tensor | None = None
     pieces: int = 1
@@ -492,9 +510,9 @@ class _BatchTokens:
 def _token_weighed(loss_fn: Callable[[Tensor, Tensor], Tensor], ignore_index: int,
                    tokens: _BatchTokens) -> Callable[[Tensor, Tensor], Tensor]:
     """With the module's token labels named: each micro-batch's loss on the last stage multiplied by its share of the
-    global batch's counted tokens, ``pieces x n_micro / N`` (its target's labels other than ``ignore_index``; ``N``
-    and ``pieces`` from :class:`_BatchTokens`), so the mean over the micro-batches, the cp ranks and the dp ranks is
-    the mean over every counted token of the global batch. No collective here."""
+    counted tokens, ``pieces x n_micro / N`` (its target's labels other than ``ignore_index``; ``N`` and ``pieces``
+    from :class:`_BatchTokens`), so the mean over the micro-batches, the cp ranks, the dp ranks (and the step's
+    batches) is the mean over every counted token of the global batch (of the step). No collective here."""
     from lightning_parallel.parallel.context_parallel import token_share, weigh
     from lightning_parallel.parallel.tensor.local import plain
 

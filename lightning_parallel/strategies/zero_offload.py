@@ -300,16 +300,19 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         def reduce(values: Any, extra: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
             return reduce_logged_batch(values, group=None, size=size, extra=extra)
 
-        tokens = self._batch_tokens(args[0] if args else kwargs.get("batch")) if size > 1 else None
+        window = self.step_tokens.take() if self.step_tokens is not None else None  # one per training batch
+        tokens = self._batch_tokens(args[0] if args else kwargs.get("batch"), window)
         return training_step_agreed(self.lightning_module, lambda: super(LPZeroOffloadStrategy, self).training_step(
             *args, **kwargs), reduce if size > 1 else None, self._nonfinite_guard if size > 1 else None, tokens=tokens)
 
-    def _batch_tokens(self, batch: Any) -> Any:
+    def _batch_tokens(self, batch: Any, window: tuple[int, int] | None) -> Any:
         """With the module's token labels named (``context_parallel_plan()['labels']``) under automatic
         optimization: this rank's token weighing (:class:`~lightning_parallel.strategies.logged.TokenWeights`):
-        its loss and mean-logged values multiplied by ``dp x n_rank / N``, ``N`` (the global batch's counted
-        tokens) summed in the step's all-reduce of its logged values, so every counted token weighs as on one
-        device; None otherwise."""
+        its mean-logged values multiplied by ``dp x n_rank / N_batch`` and its loss by ``dp x n_rank / N_batch`` or,
+        with an accumulation window (``window``: this rank's counted tokens of the step's batches, read ahead),
+        ``k x dp x n_rank / N_step`` (``k`` the window's batches) -- the counts summed in the step's all-reduce of
+        its logged values -- so every
+        counted token of the step weighs as on one device; None otherwise."""
         from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
 
         from .logged import TokenWeights
@@ -321,8 +324,13 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
             self._labels_of, self._labels = module, loss_labels(module)
         if self._labels is None:
             return None
+        step = window if window is not None and window[1] > 1 else None
+        if self.world_size == 1 and step is None:
+            return None
         count = counted_tokens(batch, self._labels)
-        return TokenWeights(local=count * self.world_size, count=count, dp=self.world_size)
+        return TokenWeights(local=count * self.world_size, count=count, dp=self.world_size,
+                            accumulation=1 if step is None else step[1],
+                            window=None if step is None else torch.full((1,), float(step[0]), device=count.device))
 
     _labels_of: Any = None
     _labels: Any = None

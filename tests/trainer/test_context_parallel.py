@@ -28,7 +28,7 @@ from lightning_parallel.strategies import (
     LPShardedStrategy,
     LPTensorStrategy,
 )
-from tests.trainer.token_data import STEPS, T, fit, weight_diff
+from tests.trainer.token_data import GLOBAL_BATCH, STEPS, StepMeanMixin, T, fit, weight_diff
 
 
 def _gpt() -> GPT:
@@ -120,9 +120,28 @@ def _ignored(kind: str) -> dict[str, Any]:
     return dict(data={"ignored": kind}, limit_val_batches=2, val_check_interval=4)
 
 
+class StepMeanGPT(StepMeanMixin, GPT):  # type: ignore[misc]
+    """The reference GPT with the step's token mean (:class:`~tests.trainer.token_data.StepMeanMixin`)."""
+
+
+def _step_mean_gpt(kind: str, samples: int = 2 * STEPS * GLOBAL_BATCH) -> StepMeanGPT:
+    from tests.trainer.token_data import TokenData
+
+    torch.manual_seed(0)
+    model = StepMeanGPT(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+    model.labels = TokenData(1, samples, ignored=kind).dataset.tensors[1]
+    return model
+
+
 def _ignored_reference(kind: str, folder: Path) -> tuple[GPT, dict[str, list[float]]]:
+    """One device, Lightning's loop, the step's token mean (:class:`StepMeanGPT`); checked once against one device
+    taking each global batch whole (no accumulation: the step's mean is its loss)."""
     if kind not in _REFERENCES:
-        model = fit("auto", 1, 1, model=_gpt(), callbacks=[_Logged(folder / "losses.json")], **_ignored(kind))[0]
+        model = _step_mean_gpt(kind)
+        fit("auto", 1, 1, model=model, callbacks=[_Logged(folder / "losses.json")], **_ignored(kind))
+        whole = fit("auto", 1, 1, model=_gpt(), batch=GLOBAL_BATCH, accumulate_grad_batches=1,
+                    data={"ignored": kind})[0]
+        assert weight_diff(model, whole) < 2e-6, weight_diff(model, whole)
         _REFERENCES[kind] = model, json.loads((folder / "losses.json").read_text())
     return _REFERENCES[kind]
 
@@ -167,6 +186,29 @@ def test_ignored_labels_count_every_token_once(tmp_path_factory: pytest.TempPath
     assert len(logged["train"]) == 2 * STEPS and len(logged["val"]) == len(one["val"]) == 5
     assert diff < 2e-5
     assert train < 2e-6 and val < 2e-6
+
+
+@pytest.mark.parametrize(("cls", "layout"), [
+    pytest.param(LPDDPStrategy, {}, id="lp_ddp"),
+    pytest.param(LPPipelineStrategy, {"pipeline_parallel_size": 2, "num_micro_batches": 2}, id="lp_pipeline"),
+])
+def test_an_epochs_short_last_window_and_the_next_epoch_weigh_their_own_tokens(cls: Any, layout: dict[str, Any]
+                                                                               ) -> None:
+    """Epochs of 9 global batches with accumulation 2: windows of 2, 2, 2, 2, then 1 at each epoch's end (which
+    Lightning still divides by 2), over 2 epochs, dp2 (and dp2 x pp2 with 2 micro-batches) with ragged -100 labels
+    against one device's step mean: each window is read ahead from its epoch's start, so its count holds only its
+    own batches."""
+    samples = 36  # 9 global batches of 4 per epoch; 10 steps = 5 per epoch
+    reference = _step_mean_gpt("ragged", samples)
+    fit("auto", 1, 1, model=reference, batch=4, samples=samples, data={"ignored": "ragged"})
+    devices = 2 * layout.get("pipeline_parallel_size", 1)
+    model, _ = fit(cls(layout, start_method="fork"), devices, 2, model=_gpt(), batch=2, samples=samples,
+                   data={"ignored": "ragged"})
+    diff = weight_diff(model, reference)
+    print(f"\n{cls.__name__} dp2 {layout}, epochs of 9 batches, windows 2-2-2-2-1, 2 epochs: "
+          f"max |w - w_1dev| = {diff:.2e}")
+    assert weight_diff(reference, _gpt()) > 1e-3  # it trained
+    assert diff < 2e-5
 
 
 def test_gradient_scale_over_dp_x_cp_with_sgd(tmp_path: Path) -> None:

@@ -321,17 +321,22 @@ def test_accumulation_with_clipping_equals_one_device(ignored: str | None) -> No
     """Lightning's loop divides the loss by accumulate_grad_batches; the engine must not divide it again (the
     gradients were 1/a^2 of one device's: 4.9e-4 off after 10 steps with a = 2 and clipping 0.5 before the fix).
     ``ragged``: labels ignored (-100) unevenly over the ranks' batches; each rank's token mean is weighed by its share
-    of the global batch's counted tokens (1.2e-2 from one device without the weighing)."""
-    from tests.trainer.token_data import T, fit, weight_diff
+    of the optimizer step's counted tokens, against one device's step mean (``StepMeanMixin``; 1.2e-2 from one
+    device without the weighing)."""
+    from lightning_parallel.models import GPT
+    from tests.trainer.token_data import StepMeanMixin, T, TokenData, fit, weight_diff
 
-    def gpt() -> pl.LightningModule:
+    class StepMeanGPT(StepMeanMixin, GPT):  # type: ignore[misc]
+        pass
+
+    def gpt(cls: type = GPT) -> Any:
         torch.manual_seed(0)
-        from lightning_parallel.models import GPT
-
-        return GPT(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+        return cls(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
 
     data = {"ignored": ignored}
-    reference = fit("auto", 1, 1, model=gpt(), data=data)[0]  # accumulation 2, clipping 0.5 by norm
+    reference = gpt(StepMeanGPT)
+    reference.labels = TokenData(1, ignored=ignored).dataset.tensors[1]
+    fit("auto", 1, 1, model=reference, data=data)  # accumulation 2, clipping 0.5 by norm
     model, _ = fit(LPZeroOffloadStrategy({"zero_stage": 2, "offload": "none"}, start_method="fork"), 2, 2, model=gpt(),
                    data=data)
     diff = weight_diff(model, reference)

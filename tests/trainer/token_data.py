@@ -92,6 +92,28 @@ def fit(strategy: Any, devices: int, dp: int, *, model: Any, steps: int = STEPS,
     return model, trainer
 
 
+class StepMeanMixin:
+    """One device's reference for a loss that is the mean over every counted token of the optimizer step, mixed into
+    a module whose ``_loss(batch)`` is the token mean of an ``(input, labels)`` batch: Lightning's accumulation
+    averages its batches' own means (each divided by ``accumulate_grad_batches``), so each batch's loss is multiplied
+    here by ``k x n_batch / N_step`` (``k`` the window's batches, fewer at an epoch's end; ``N_step`` counted from
+    :attr:`labels`, the training set's labels in the order one device's loader serves them), and ``train_loss`` is
+    logged as the batch's own mean."""
+
+    labels: torch.Tensor
+    trainer: Any
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss: torch.Tensor = self._loss(batch)  # type: ignore[attr-defined]
+        self.log("train_loss", loss, prog_bar=True, sync_dist=False)  # type: ignore[attr-defined]
+        accumulation, epoch = self.trainer.accumulate_grad_batches, int(self.trainer.num_training_batches)
+        size = batch[1].shape[0]
+        start = batch_idx // accumulation * accumulation
+        end = min(start + accumulation, epoch)
+        step = int((self.labels[start * size:end * size] != -100).sum())
+        return loss * ((end - start) * int((batch[1] != -100).sum()) / step)
+
+
 def weight_diff(a: nn.Module, b: nn.Module) -> float:
     """The largest absolute difference between two modules' state dicts (same keys)."""
     sb = b.state_dict()

@@ -23,9 +23,10 @@ A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixi
   loss (and every value logged with a mean) is scaled by its share of the counted tokens,
   :func:`token_share` ``= cp x n_rank / n_sequence``, so the mean over the cp ranks is the mean over every counted
   token of the micro-batch -- the module's loss on the whole sequence. The counts are read from the whole batch
-  before it is split (no collective). The same ``labels`` weigh the data-parallel ranks' losses and a pipeline's
-  micro-batches by their counted tokens too, at any cp (:func:`loss_labels`, :func:`counted_tokens`; the strategies
-  sum each batch's count over ``dp``), so every counted token of a global batch weighs the same.
+  before it is split (no collective). The same ``labels`` weigh the data-parallel ranks' losses, a pipeline's
+  micro-batches and a step's accumulated batches by their counted tokens too, at any cp (:func:`loss_labels`,
+  :func:`counted_tokens`; the strategies sum the counts over ``dp``, the training loader reads each accumulation
+  window ahead), so every counted token of an optimizer step weighs the same.
 
 Positions: a module with position embeddings calls :func:`~.sharding.sequence_positions` (the GPT's embedding does),
 which returns this rank's global positions under cp and ``arange`` otherwise.
