@@ -121,6 +121,9 @@ class FastForward:
         """Batches skipped by the last resumed iteration (0 when none)."""
         self.replayed = 0
         """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
+        self.before_first_iteration: Callable[[], Any] | None = None
+        """Run once when the next iteration starts (:func:`process_training_loader`: a resume position read after
+        the checkpoint is restored)."""
 
     def epoch_batches(self) -> int | None:
         """How many batches the loop takes from an epoch (None: all of them)."""
@@ -133,6 +136,9 @@ class FastForward:
 
     def iterate(self, inner: Any) -> Iterator[Any]:
         """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
+        first, self.before_first_iteration = self.before_first_iteration, None
+        if first is not None:
+            first()
         pending, self.pending = self.pending, None
         epoch = int(self.current_epoch())
         skip = pending[1] if pending is not None and pending[0] == epoch else 0
@@ -239,12 +245,25 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
         return loader
     loader = make_resumable(loader, current_epoch=lambda: int(trainer.current_epoch),
                             epoch_batches=lambda: trainer.num_training_batches)
+    owner = fast_forward_of(loader)
+    if trainer.fit_loop.restarting:
+        _resume(trainer, loader)
+    elif owner is not None:
+        # processed before the checkpoint is restored (a module's configure_optimizers reading the Trainer's
+        # estimated_stepping_batches loads the data during setup): the position is read when the epoch's first
+        # iteration starts, after the restore
+        owner.before_first_iteration = lambda: _resume(trainer, loader) if trainer.fit_loop.restarting else None
+        _silence_lightnings_warning()  # Lightning's, about a loader without state, would come before that read
+    return loader
+
+
+def _resume(trainer: Any, loader: Any) -> None:
+    """On a mid-epoch resume: set the fast-forward of ``loader`` to start after the batches the restored loop ran
+    in the epoch, and warn about what does not resume exactly."""
     fit_loop = trainer.fit_loop
-    if not fit_loop.restarting:
-        return loader
     epoch, batches = trainer_position(trainer)
     if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
-        return loader  # saved at an epoch's boundary: nothing to skip
+        return  # saved at an epoch's boundary: nothing to skip
     messages = [resume_warning(loader, epoch=epoch, batches=batches), partial_step_warning(trainer, batches)]
     owner = fast_forward_of(loader)
     if owner is not None:
@@ -263,7 +282,6 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
             import warnings
 
             warnings.warn(message, UserWarning, stacklevel=2)
-    return loader
 
 
 def partial_step_warning(trainer: Any, batches: int) -> str:

@@ -157,6 +157,20 @@ def test_the_users_distributed_sampler_resumes_mid_epoch_under_another_layout(tm
     assert "combined_loader" not in loops["state_dict"]  # nothing new in the checkpoint: Lightning alone reads it
 
 
+def test_a_module_that_reads_the_stepping_batches_resumes_mid_epoch_too(tmp_path: Path) -> None:
+    """With ``max_epochs`` (no ``max_steps``) the GPT's ``configure_optimizers`` reads the Trainer's
+    ``estimated_stepping_batches`` for its schedule, which loads the training data during setup -- before the
+    checkpoint is restored; the fast-forward then reads the restored position when the epoch's iteration starts.
+    Before, the resumed epoch replayed its first batches (silently)."""
+    epochs = {"max_steps": -1, "max_epochs": 3}
+    reference = _fit("1 device", **epochs)
+    _fit("lp_ddp x2", save_to=tmp_path, **epochs)
+    diff = _diff(_fit("lp_ddp x2", ckpt=str(tmp_path / "stop.ckpt"), **epochs), reference)
+    print(f"\nmax_epochs=3, saved at step {STOP} (mid-epoch 1) under lp_ddp x2, resumed under lp_ddp x2: "
+          f"max |w - w_uninterrupted 1 device| = {diff:.1e}")
+    assert diff < TOL
+
+
 def test_without_the_fast_forward_the_resumed_epoch_replays_batches(tmp_path: Path) -> None:
     """Control (Lightning alone, the issue's 1.2e-2): the epoch restarts from its first batch. The same checkpoint,
     written by Lightning alone, resumes exactly under a library strategy (the loop's restored position is
