@@ -276,12 +276,12 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             raise
         total = torch.stack([c.to(self.root_device) for c in counts]).sum()
         whole = sum(sizes)
-        logged = [token_share(c, total.to(c.device), 1) * (whole / b) for c, b in zip(counts, sizes, strict=True)]
+        # one division each (n_i B / (N b_i)): exactly 1 where every sample counts as many tokens
+        logged = [token_share(c * whole, total.to(c.device) * b, 1) for c, b in zip(counts, sizes, strict=True)]
         if accumulation == 1 or window is None:
             return logged, logged
-        assert window is not None
         step = torch.full_like(total, window[0])
-        loss = [token_share(c, step.to(c.device), accumulation) * (whole / b)
+        loss = [token_share(c * (accumulation * whole), step.to(c.device) * b, 1)
                 for c, b in zip(counts, sizes, strict=True)]
         return loss, logged
 

@@ -97,12 +97,21 @@ class TokenWeights:
         count = self.count.to(torch.float32).reshape(1)
         return count if self.window is None else torch.cat((count, self.window.to(count)))
 
-    def loss_scale(self, summed: Tensor) -> Tensor:
-        """What the locally weighed loss is multiplied by once ``summed`` (:meth:`numbers` summed over the ranks) is
-        known: ``1 / N_batch``, or ``A / N_step`` with a window; 0 where nothing is counted (a step without any
-        counted token contributes nothing: one device's loss would be NaN)."""
+    def loss_weight(self, summed: Tensor) -> Tensor:
+        """The loss's whole weight once ``summed`` (:meth:`numbers` summed over the ranks) is known: ``local /
+        N_batch``, or ``local x k / N_step`` with a window (``k``: :attr:`accumulation`, the window's batches), in
+        one division -- so where every batch counts as many tokens it is exactly 1; 0 where nothing is counted (a
+        step without any counted token contributes nothing: one device's loss would be NaN)."""
         total = summed[-1] / self.copies
-        return (1.0 if self.window is None else float(self.accumulation)) / total.clamp(min=1)
+        local = self.local if self.window is None else self.local * self.accumulation
+        return local / total.clamp(min=1)
+
+    def own_share(self) -> Tensor:
+        """This rank's weight as if its batch were the only one (``local / (dp x n_batch)``: the cp share, or 1): the
+        loss the non-finite guard checks -- its own token mean, 0 where it counts nothing."""
+        if self.count is None:
+            return self.local
+        return self.local / (self.count * self.dp).clamp(min=1)
 
 
 ReduceBatch = Callable[[Sequence[tuple[Tensor, Any]], Tensor | None], tuple[list[Tensor], Tensor | None]]
@@ -224,23 +233,20 @@ def training_step_agreed(module: Any, step: Callable[[], Any], reduce: ReduceBat
     with global_batch_logs(module, reduce, tokens) as logs:
         out = step()
         counts = tokens is not None and tokens.count is not None
-        if tokens is not None:
+        if tokens is not None and not counts:
             out = weighed_loss(out, tokens.local)
         numbers = None
         if guard is not None and reduce is not None:
-            # the guard sees each rank's own token mean (0 where it counts none), not the weight still to be divided
-            seen = out
-            if counts:
-                assert tokens is not None and tokens.count is not None
-                seen = weighed_loss(out, 1.0 / (tokens.count * tokens.dp).clamp(min=1))
-            numbers = guard.local_numbers(module.trainer, seen)
+            # the guard sees each rank's own token mean (0 where it counts none), not the weight still to be known
+            numbers = guard.local_numbers(module.trainer, weighed_loss(out, tokens.own_share()) if counts
+                                          and tokens is not None else out)
         summed = logs.finish(numbers)
         if counts:
             assert tokens is not None
             # one replica (nothing to sum, no routed logs): this rank's own numbers are the totals
             totals = logs.token_numbers if reduce is not None else tokens.numbers()
             assert totals is not None
-            out = weighed_loss(out, tokens.loss_scale(totals))
+            out = weighed_loss(out, tokens.loss_weight(totals))
     if guard is not None and numbers is not None and summed is not None:
         guard.agree(summed)
     return out

@@ -39,34 +39,52 @@ class ResumableDataMixin:
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         processed = process_training_loader(trainer, super().process_dataloader(dataloader))  # type: ignore[misc]
-        if trainer is not None and module is not None:
-            owner = _step_tokens(trainer, module, processed)
-            if owner is not None:
-                self.step_tokens = owner
-        return processed
+        if trainer is None or module is None or not _training(trainer):
+            return processed
+        self.step_tokens = None
+        read_ahead = _step_tokens(trainer, module, processed)
+        if read_ahead is None:
+            return processed
+        self.step_tokens, loader = read_ahead
+        return loader
 
 
-def _step_tokens(trainer: Any, module: Any, loader: Any) -> Any:
-    """The training loader of a fit read ahead by accumulation window, counting the labels the module names
-    (:func:`~lightning_parallel.data.step_tokens.attach_step_tokens`); None when it does not apply: another stage,
-    no labels named, or batch-transfer hooks that make the step's batch differ from the loader's."""
+def _training(trainer: Any) -> bool:
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_parallel.data.fast_forward import trainer_position
+    return bool(trainer.state.fn == TrainerFn.FITTING and trainer.state.stage == RunningStage.TRAINING)
+
+
+def _step_tokens(trainer: Any, module: Any, loader: Any) -> tuple[Any, Any] | None:
+    """A copy of the fit's training loader that reads each accumulation window ahead, counting the labels the module
+    names (:func:`~lightning_parallel.data.step_tokens.attach_step_tokens`; the user's loader object is left as it
+    is), and its counts; None when it does not apply: no labels named, batch-transfer hooks that make the step's
+    batch differ from the loader's, a stateful loader (its saved position would count the batches read ahead), or
+    anything but a ``DataLoader``. Windows are read only while the accumulation is above 1 and the fit has one
+    training loader."""
+    import copy
+
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from torch.utils.data import DataLoader
+
+    from lightning_parallel.data.fast_forward import is_resumable, trainer_position
     from lightning_parallel.data.step_tokens import attach_step_tokens
     from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
 
-    if trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
-        return None
     labels = loss_labels(module)
-    if labels is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
-                                                                       "on_after_batch_transfer")):
+    if labels is None or not isinstance(loader, DataLoader) or is_resumable(loader) or any(
+            is_overridden(hook, module) for hook in ("on_before_batch_transfer", "transfer_batch_to_device",
+                                                     "on_after_batch_transfer")):
         return None
 
-    def window() -> tuple[int, int, int | None]:
+    def window() -> tuple[int, int, int | None] | None:
+        combined = trainer.fit_loop._combined_loader
+        if trainer.accumulate_grad_batches <= 1 or (combined is not None and len(combined.flattened) != 1):
+            return None
         limit = trainer.num_training_batches
         return (int(trainer.accumulate_grad_batches), trainer_position(trainer)[1],
                 None if limit == float("inf") else int(limit))
 
-    return attach_step_tokens(loader, count=lambda batch: int(counted_tokens(batch, labels)), window=window)
+    copied = copy.copy(loader)
+    owner = attach_step_tokens(copied, count=lambda batch: int(counted_tokens(batch, labels)), window=window)
+    return (owner, copied) if owner is not None else None

@@ -211,6 +211,39 @@ def test_an_epochs_short_last_window_and_the_next_epoch_weigh_their_own_tokens(c
     assert diff < 2e-5
 
 
+def test_the_read_ahead_leaves_the_users_loader_as_it_is(tmp_path: Path) -> None:
+    """The accumulation windows are read ahead by a copy of the training loader: the user's object, here also the
+    validation loader, keeps its class and yields every batch -- in validation during the fit and after it."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from tests.trainer.token_data import TokenData
+
+    class Check(pl.Callback):
+        def __init__(self, loader: DataLoader) -> None:
+            self.loader, self.val_batches = loader, 0
+
+        def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            self.val_batches += 1
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            plain = type(self.loader) is DataLoader and not hasattr(self.loader, "_lp_step_tokens")
+            windows = type(trainer.train_dataloader) is not DataLoader  # the fit's own copy reads ahead
+            result = [plain, windows, self.val_batches, sum(1 for _ in self.loader), len(self.loader)]
+            (tmp_path / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+    data = TokenData(2, 16, ignored="ragged").dataset
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
+    trainer = pl.Trainer(strategy=LPDDPStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=2,
+                         accumulate_grad_batches=2, val_check_interval=2, limit_val_batches=None, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=False, callbacks=[Check(loader)])
+    trainer.fit(_gpt(), train_dataloaders=loader, val_dataloaders=loader)
+    plain, windows, val_batches, after, length = json.loads((tmp_path / "rank0.json").read_text())
+    assert plain and windows
+    assert val_batches == 2 * length  # two validations of the whole loader (4 batches each)
+    assert after == length == 4
+
+
 def test_gradient_scale_over_dp_x_cp_with_sgd(tmp_path: Path) -> None:
     """AdamW and clipping hide a wrong gradient scale (a sum over cp instead of a mean): plain SGD without clipping
     shows it in the weights. dp2 x cp2 against one device."""

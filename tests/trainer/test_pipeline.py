@@ -174,9 +174,19 @@ def test_logging_validation_test_and_predict_equal_one_device(tmp_path: Path) ->
 def test_a_batch_of_a_new_shape_inside_an_accumulation_window_equals_one_device() -> None:
     """The epoch's last training batch is shorter (2 samples per rank after three of 4) and is the second batch of
     its accumulation window: it builds a new training schedule, whose first step clears the FSDP2 stages'
-    gradients after its shape inference -- the window's first batch's gradient is kept and added back."""
+    gradients after its shape inference -- the window's first batch's gradient is kept and added back. The GPT's
+    loss is a token mean over the step (its plan names its labels), so the short batch weighs by its tokens: the
+    reference is one device's step mean."""
+    from tests.trainer.token_data import StepMeanMixin
+
+    class StepMeanGPT(StepMeanMixin, GPT):  # type: ignore[misc]
+        pass
+
     kw: dict[str, Any] = dict(max_steps=-1, max_epochs=1, samples=28)
-    ref, _ = fit("auto", 1, 1, model=_gpt(), batch=8, **kw)
+    torch.manual_seed(0)
+    ref = StepMeanGPT(n_layer=6, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+    ref.labels = TokenData(1, 28).dataset.tensors[1]
+    fit("auto", 1, 1, model=ref, batch=8, **kw)
     model, _ = fit(_pp(pipeline_parallel_size=2, num_micro_batches=2, zero_stage=3), 4, 2, model=_gpt(), batch=4,
                    **kw)
     diff = weight_diff(model, ref)

@@ -107,7 +107,7 @@ class StepMeanMixin:
         loss: torch.Tensor = self._loss(batch)  # type: ignore[attr-defined]
         self.log("train_loss", loss, prog_bar=True, sync_dist=False)  # type: ignore[attr-defined]
         accumulation, epoch = self.trainer.accumulate_grad_batches, int(self.trainer.num_training_batches)
-        size = batch[1].shape[0]
+        size = self.trainer.train_dataloader.batch_size  # a short last batch (drop_last=False) ends the data
         start = batch_idx // accumulation * accumulation
         end = min(start + accumulation, epoch)
         step = int((self.labels[start * size:end * size] != -100).sum())

@@ -26,8 +26,12 @@ def _count(batch: Any) -> int:
 
 def _run(accumulation: int, start: int = 0, limit: int | None = None, samples: int = 9
          ) -> tuple[list[int], list[tuple[int, int] | None]]:
+    return _run_with(lambda: (accumulation, start, limit), samples)
+
+
+def _run_with(window: Any, samples: int) -> tuple[list[int], list[tuple[int, int] | None]]:
     loader = _loader(samples)
-    owner = attach_step_tokens(loader, count=_count, window=lambda: (accumulation, start, limit))
+    owner = attach_step_tokens(loader, count=_count, window=window)
     assert owner is not None
     seen, taken = [], []
     for batch in loader:
@@ -67,6 +71,34 @@ def test_a_new_epoch_drops_what_the_last_did_not_take_and_the_class_keeps_its_na
     next(epoch)  # the next epoch starts afresh: its first window only
     assert [owner.take() for _ in range(3)] == [(3, 2), (3, 2), None]
     assert attach_step_tokens(loader, count=_count, window=lambda: (2, 0, None)) is owner  # attached once
+
+
+def test_no_window_or_uncountable_labels_pass_the_batches_through_uncounted() -> None:
+    loader = _loader(5)
+    owner = attach_step_tokens(loader, count=_count, window=lambda: None)  # accumulation 1, several loaders
+    assert owner is not None
+    assert [int(b[0]) for b in loader] == list(range(5)) and owner.take() is None
+
+    def fails(batch: Any) -> int:
+        if int(batch[0]) >= 2:
+            raise ValueError("no labels")
+        return _count(batch)
+
+    owner.count, owner.window = fails, lambda: (2, 0, None)
+    seen, taken = [], []
+    for batch in loader:
+        seen.append(int(batch[0]))
+        taken.append(owner.take())
+    assert seen == list(range(5))  # every batch still reaches the loop, once
+    assert taken == [(3, 2), (3, 2), None, None, None] and owner.error == "ValueError: no labels"
+
+
+def test_the_accumulation_is_read_again_at_each_window() -> None:
+    accumulation = iter([2, 2, 3, 3, 3])  # the start, then one read per window
+    _, taken = _run_with(lambda: (next(accumulation), 0, None), samples=6)
+    # windows end at multiples of the accumulation from the epoch's start, as Lightning's loop steps: {0,1} with 2,
+    # then with 3: {2} (up to 3), {3,4,5}
+    assert taken == [(3, 2), (3, 2), (3, 1), (15, 3), (15, 3), (15, 3)]
 
 
 def test_anything_but_a_dataloader_is_left_alone() -> None:
