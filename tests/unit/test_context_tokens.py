@@ -102,3 +102,23 @@ def test_the_labels_keys_are_checked(plan: dict[str, Any], message: str) -> None
     with pytest.raises(LayoutError) as err:
         read_plan(_Model(plan))
     assert message in str(err.value)
+
+
+def test_the_step_weight_is_exactly_one_where_every_batch_counts_as_many_tokens() -> None:
+    """dp 2, windows of 2 batches: a rank's weight ``dp n k / N_step`` in one division -- exactly 1.0 for uniform
+    counts (so the loss is Lightning's bit for bit), the token share otherwise, 0 where nothing is counted."""
+    from lightning_parallel.strategies.logged import TokenWeights
+
+    for n in (60, 61, 8184, 12345):
+        weights = TokenWeights(local=torch.tensor(n) * 2, count=torch.tensor(n), window=torch.tensor([2.0 * n]),
+                               accumulation=2, dp=2)
+        summed = torch.tensor([2.0 * n, 4.0 * n])  # both ranks' batch and window counts
+        assert weights.loss_weight(summed).item() == 1.0
+        loss = torch.tensor(3.7)
+        assert torch.equal(loss * weights.loss_weight(summed), loss)
+    uneven = TokenWeights(local=torch.tensor(30) * 2, count=torch.tensor(30), window=torch.tensor([70.0]),
+                          accumulation=2, dp=2)
+    assert abs(uneven.loss_weight(torch.tensor([100.0, 200.0])).item() - 2 * 30 * 2 / 200) < 1e-7
+    empty = TokenWeights(local=torch.tensor(0), count=torch.tensor(0), window=torch.tensor([0.0]), accumulation=2,
+                         dp=2)
+    assert empty.loss_weight(torch.tensor([0.0, 0.0])).item() == 0.0
