@@ -39,6 +39,14 @@ class ResumableDataLoaders(Callback):
         strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
         self._patched = strategy
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After the checkpoint is restored: data loaded before it is loaded again on a mid-epoch resume
+        (:func:`~lightning_parallel.data.fast_forward.reload_after_restore`)."""
+        from lightning_parallel.data.fast_forward import reload_after_restore
+
+        if self._patched is not None:
+            reload_after_restore(trainer)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy, self._patched = self._patched, None
         if strategy is not None and "process_dataloader" in vars(strategy):

@@ -2,14 +2,17 @@
 
 Lightning restores the loops' counters from a checkpoint but builds the training DataLoader afresh, so a run resumed
 mid-epoch starts the epoch again from its first batch (and warns that the DataLoader is not resumable) -- unless the
-loader is stateful. :func:`make_resumable` makes a user's map-style DataLoader resume exactly without changing the
-user's code, in place, and without anything new in the checkpoint: the position is the one Lightning restores (the
-epoch, and the batches the training loop ran in it, ``fit_loop.epoch_loop.batch_progress``), so it works for every
-checkpoint of every format, older ones included.
+loader is stateful. :func:`make_resumable` makes a copy of a user's map-style DataLoader that resumes exactly,
+without changing the user's code or object and without anything new in the checkpoint: the position is the one
+Lightning restores (the epoch, and the batches the training loop ran in it, ``fit_loop.epoch_loop.batch_progress``),
+so it works for every checkpoint of every format, older ones included. When the data is loaded before the restore
+(a module reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers``), :func:`reload_after_restore`
+has Lightning load it again after it.
 
 Its index sampler (``batch_sampler``, or ``sampler`` when ``batch_size=None``) is wrapped by
-:class:`FastForwardSampler`, which draws the epoch's order only when the first batch is asked for (after
-Lightning's ``set_epoch``) and, on the first iteration of a resumed epoch, skips the batches already run -- as indices
+:class:`FastForwardSampler`, which draws the epoch's order only when the first batch is asked for (setting the
+sampler's epoch first: Lightning sets it after it creates a fit's first iterator, whose workers draw at once) and, on
+the first iteration of a resumed epoch, skips the batches already run -- as indices
 only. A sampler that draws from a seeded ``torch.Generator`` of its own (``RandomSampler(generator=...)``, also inside
 the ``DistributedSamplerWrapper`` Lightning inserts) starts again where the user's code seeds it, so the orders of the
 epochs before the resumed one are drawn again first (indices only): the resumed epoch has the order the uninterrupted
@@ -31,6 +34,7 @@ it to every run).
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 __all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "make_resumable",
-           "process_training_loader", "resume_warning", "trainer_position"]
+           "process_training_loader", "reload_after_restore", "resume_warning", "trainer_position"]
 
 _ATTACHED = "_lp_fast_forward"
 _CHAIN = ("batch_sampler", "sampler", "_sampler", "dataset")  # where a sampler keeps the sampler it draws from
@@ -121,9 +125,7 @@ class FastForward:
         """Batches skipped by the last resumed iteration (0 when none)."""
         self.replayed = 0
         """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
-        self.before_first_iteration: Callable[[], Any] | None = None
-        """Run once when the next iteration starts (:func:`process_training_loader`: a resume position read after
-        the checkpoint is restored)."""
+
 
     def epoch_batches(self) -> int | None:
         """How many batches the loop takes from an epoch (None: all of them)."""
@@ -136,11 +138,14 @@ class FastForward:
 
     def iterate(self, inner: Any) -> Iterator[Any]:
         """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
-        first, self.before_first_iteration = self.before_first_iteration, None
-        if first is not None:
-            first()
         pending, self.pending = self.pending, None
         epoch = int(self.current_epoch())
+        # the epoch's order: Lightning sets the sampler's epoch after it creates the first iterator of a fit, whose
+        # workers draw indices at once (with num_workers > 0 a resumed epoch drew epoch 0's order)
+        for sampler in (inner, getattr(inner, "sampler", None)):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
         skip = pending[1] if pending is not None and pending[0] == epoch else 0
         self.skipped = self.replayed = 0
         if skip and epoch and _generator_holders(inner):
@@ -177,7 +182,8 @@ def _uses_resumable_sampler(loader: DataLoader) -> bool:
 
 def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
                    epoch_batches: Callable[[], int] | None = None) -> Any:
-    """Make a map-style ``DataLoader`` able to resume exactly mid-epoch (module docstring), in place; returns it.
+    """A copy of a map-style ``DataLoader`` able to resume exactly mid-epoch (module docstring; the user's loader is
+    left as it is); returns it.
     :meth:`FastForward.resume_at` (``fast_forward_of(loader)``) then sets where the next iteration starts.
 
     Left as it is: anything but a ``DataLoader``, a loader already stateful (torchdata's ``StatefulDataLoader``), an
@@ -186,6 +192,8 @@ def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
         return loader
     if _uses_resumable_sampler(loader) or fast_forward_of(loader) is not None:
         return loader
+    loader = copy.copy(loader)  # the user's object stays as it is (validation on it, a later fit, predict)
+    loader.__dict__["_iterator"] = None  # a persistent workers' iterator of the original is not shared
     owner = FastForward(current_epoch, epoch_batches)
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     # DataLoader refuses to re-set its samplers after __init__ (a guard against changing a running loader); the
@@ -245,16 +253,34 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
         return loader
     loader = make_resumable(loader, current_epoch=lambda: int(trainer.current_epoch),
                             epoch_batches=lambda: trainer.num_training_batches)
-    owner = fast_forward_of(loader)
     if trainer.fit_loop.restarting:
         _resume(trainer, loader)
-    elif owner is not None:
-        # processed before the checkpoint is restored (a module's configure_optimizers reading the Trainer's
-        # estimated_stepping_batches loads the data during setup): the position is read when the epoch's first
-        # iteration starts, after the restore
-        owner.before_first_iteration = lambda: _resume(trainer, loader) if trainer.fit_loop.restarting else None
-        _silence_lightnings_warning()  # Lightning's, about a loader without state, would come before that read
+    else:  # perhaps before the checkpoint is restored: see reload_after_restore
+        setattr(trainer.fit_loop, _LOADED_BEFORE_RESTORE, True)
     return loader
+
+
+_LOADED_BEFORE_RESTORE = "_lp_loaded_before_restore"
+
+
+def reload_after_restore(trainer: Any) -> bool:
+    """At the start of a fit's training (``on_train_start``, after the checkpoint is restored): when the training
+    data was loaded before the restore -- a module's ``configure_optimizers`` reading the Trainer's
+    ``estimated_stepping_batches`` loads it during setup -- and the run resumes mid-epoch, have Lightning load it
+    again now (``fit_loop.setup_data`` with its combined loader dropped; the library's strategies then restore the
+    RNG states, after the new iterator exists), so the fast-forward, the warnings and a stateful loader's saved
+    state see the restored position. Before, such a resumed epoch replayed its first batches. Returns whether it
+    did."""
+    fit_loop = trainer.fit_loop
+    if not getattr(fit_loop, _LOADED_BEFORE_RESTORE, False):
+        return False
+    setattr(fit_loop, _LOADED_BEFORE_RESTORE, False)
+    progress = fit_loop.epoch_progress.current
+    if not fit_loop.restarting or progress.processed >= progress.started or trainer_position(trainer)[1] <= 0:
+        return False
+    fit_loop._combined_loader = None
+    fit_loop.setup_data()
+    return True
 
 
 def _resume(trainer: Any, loader: Any) -> None:

@@ -92,9 +92,8 @@ class StepTokens:
             try:
                 total = sum(self.count(batch) for batch in window)
             except (ValueError, TypeError, KeyError) as err:  # a batch without countable labels: no windows
-                self.error = f"{type(err).__name__}: {err}"
-                pending.clear()
-                yield from window
+                self.error = f"{type(err).__name__}: {err}"  # (the counts already handed out stay: their batches
+                yield from window  # may still be on their way to the loop)
                 break
             pending.extend([(total, len(window))] * len(window))
             yield from window
@@ -102,7 +101,6 @@ class StepTokens:
             if len(window) < wanted:  # the loader ran out inside the window: the epoch's last step
                 return
             del window  # the window's batches are the loop's now: not held while the next one is read
-        pending.clear()
         yield from batches
 
 

@@ -31,6 +31,16 @@ class ResumableDataMixin:
 
     lightning_module: Any
 
+    def on_train_start(self) -> None:
+        """After the checkpoint is restored: the training data loaded before it is loaded again on a mid-epoch
+        resume (:func:`~lightning_parallel.data.fast_forward.reload_after_restore`)."""
+        from lightning_parallel.data.fast_forward import reload_after_restore
+
+        super().on_train_start()  # type: ignore[misc]
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            reload_after_restore(module._trainer)
+
     def process_dataloader(self, dataloader: object) -> object:
         """The training DataLoader of a fit, made resumable mid-epoch (and read ahead by accumulation window when
         the module's loss is a token mean); other loaders as Lightning processes them."""
@@ -58,13 +68,15 @@ def _training(trainer: Any) -> bool:
 def _step_tokens(trainer: Any, module: Any, loader: Any) -> tuple[Any, Any] | None:
     """A copy of the fit's training loader that reads each accumulation window ahead, counting the labels the module
     names (:func:`~lightning_parallel.data.step_tokens.attach_step_tokens`; the user's loader object is left as it
-    is), and its counts; None when it does not apply: no labels named, batch-transfer hooks that make the step's
-    batch differ from the loader's, a stateful loader (its saved position would count the batches read ahead), or
-    anything but a ``DataLoader``. Windows are read only while the accumulation is above 1 and the fit has one
+    is), and its counts; None when it does not apply: no labels named, batch-transfer hooks (the module's or the
+    data module's) that make the step's batch differ from the loader's, a ``training_step`` that takes the
+    ``dataloader_iter``, a stateful loader (its saved position would count the batches read ahead), or anything but
+    a ``DataLoader``. Windows are read only while the accumulation is above 1 and the fit has one
     training loader."""
     import copy
 
     from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
     from torch.utils.data import DataLoader
 
     from lightning_parallel.data.fast_forward import is_resumable, trainer_position
@@ -72,19 +84,23 @@ def _step_tokens(trainer: Any, module: Any, loader: Any) -> tuple[Any, Any] | No
     from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
 
     labels = loss_labels(module)
-    if labels is None or not isinstance(loader, DataLoader) or is_resumable(loader) or any(
-            is_overridden(hook, module) for hook in ("on_before_batch_transfer", "transfer_batch_to_device",
-                                                     "on_after_batch_transfer")):
+    hooks = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+    owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
+    if labels is None or not isinstance(loader, DataLoader) or is_resumable(loader) \
+            or any(is_overridden(hook, owner) for hook in hooks for owner in owners) \
+            or is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
         return None
 
     def window() -> tuple[int, int, int | None] | None:
         combined = trainer.fit_loop._combined_loader
-        if trainer.accumulate_grad_batches <= 1 or (combined is not None and len(combined.flattened) != 1):
-            return None
+        if not (_training(trainer) and trainer.training) or trainer.accumulate_grad_batches <= 1 or (
+                combined is not None and len(combined.flattened) != 1):
+            return None  # another iteration of this loader (after the fit, a user's), or nothing to read ahead
         limit = trainer.num_training_batches
         return (int(trainer.accumulate_grad_batches), trainer_position(trainer)[1],
                 None if limit == float("inf") else int(limit))
 
     copied = copy.copy(loader)
+    copied.__dict__["_iterator"] = None  # a persistent workers' iterator of the original is not shared
     owner = attach_step_tokens(copied, count=lambda batch: int(counted_tokens(batch, labels)), window=window)
     return (owner, copied) if owner is not None else None

@@ -212,3 +212,75 @@ def test_an_iterable_dataset_without_state_gets_a_warning_on_a_mid_epoch_resume(
     message = next(str(w.message) for w in record if "_Stream" in str(w.message))
     assert "2 batch(es) already run in this epoch are seen again" in message, message
     assert "the weights, optimizer, LR schedulers, RNG states and loop counters come back" in message
+
+
+class _Seen(pl.LightningModule):
+    """Records the sample ids of every training batch; reads ``estimated_stepping_batches`` in
+    ``configure_optimizers`` when ``estimate`` (as a schedule does: the data is loaded before the restore)."""
+
+    def __init__(self, workers: int, shuffle: bool, estimate: bool) -> None:
+        super().__init__()
+        self.layer, self.seen = nn.Linear(1, 1), []  # type: ignore[var-annotated]
+        self.workers, self.shuffle, self.estimate = workers, shuffle, estimate
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.seen.append(batch[0].flatten().int().tolist())
+        return self.layer(batch[0]).sum()
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.layer(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        if self.estimate:
+            assert self.trainer.estimated_stepping_batches > 0
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> Any:
+        data = TensorDataset(torch.arange(16).float().unsqueeze(1))
+        return DataLoader(data, batch_size=2, num_workers=self.workers,
+                          sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=self.shuffle, seed=0))
+
+
+@pytest.mark.parametrize(("workers", "shuffle", "estimate"), [(1, False, True), (1, True, True), (1, True, False),
+                                                              (0, True, True)])
+def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Path, workers: int, shuffle: bool,
+                                                                   estimate: bool) -> None:
+    """Epochs of 8 batches, saved at step 11 (3 batches into epoch 1), resumed: the batches must be the
+    uninterrupted run's last 5. With a loader worker the first iterator draws its indices when it is created: before
+    the checkpoint is restored when the data is loaded for ``estimated_stepping_batches`` (the epoch replayed its first
+    batches), and before Lightning sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order)."""
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step >= 11:
+                trainer.should_stop = True
+
+    def run(ckpt: str | None = None, save: bool = False) -> list[list[int]]:
+        callbacks: list[Callback] = [ResumableDataLoaders()]
+        if save:
+            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=11), Stop()]
+        module = _Seen(workers, shuffle, estimate)
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   enable_checkpointing=save, callbacks=callbacks).fit(module, ckpt_path=ckpt)
+        return module.seen
+
+    uninterrupted = run()
+    run(save=True)
+    resumed = run(ckpt=str(tmp_path / "stop.ckpt"))
+    print(f"\nworkers={workers} shuffle={shuffle} estimated_stepping_batches={estimate}: resumed {resumed}, "
+          f"uninterrupted tail {uninterrupted[11:]}")
+    assert resumed == uninterrupted[11:]
+
+
+def test_the_users_loader_is_left_as_it_is() -> None:
+    """The fast-forward wraps a copy's sampler: the user's loader, fitted on, still predicts (Lightning rebuilds it
+    with its own sampler; a wrapped sampler refused the rebuild's keyword arguments) and keeps its sampler."""
+    module = _Seen(0, False, False)
+    loader = module.train_dataloader()
+    sampler = loader.batch_sampler
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[ResumableDataLoaders()])
+    trainer.fit(module, train_dataloaders=loader)
+    assert loader.batch_sampler is sampler and not hasattr(loader, "_lp_fast_forward")
+    predictions = trainer.predict(module, loader)
+    assert predictions is not None and len(predictions) == len(loader)
