@@ -71,10 +71,10 @@ class TokenWeights:
     accumulation window: the cp share ``cp x n_rank / n_batch``); with ``count`` ``dp x cp x n_rank``, still to be
     divided by the global batch's counted tokens ``N_batch`` (the logged values) or, with ``window``, multiplied by
     the window's batches ``accumulation`` and divided by the step's counted tokens ``N_step`` (the loss: Lightning
-    divides it by its accumulation). ``count`` (this rank's
-    whole batch's) and ``window`` (its batches' of the step, read ahead: :mod:`lightning_parallel.data.step_tokens`)
-    are summed over dp in the step's all-reduce of its logged values, each dp rank's numbers held by ``copies`` of
-    its ranks (its cp ranks, or all its model-parallel peers over the whole world): no collective of their own."""
+    divides it by its accumulation). ``count`` (this rank's whole batch's) and ``window`` (its batches' of the step,
+    read ahead: :mod:`lightning_parallel.data.step_tokens`) are summed over dp in the step's all-reduce of its logged
+    values, each dp rank's numbers held by ``copies`` of its ranks (its cp ranks, or all its model-parallel peers
+    over the whole world): no collective of their own."""
 
     local: Tensor
     count: Tensor | None = None
