@@ -28,6 +28,7 @@ class ResumableDataLoaders(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_parallel.data.fast_forward import process_training_loader
 
+        trainer.fit_loop.__dict__.pop("_lp_loaded_before_restore", None)  # a mark of an earlier fit
         strategy = trainer.strategy
         if getattr(strategy, "resumes_dataloaders", False) or self._patched is not None:
             return

@@ -142,10 +142,10 @@ class FastForward:
         epoch = int(self.current_epoch())
         # the epoch's order: Lightning sets the sampler's epoch after it creates the first iterator of a fit, whose
         # workers draw indices at once (with num_workers > 0 a resumed epoch drew epoch 0's order)
-        for sampler in (inner, getattr(inner, "sampler", None)):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+        sampler = getattr(inner, "sampler", inner)  # what Lightning's _set_sampler_epoch reaches, set once
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch) and getattr(sampler, "epoch", None) != epoch:
+            set_epoch(epoch)
         skip = pending[1] if pending is not None and pending[0] == epoch else 0
         self.skipped = self.replayed = 0
         if skip and epoch and _generator_holders(inner):
@@ -251,12 +251,16 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
 
     if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.state.stage != RunningStage.TRAINING:
         return loader
-    loader = make_resumable(loader, current_epoch=lambda: int(trainer.current_epoch),
+    # the epoch Lightning sets on the sampler (after an epoch-end checkpoint the loop's "current_epoch" still reads
+    # the finished one until the loop starts)
+    loader = make_resumable(loader, current_epoch=lambda: int(trainer.fit_loop.epoch_progress.current.processed),
                             epoch_batches=lambda: trainer.num_training_batches)
-    if trainer.fit_loop.restarting:
+    fit_loop = trainer.fit_loop
+    if fit_loop.restarting:
         _resume(trainer, loader)
-    else:  # perhaps before the checkpoint is restored: see reload_after_restore
-        setattr(trainer.fit_loop, _LOADED_BEFORE_RESTORE, True)
+        fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
+    elif not _uses_resumable_sampler(loader):  # perhaps before the checkpoint is restored: reload_after_restore
+        setattr(fit_loop, _LOADED_BEFORE_RESTORE, True)
     return loader
 
 
@@ -275,8 +279,7 @@ def reload_after_restore(trainer: Any) -> bool:
     if not getattr(fit_loop, _LOADED_BEFORE_RESTORE, False):
         return False
     setattr(fit_loop, _LOADED_BEFORE_RESTORE, False)
-    progress = fit_loop.epoch_progress.current
-    if not fit_loop.restarting or progress.processed >= progress.started or trainer_position(trainer)[1] <= 0:
+    if not (fit_loop.restarting or getattr(fit_loop, "is_resuming", False)):  # (an epoch-end checkpoint: resuming)
         return False
     fit_loop._combined_loader = None
     fit_loop.setup_data()

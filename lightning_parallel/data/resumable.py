@@ -121,7 +121,11 @@ class ResumableDataModuleMixin:
         if samples is not None and batches:  # the position in samples: right under any batch size, dp, accumulation
             items = int(samples) // replicas
             skip = items if 0 < items < full_batches * batch_size else 0
-        self._lp_resume, self._lp_resume_samples = (0, 0), None  # once: a later epoch or reloaded loader starts over
+        loop = getattr(trainer, "fit_loop", None)
+        if loop is None or getattr(loop, "is_resuming", False) or getattr(loop, "restarting", False):
+            # once the loops are restored (data loaded before it, for estimated_stepping_batches, keeps it): a later
+            # epoch or reloaded loader starts over
+            self._lp_resume, self._lp_resume_samples = (0, 0), None
         self._lp_geometry = (batch_size, replicas)
         sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
                                    skip=skip, skip_epoch=epoch, multiple=multiple)

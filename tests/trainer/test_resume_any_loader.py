@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, TensorDataset
 
 from lightning_parallel.callbacks import ResumableDataLoaders
+from lightning_parallel.data import ResumableDataModuleMixin
 from lightning_parallel.models import GPT
 from lightning_parallel.strategies import (
     LPDDPStrategy,
@@ -241,35 +242,51 @@ class _Seen(pl.LightningModule):
                           sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=self.shuffle, seed=0))
 
 
-@pytest.mark.parametrize(("workers", "shuffle", "estimate"), [(1, False, True), (1, True, True), (1, True, False),
-                                                              (0, True, True)])
+class _LibraryData(ResumableDataModuleMixin, pl.LightningDataModule):
+    """The library's own resumable data module (``ResumableSampler``, its position saved in the checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ds = TensorDataset(torch.arange(16).float().unsqueeze(1))
+
+    def train_dataloader(self) -> Any:
+        return DataLoader(self.ds, batch_size=2, drop_last=True,
+                          sampler=self.resumable_sampler(self.ds, 2, shuffle=True, seed=0))
+
+
+@pytest.mark.parametrize(("workers", "shuffle", "estimate", "stop", "library"), [
+    (1, False, True, 11, False), (1, True, True, 11, False), (1, True, False, 11, False), (0, True, True, 11, False),
+    (1, True, True, 8, False), (0, True, True, 11, True)])
 def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Path, workers: int, shuffle: bool,
-                                                                   estimate: bool) -> None:
-    """Epochs of 8 batches, saved at step 11 (3 batches into epoch 1), resumed: the batches must be the
-    uninterrupted run's last 5. With a loader worker the first iterator draws its indices when it is created: before
-    the checkpoint is restored when the data is loaded for ``estimated_stepping_batches`` (the epoch replayed its first
-    batches), and before Lightning sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order)."""
+                                                                   estimate: bool, stop: int, library: bool) -> None:
+    """Epochs of 8 batches, saved at step ``stop`` (11: 3 batches into epoch 1; 8: epoch 0's end), resumed: the
+    batches must be the uninterrupted run's rest. With a loader worker the first iterator draws its indices when it
+    is created: before the checkpoint is restored when the data is loaded for ``estimated_stepping_batches`` (the
+    epoch replayed its first batches; after an epoch-end checkpoint it took epoch 0's order), and before Lightning
+    sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order). ``library``: the library's data module,
+    whose position the reload must not lose."""
     class Stop(Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step >= 11:
+            if trainer.global_step >= stop:
                 trainer.should_stop = True
 
     def run(ckpt: str | None = None, save: bool = False) -> list[list[int]]:
         callbacks: list[Callback] = [ResumableDataLoaders()]
         if save:
-            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=11), Stop()]
+            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=stop), Stop()]
         module = _Seen(workers, shuffle, estimate)
         pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                   enable_checkpointing=save, callbacks=callbacks).fit(module, ckpt_path=ckpt)
+                   enable_checkpointing=save, callbacks=callbacks).fit(
+                       module, datamodule=_LibraryData() if library else None, ckpt_path=ckpt)
         return module.seen
 
     uninterrupted = run()
     run(save=True)
     resumed = run(ckpt=str(tmp_path / "stop.ckpt"))
-    print(f"\nworkers={workers} shuffle={shuffle} estimated_stepping_batches={estimate}: resumed {resumed}, "
-          f"uninterrupted tail {uninterrupted[11:]}")
-    assert resumed == uninterrupted[11:]
+    print(f"\nworkers={workers} shuffle={shuffle} estimated_stepping_batches={estimate} stop={stop} "
+          f"library={library}: resumed {resumed}, uninterrupted rest {uninterrupted[stop:]}")
+    assert resumed == uninterrupted[stop:]
 
 
 def test_the_users_loader_is_left_as_it_is() -> None:
