@@ -259,7 +259,7 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     if fit_loop.restarting:
         _resume(trainer, loader)
         fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
-    elif not _uses_resumable_sampler(loader):  # perhaps before the checkpoint is restored: reload_after_restore
+    else:  # perhaps before the checkpoint is restored: see reload_after_restore
         setattr(fit_loop, _LOADED_BEFORE_RESTORE, True)
     return loader
 
