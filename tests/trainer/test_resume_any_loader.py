@@ -301,3 +301,35 @@ def test_the_users_loader_is_left_as_it_is() -> None:
     assert loader.batch_sampler is sampler and not hasattr(loader, "_lp_fast_forward")
     predictions = trainer.predict(module, loader)
     assert predictions is not None and len(predictions) == len(loader)
+
+
+def test_the_library_data_module_resumes_under_a_strategy_that_restores_after_setup(tmp_path: Path) -> None:
+    """``lp_sharded`` restores the checkpoint after its setup, where ``estimated_stepping_batches`` asks the library's
+    data module for its loader before the position is set: the reload after the restore must ask again (rank 0's
+    batches after a save at step 6, mid-epoch 1, against the uninterrupted run's; ``[[5, 6], [11, 7]]`` against
+    ``[[1, 9], [10, 13]]`` when such loaders were not reloaded)."""
+    import json
+
+    class Dump(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+            if trainer.global_rank == 0:
+                (tmp_path / f"{self.name}.json").write_text(json.dumps(module.seen))
+
+    def run(name: str, ckpt: str | None = None, save: bool = False) -> list[list[int]]:
+        callbacks: list[Callback] = [Dump(name)]
+        if save:
+            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=6), _StopAt()]
+        pl.Trainer(accelerator="cpu", devices=2, strategy=LPShardedStrategy({"zero_stage": 1}, **FORK), max_epochs=2,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   limit_val_batches=0, enable_checkpointing=save, callbacks=callbacks,
+                   use_distributed_sampler=False).fit(_Seen(0, True, True), datamodule=_LibraryData(), ckpt_path=ckpt)
+        return json.loads((tmp_path / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+    uninterrupted = run("full")
+    run("save", save=True)
+    resumed = run("resumed", ckpt=str(tmp_path / "stop.ckpt"))
+    print(f"\nlp_sharded, the library's data module, resumed at step 6: {resumed} vs {uninterrupted[6:]}")
+    assert resumed == uninterrupted[6:]
