@@ -251,9 +251,16 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         tokens = self.batch_tokens(batch, optional=optional)
         if tokens is None or tokens.count is None:
             return tokens.local if tokens is not None else None
-        total = tokens.count.clone()
-        uncounted_all_reduce(total, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
-        return tokens.share(total)
+        return tokens.share(self.sum_over_dp(tokens.count))
+
+    def sum_over_dp(self, numbers: Tensor) -> Tensor:
+        """``numbers`` summed over this rank's dp group (a new tensor; ``numbers`` itself with dp = 1): one
+        all-reduce of control traffic, not counted as the layout's own communication."""
+        if self.dims.dp == 1:
+            return numbers
+        total = numbers.clone()
+        uncounted_all_reduce(total, group=self.mesh.get_group("dp"))
+        return total
 
     def batch_tokens(self, batch: Any, *, optional: bool = False, window: tuple[int, int] | None = None
                      ) -> TokenWeights | None:

@@ -256,7 +256,7 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         batches, read ahead, and the ``k`` > 1 batches it holds) ``k x n_i / N_step x B / b_i``, so every token of
         the step weighs once (Lightning divides the loss by its accumulation). None otherwise, and for a batch
         without the labels entry when ``optional`` (an evaluation batch). No host synchronisation."""
-        from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels, token_share
+        from lightning_parallel.parallel.context_parallel import counted_tokens, token_share
 
         module = self.lightning_module
         if module is None:
@@ -264,12 +264,11 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         accumulation = 1 if window is None else window[1]
         if len(slices) == 1 and accumulation == 1:
             return None
-        if self._labels_of is not module:
-            self._labels_of, self._labels = module, loss_labels(module)
-        if self._labels is None:
+        labels = self.token_labels()
+        if labels is None:
             return None
         try:
-            counts = [counted_tokens(part, self._labels) for part in slices]
+            counts = [counted_tokens(part, labels) for part in slices]
         except ValueError:
             if optional:
                 return None
@@ -285,8 +284,6 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
                 for c, b in zip(counts, sizes, strict=True)]
         return loss, logged
 
-    _labels_of: Any = None
-    _labels: Any = None
 
     @staticmethod
     def _weighed(module: pl.LightningModule, outputs: list[Any], recorders: list[_LogRecorder],

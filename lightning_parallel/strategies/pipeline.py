@@ -400,9 +400,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         count = counted_tokens(batch, self.loss_labels)
         numbers = count.reshape(1) if window is None or accumulation == 1 else torch.stack(
             (count, torch.full_like(count, window[0])))
-        if self.dims.dp > 1:
-            numbers = numbers.clone()
-            uncounted_all_reduce(numbers, group=self.mesh.get_group("dp"))  # control traffic: not the layout's own
+        numbers = self.sum_over_dp(numbers)
         pieces = self.dims.dp * self.dims.cp * micro_batches
         if numbers.numel() == 1:
             tokens.total, tokens.pieces = numbers[0], pieces

@@ -30,6 +30,20 @@ class ResumableDataMixin:
     batch."""
 
     lightning_module: Any
+    _labels_of: Any = None
+    _labels: Any = None
+
+    def token_labels(self) -> Any:
+        """The token labels the module's ``context_parallel_plan()`` names
+        (:func:`~lightning_parallel.parallel.context_parallel.loss_labels`), read once per module; None without."""
+        from lightning_parallel.parallel.context_parallel import loss_labels
+
+        module = self.lightning_module
+        if module is None:
+            return None
+        if self._labels_of is not module:
+            self._labels_of, self._labels = module, loss_labels(module)
+        return self._labels
 
     def on_train_start(self) -> None:
         """After the checkpoint is restored: the training data loaded before it is loaded again on a mid-epoch
@@ -52,7 +66,7 @@ class ResumableDataMixin:
         if trainer is None or module is None or not _training(trainer):
             return processed
         self.step_tokens = None
-        read_ahead = _step_tokens(trainer, module, processed)
+        read_ahead = _step_tokens(trainer, module, self.token_labels(), processed)
         if read_ahead is None:
             return processed
         self.step_tokens, loader = read_ahead
@@ -65,7 +79,7 @@ def _training(trainer: Any) -> bool:
     return bool(trainer.state.fn == TrainerFn.FITTING and trainer.state.stage == RunningStage.TRAINING)
 
 
-def _step_tokens(trainer: Any, module: Any, loader: Any) -> tuple[Any, Any] | None:
+def _step_tokens(trainer: Any, module: Any, labels: Any, loader: Any) -> tuple[Any, Any] | None:
     """A copy of the fit's training loader that reads each accumulation window ahead, counting the labels the module
     names (:func:`~lightning_parallel.data.step_tokens.attach_step_tokens`; the user's loader object is left as it
     is), and its counts; None when it does not apply: no labels named, batch-transfer hooks (the module's or the
@@ -81,9 +95,8 @@ def _step_tokens(trainer: Any, module: Any, loader: Any) -> tuple[Any, Any] | No
 
     from lightning_parallel.data.fast_forward import is_resumable, trainer_position
     from lightning_parallel.data.step_tokens import attach_step_tokens
-    from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
+    from lightning_parallel.parallel.context_parallel import counted_tokens
 
-    labels = loss_labels(module)
     hooks = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
     owners = [module, trainer.datamodule] if trainer.datamodule is not None else [module]
     if labels is None or not isinstance(loader, DataLoader) or is_resumable(loader) \

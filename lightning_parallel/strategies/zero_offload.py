@@ -313,27 +313,24 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         ``k x dp x n_rank / N_step`` (``k`` the window's batches) -- the counts summed in the step's all-reduce of
         its logged values -- so every
         counted token of the step weighs as on one device; None otherwise."""
-        from lightning_parallel.parallel.context_parallel import counted_tokens, loss_labels
+        from lightning_parallel.parallel.context_parallel import counted_tokens
 
         from .logged import TokenWeights
 
         module = self.lightning_module
         if module is None or batch is None or not module.automatic_optimization:  # manual: its own backward
             return None
-        if self._labels_of is not module:
-            self._labels_of, self._labels = module, loss_labels(module)
-        if self._labels is None:
+        labels = self.token_labels()
+        if labels is None:
             return None
         step = window if window is not None and window[1] > 1 else None
         if self.world_size == 1 and step is None:
             return None
-        count = counted_tokens(batch, self._labels)
+        count = counted_tokens(batch, labels)
         return TokenWeights(local=count * self.world_size, count=count, dp=self.world_size,
                             accumulation=1 if step is None else step[1],
                             window=None if step is None else torch.full((1,), float(step[0]), device=count.device))
 
-    _labels_of: Any = None
-    _labels: Any = None
 
     @property
     @override
