@@ -241,8 +241,12 @@ def test_a_node_lost_mid_run_the_survivor_finishes_on_the_same_trajectory(tmp_pa
 
 
 def test_a_world_the_layout_cannot_use_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """One elastic agent whose world (1 node x 2 ranks) cannot hold the recipe's tensor-parallel size 4: every rank
-    refuses it with the arithmetic before any process group exists, and the agent gives up after its restarts."""
+    """One elastic agent whose world (1 node x 2 ranks) cannot hold the recipe's tensor-parallel size 4: a rank
+    refuses it with the arithmetic before any process group exists, and the agent gives up after its restarts.
+
+    Each rank checks the layout on its own, but the agent stops the whole group as soon as one rank exits: on a
+    loaded machine the second rank is often stopped before it reaches its check, so one line or two (identical) are
+    both correct here."""
     recipe = _recipe(tmp_path / "refused", "lp_ddp")
     log = tmp_path / "node.log"
     agent = subprocess.Popen(
@@ -258,7 +262,7 @@ def test_a_world_the_layout_cannot_use_is_refused_with_the_reason(tmp_path: Path
     out = log.read_text()
     refusals = _lines(out, "lightning-parallel: error:")
     print(f"\nexit {code}; " + (refusals[0] if refusals else out[-3000:]))
-    assert code != 0 and len(refusals) == 2  # both ranks, one line each, no traceback
+    assert code != 0 and len(refusals) in (1, 2) and len(set(refusals)) == 1  # one line per rank that got there
     assert "tensor_parallel_size (4) = 4, but the world size is 2" in refusals[0]
     assert "Traceback" not in out.split("lightning-parallel: error:")[0]
     assert not (recipe.parent / "losses.jsonl").exists()
