@@ -26,7 +26,11 @@ code per family:
   functions, not submodules).
 
 The loss follows Hugging Face's convention: ``labels`` default to ``input_ids``, are shifted inside (position ``t``
-predicts token ``t + 1``), and ``-100`` is ignored; the loss is the mean over the counted tokens of the (micro-)batch.
+predicts token ``t + 1``), and ``-100`` is ignored; the loss is the mean over the counted tokens of the (micro-)batch,
+and the mixin's ``context_parallel_plan()`` names those shifted labels (:meth:`HFModelMixin.hf_labels`), so the
+strategies weigh data-parallel ranks, micro-batches and accumulated batches by their counted tokens: every counted token
+of an optimizer step weighs the same, as on one device taking the step's samples in one batch. Context parallelism is
+refused (the attention core is a function).
 Batches are dicts with ``input_ids`` (and optionally ``labels``, ``attention_mask``, ``position_ids``), or ``(input,
 target)`` pairs as :class:`~lightning_parallel.data.TextDataModule` yields them (targets already shifted).
 
@@ -258,6 +262,22 @@ class HFModelMixin(ParallelModuleMixin):
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return hf_causal_loss(output, target)
 
+    # ------------------------------------------------------------------ the loss's tokens
+    def hf_labels(self, batch: Any) -> Tensor:
+        """The labels the loss counts on ``batch``: a dict batch's ``labels`` (or ``input_ids``) shifted, an
+        ``(input, target)`` pair's target -- the target :meth:`pipeline_batch` returns."""
+        target = self.pipeline_batch(batch)[1]
+        if target is None:
+            raise TypeError("a batch without targets (give (input, target) or a dict with input_ids)")
+        return target
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        """The loss is a mean over the counted tokens (labels other than -100): the strategies weigh data-parallel
+        ranks, a pipeline's micro-batches and a step's accumulated batches by their counted tokens
+        (:meth:`hf_labels`), so padding and masked prompts weigh as on one device taking the step's batch whole.
+        Context parallelism itself is refused (:meth:`check_parallel_layout`)."""
+        return {"labels": self.hf_labels, "ignore_index": IGNORE_INDEX}
+
     # ------------------------------------------------------------------ loss of the model's own forward
     def hf_loss(self, batch: Any) -> Tensor:
         """The model's loss on ``batch`` by Hugging Face's convention (see the module docstring)."""
@@ -310,12 +330,21 @@ class HFModelMixin(ParallelModuleMixin):
                 "vocab_size": int(config.vocab_size)}
 
     def check_parallel_layout(self, layout: ParallelConfig) -> None:
-        """Before launch: tensor parallelism needs a plan the library maps, attention and key/value heads divisible
-        by ``tp``, untied embeddings and no sequence parallelism; a pipeline needs a pipeline plan the cut
-        reproduces (checked against the model's own forward)."""
+        """Before launch: no context parallelism (the attention core is a function); tensor parallelism needs a plan
+        the library maps, attention and key/value heads divisible by ``tp``, untied embeddings and no sequence
+        parallelism; a pipeline needs a pipeline plan the cut reproduces (checked against the model's own
+        forward)."""
         hf = self.hf_model
         config = hf.config
         family = f"{type(hf).__name__} ({getattr(config, 'model_type', '?')})"
+        if layout.context_parallel_size > 1:
+            raise LayoutError(
+                f"parallel.context_parallel_size={layout.context_parallel_size}: context parallelism replaces "
+                f"parameter-free attention-core submodules with ring attention; {family}'s attention core is a "
+                "function, not a submodule (and its labels are shifted inside the loss, across the chunks a cp rank "
+                "would hold). Fix: context_parallel_size=1 (long sequences: activation_checkpointing='full', or "
+                "a model whose attention core is a submodule)."
+            )
         tp = layout.tensor_parallel_size
         if tp > 1:
             self.tensor_parallel_plan()  # refuses a missing plan or an unknown style

@@ -203,7 +203,9 @@ class ParallelModuleMixin:
         weighed by its share of the counted tokens, so ignored labels that fall unevenly over the ranks' chunks
         (padding, masked prompts) weigh as on one device -- and at any cp (only ``labels`` and ``ignore_index`` are
         read at cp = 1) the dp ranks' batches, a pipeline's micro-batches and a step's accumulated batches are
-        weighed the same way. See
+        weighed the same way. ``labels`` may also be a function ``batch -> labels`` returning them as the loss counts
+        them (a loss that shifts its labels inside): it weighs dp ranks, micro-batches and accumulated batches, and is
+        refused at cp > 1 (the labels are cut along the sequence there). See
         :mod:`lightning_parallel.parallel.context_parallel.plan`."""
         raise NotImplementedError
 

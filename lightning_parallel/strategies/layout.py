@@ -161,6 +161,9 @@ class LayoutMixin:
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
+        own = getattr(module, "check_parallel_layout", None)
+        if callable(own):
+            own(self.layout)  # the module's own refusals first (e.g. a Hugging Face family without a tensor plan)
         if self.layout.context_parallel_size > 1:
             from lightning_parallel.config import check_context_compat
             from lightning_parallel.parallel.context_parallel import check_context_plan
@@ -175,9 +178,6 @@ class LayoutMixin:
         if self.layout.compile:
             check_backend(self.layout.compile)
             compile_targets(module)
-        own = getattr(module, "check_parallel_layout", None)
-        if callable(own):
-            own(self.layout)  # the module's own refusals (e.g. a Hugging Face family without a tensor plan)
 
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called
@@ -641,7 +641,7 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
     otherwise only its labels are read (:func:`~lightning_parallel.parallel.context_parallel.loss_labels`)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from lightning_parallel.parallel.context_parallel import labels_of, loss_labels, read_plan
+    from lightning_parallel.parallel.context_parallel import describe_labels, labels_of, loss_labels, read_plan
 
     plan = read_plan(module) if strict else loss_labels(module)
     if plan is None or plan.labels is None:
@@ -658,8 +658,8 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
     if target is not None and not (isinstance(target, torch.Tensor) and target.shape == labels.shape
                                    and torch.equal(target, labels)):
         raise LayoutError(
-            f"{type(module).__name__}.context_parallel_plan() names batch entry {plan.labels!r} as the labels, but "
-            f"pipeline_batch(batch) returns a different target ({_describe_tensor(target)} vs the labels' "
+            f"{type(module).__name__}.context_parallel_plan() names {describe_labels(plan.labels)} as the labels, "
+            f"but pipeline_batch(batch) returns a different target ({_describe_tensor(target)} vs the labels' "
             f"{_describe_tensor(labels)}): a pipeline's last stage weighs each micro-batch's loss by the counted "
             "tokens of the target it receives. Fix: return the labels entry as the target, or leave 'labels' out of "
             "the plan (the loss is then not reweighted).")

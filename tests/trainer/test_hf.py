@@ -111,15 +111,22 @@ def test_dp2_pp2_tp2_equals_one_device(reference: HFCausalLM) -> None:
 
 class PaddedDicts(pl.LightningDataModule):
     """Hugging Face style batches: ``input_ids``, ``attention_mask`` (each sample's last 3 positions padding) and
-    ``labels`` with -100 there (as many per sample, so every micro-batch's mean counts as many tokens)."""
+    ``labels`` with -100 there (as many per sample, so every micro-batch's mean counts as many tokens). ``ragged``:
+    sample ``i`` pads its last ``(3 i) % 6`` positions and masks a prompt of ``(5 i) % 7`` labels instead, so
+    samples count different numbers of tokens."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, ragged: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(3)
         ids = torch.randint(0, 64, (80, T), generator=g)
         mask = torch.ones(80, T, dtype=torch.long)
-        mask[:, -3:] = 0
-        labels = ids.masked_fill(mask == 0, -100)
+        if ragged:
+            pos, rows = torch.arange(T), torch.arange(80)[:, None]
+            mask[pos >= T - (3 * rows) % 6] = 0
+            labels = ids.masked_fill((mask == 0) | (pos < (5 * rows) % 7), -100)
+        else:
+            mask[:, -3:] = 0
+            labels = ids.masked_fill(mask == 0, -100)
         self.rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels,
                                                                                             strict=True)]
         self.batch_size = batch_size
@@ -149,6 +156,33 @@ def test_dict_batches_with_padding_mask_through_a_pipeline() -> None:
         pl.Trainer(devices=2, strategy=strategy, **kw).fit(model, datamodule=PaddedDicts(8 // dp))
         diffs[name] = weight_diff(model, ref)
         print(f"HFCausalLM padded dict batches {name}: max |w - w_1dev| = {diffs[name]:.2e}")
+    assert weight_diff(ref, llama()) > 1e-3 and max(diffs.values()) < TOL, diffs
+
+
+def test_ragged_labels_weigh_every_token_of_the_step_once() -> None:
+    """Padding and masked prompts of varying lengths: each dp rank, micro-batch and accumulated batch holds a
+    different number of counted tokens, and the adapter's loss is a token mean. Every strategy's optimizer step of 8
+    samples (2 accumulated batches) equals one device taking the 8 samples as one batch -- the mean over every
+    counted token of the step, as Hugging Face's trainer computes it -- because the adapter names its shifted labels
+    (``HFModelMixin.context_parallel_plan``)."""
+    kw: dict[str, Any] = dict(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                              enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                              gradient_clip_val=0.5)
+    ref = llama()
+    pl.Trainer(devices=1, **kw).fit(ref, datamodule=PaddedDicts(8, ragged=True))
+    diffs = {}
+    for name, strategy, devices, batch in (
+        ("lp_ddp x2", LPDDPStrategy(start_method="fork"), 2, 2),
+        ("lp_dp x2", LPDPStrategy(), 2, 4),
+        ("lp_sharded zero3 x2", LPShardedStrategy({"zero_stage": 3}, start_method="fork"), 2, 2),
+        ("lp_pipeline pp2 1f1b m2", LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
+                                                       start_method="fork"), 2, 4),
+    ):
+        model = llama()
+        pl.Trainer(devices=devices, strategy=strategy, accumulate_grad_batches=2, **kw).fit(
+            model, datamodule=PaddedDicts(batch, ragged=True))
+        diffs[name] = weight_diff(model, ref)
+        print(f"HFCausalLM ragged -100 labels, 2 accumulated batches, {name}: max |w - w_1dev| = {diffs[name]:.2e}")
     assert weight_diff(ref, llama()) > 1e-3 and max(diffs.values()) < TOL, diffs
 
 
@@ -201,6 +235,8 @@ def test_refusals_before_launch() -> None:
              r"num_key_value_heads=2: 2 % 4 = 2")
     _refused(LPTensorStrategy({"tensor_parallel_size": 2, "activation_checkpointing": "selective"},
                               start_method="fork"), llama(), 2, r"attention core is a function")
+    _refused(LPDDPStrategy({"context_parallel_size": 2}, start_method="fork"), llama(), 2,
+             r"context_parallel_size=2: .*LlamaForCausalLM \(llama\)'s attention core is a function")
     _refused(LPTensorStrategy({"tensor_parallel_size": 2}, start_method="fork"), llama(tie_word_embeddings=True), 2,
              r"tie_word_embeddings=True")
     gemma = HFCausalLM({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

@@ -14,6 +14,9 @@ from lightning_parallel.config import LayoutError
 from lightning_parallel.parallel.context_parallel import (
     SequenceShard,
     batch_token_share,
+    counted_tokens,
+    labels_of,
+    loss_labels,
     read_plan,
     shard_sequence,
     split_batch,
@@ -102,6 +105,30 @@ def test_the_labels_keys_are_checked(plan: dict[str, Any], message: str) -> None
     with pytest.raises(LayoutError) as err:
         read_plan(_Model(plan))
     assert message in str(err.value)
+
+
+def _shifted(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.pad(batch["labels"][..., 1:], (0, 1), value=-100)
+
+
+def test_labels_given_as_a_function_are_counted_as_the_loss_sees_them_and_refused_under_cp() -> None:
+    """A loss that shifts its labels inside names them by a function of the batch: the count is the function's
+    labels' (not the batch entry's); a function that fails or returns no integer tensor is named in the error; cp
+    (which cuts the labels along the sequence) refuses it with the fix."""
+    labels = torch.tensor([[-100, 5, 6, -100], [7, 8, 9, 10]])
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels}
+    plan = loss_labels(_Model({"labels": _shifted}))
+    assert plan is not None and plan.labels is _shifted
+    assert torch.equal(labels_of(batch, plan), torch.tensor([[5, 6, -100, -100], [8, 9, 10, -100]]))
+    assert int(counted_tokens(batch, plan)) == 5 and int((labels != -100).sum()) == 6
+    with pytest.raises(ValueError, match=r"the function _shifted, raised KeyError: 'labels' on a batch \(dict\)"):
+        labels_of({"input_ids": labels}, plan)
+    floats = loss_labels(_Model({"labels": lambda b: b["labels"].float()}))
+    assert floats is not None
+    with pytest.raises(ValueError, match=r"the function .*<lambda> returns torch.float32, not integer token labels"):
+        labels_of(batch, floats)
+    with pytest.raises(LayoutError, match=r"'labels' is a function \(_shifted\).*Fix: name the entry of the labels"):
+        read_plan(_Model({"labels": _shifted}))
 
 
 def test_the_step_weight_is_exactly_one_where_every_batch_counts_as_many_tokens() -> None:

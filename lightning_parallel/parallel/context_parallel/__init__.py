@@ -22,6 +22,7 @@ from .plan import (
     check_context_plan,
     context_parallel_modules,
     counted_tokens,
+    describe_labels,
     labels_of,
     loss_labels,
     read_plan,
@@ -47,6 +48,6 @@ from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "SequenceShard", "activate", "activated",
            "active", "all_to_all_attention", "apply_context_parallel", "batch_token_share", "check_context_plan",
-           "context_parallel_modules", "counted_tokens", "deactivate", "head_tail_order", "labels_of", "loss_labels",
-           "read_plan", "ring_attention", "sequence_length", "sequence_positions", "shard_sequence", "split_batch",
-           "token_share", "unshard_sequence", "weigh"]
+           "context_parallel_modules", "counted_tokens", "deactivate", "describe_labels", "head_tail_order",
+           "labels_of", "loss_labels", "read_plan", "ring_attention", "sequence_length", "sequence_positions",
+           "shard_sequence", "split_batch", "token_share", "unshard_sequence", "weigh"]

@@ -26,7 +26,11 @@ A module opts in with :meth:`~lightning_parallel.module_hooks.ParallelModuleMixi
   before it is split (no collective). The same ``labels`` weigh the data-parallel ranks' losses, a pipeline's
   micro-batches and a step's accumulated batches by their counted tokens too, at any cp (:func:`loss_labels`,
   :func:`counted_tokens`; the strategies sum the counts over ``dp``, the training loader reads each accumulation
-  window ahead), so every counted token of an optimizer step weighs the same.
+  window ahead), so every counted token of an optimizer step weighs the same. Where the loss counts labels that no
+  batch entry holds as such (Hugging Face's causal LMs shift ``labels``, or ``input_ids`` without them, inside their
+  loss), ``labels`` may instead be a function ``batch -> labels as the loss counts them``: it weighs dp ranks,
+  micro-batches and accumulated batches the same way, but cannot be cut along the sequence, so it is refused at
+  cp > 1.
 
 Positions: a module with position embeddings calls :func:`~.sharding.sequence_positions` (the GPT's embedding does),
 which returns this rank's global positions under cp and ``arange`` otherwise.
@@ -56,8 +60,8 @@ from .sharding import ContextParallelState, SequenceShard, activate, active, sha
 from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
-           "context_parallel_modules", "counted_tokens", "labels_of", "loss_labels", "read_plan", "split_batch",
-           "token_share", "weigh"]
+           "context_parallel_modules", "counted_tokens", "describe_labels", "labels_of", "loss_labels", "read_plan",
+           "split_batch", "token_share", "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
@@ -72,8 +76,8 @@ MINIMAL_PLAN = (
 @dataclass(frozen=True)
 class ContextParallelPlan:
     """A module's plan, expanded: the attention submodules' names (module order), the batch's sequence dims, and
-    the batch entry holding the token labels (None: the loss is not reweighted) with the label that is not
-    counted."""
+    the batch entry holding the token labels, or a function of the batch returning them (None: the loss is not
+    reweighted), with the label that is not counted."""
 
     attention: tuple[str, ...]
     batch: int | Mapping[Any, int] = field(default_factory=dict)
@@ -133,6 +137,12 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
     order = {n: i for i, n in enumerate(names)}
     plan = ContextParallelPlan(attention=tuple(sorted(found, key=order.__getitem__)), batch=batch,
                                labels=raw.get("labels"), ignore_index=raw.get("ignore_index", -100))
+    if callable(plan.labels):
+        raise _refuse(module, f"'labels' is a function ({describe_labels(plan.labels)}): it can weigh data-parallel "
+                              "ranks, micro-batches and accumulated batches by their counted tokens, but context "
+                              "parallelism cuts the labels with the tokens along the sequence, so it needs the batch "
+                              "entry. Fix: name the entry of the labels (index or key, split by 'batch'), or "
+                              "context_parallel_size=1.")
     if plan.labels is not None and plan.sequence_dim(plan.labels) is None:
         raise _refuse(module, f"'labels' names batch entry {plan.labels!r}, which 'batch' ({batch!r}) does not "
                               "split: the labels are cut with the tokens. Fix: add it to 'batch' with its sequence "
@@ -272,11 +282,30 @@ def _entry(batch: Any, key: Any) -> Any:
     return None
 
 
+def describe_labels(labels: Any) -> str:
+    """How a refusal names the plan's ``labels``: the entry's repr, or the function's qualified name."""
+    if callable(labels):
+        return getattr(labels, "__qualname__", None) or type(labels).__name__
+    return repr(labels)
+
+
 def labels_of(batch: Any, plan: ContextParallelPlan) -> Tensor:
-    """The token labels the plan names in ``batch`` (ValueError naming the entry when it holds no integer tensor)."""
-    labels = _entry(batch, plan.labels)
+    """The token labels the plan names in ``batch`` -- the entry, or what the plan's function returns for it
+    (ValueError naming the entry or function when that is no integer tensor)."""
+    if callable(plan.labels):
+        try:
+            labels = plan.labels(batch)
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise ValueError(f"context_parallel_plan()['labels'], the function {describe_labels(plan.labels)}, "
+                             f"raised {type(err).__name__}: {err} on a batch ({type(batch).__name__}). Fix: return "
+                             "the labels the loss counts for every training batch, or leave 'labels' out (the loss "
+                             "is then not reweighted by each rank's counted tokens).") from None
+        where = f"the function {describe_labels(plan.labels)} returns"
+    else:
+        labels = _entry(batch, plan.labels)
+        where = f"names batch entry {plan.labels!r}, which holds"
     if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex():
-        raise ValueError(f"context_parallel_plan()['labels'] names batch entry {plan.labels!r}, which holds "
+        raise ValueError(f"context_parallel_plan()['labels'] {where} "
                          f"{type(labels).__name__ if not isinstance(labels, Tensor) else labels.dtype}, not integer "
                          "token labels. Fix: name the entry of the labels, or leave 'labels' out (the loss is then "
                          "not reweighted by each rank's counted tokens).")
