@@ -27,10 +27,11 @@ code per family:
 
 The loss follows Hugging Face's convention: ``labels`` default to ``input_ids``, are shifted inside (position ``t``
 predicts token ``t + 1``), and ``-100`` is ignored; the loss is the mean over the counted tokens of the (micro-)batch,
-and the mixin's ``context_parallel_plan()`` names those shifted labels (:meth:`HFModelMixin.hf_labels`), so the
-strategies weigh data-parallel ranks, micro-batches and accumulated batches by their counted tokens: every counted token
-of an optimizer step weighs the same, as on one device taking the step's samples in one batch. Context parallelism is
-refused (the attention core is a function).
+and :class:`HFCausalLM`'s ``context_parallel_plan()`` names those shifted labels (:meth:`HFModelMixin.hf_labels`), so
+the strategies weigh data-parallel ranks, micro-batches and accumulated batches by their counted tokens: every counted
+token of an optimizer step weighs the same, as on one device taking the step's samples in one batch (a module of your
+own that mixes in :class:`HFModelMixin` and trains on :meth:`HFModelMixin.hf_loss` opts in with the same plan; one
+whose loss is not that token mean must not). Context parallelism is refused (the attention core is a function).
 Batches are dicts with ``input_ids`` (and optionally ``labels``, ``attention_mask``, ``position_ids``), or ``(input,
 target)`` pairs as :class:`~lightning_parallel.data.TextDataModule` yields them (targets already shifted).
 
@@ -264,19 +265,19 @@ class HFModelMixin(ParallelModuleMixin):
 
     # ------------------------------------------------------------------ the loss's tokens
     def hf_labels(self, batch: Any) -> Tensor:
-        """The labels the loss counts on ``batch``: a dict batch's ``labels`` (or ``input_ids``) shifted, an
-        ``(input, target)`` pair's target -- the target :meth:`pipeline_batch` returns."""
+        """The labels :meth:`hf_loss` counts on ``batch``: a dict batch's ``labels`` (or ``input_ids``) shifted, an
+        ``(input, target)`` pair's target -- the target :meth:`pipeline_batch` returns. A module whose training loss
+        is that token mean names them, so that the strategies weigh every counted token of an optimizer step once
+        (:class:`HFCausalLM` does)::
+
+            def context_parallel_plan(self):
+                return {"labels": self.hf_labels}
+        """
         target = self.pipeline_batch(batch)[1]
         if target is None:
             raise TypeError("a batch without targets (give (input, target) or a dict with input_ids)")
         return target
 
-    def context_parallel_plan(self) -> dict[str, Any]:
-        """The loss is a mean over the counted tokens (labels other than -100): the strategies weigh data-parallel
-        ranks, a pipeline's micro-batches and a step's accumulated batches by their counted tokens
-        (:meth:`hf_labels`), so padding and masked prompts weigh as on one device taking the step's batch whole.
-        Context parallelism itself is refused (:meth:`check_parallel_layout`)."""
-        return {"labels": self.hf_labels, "ignore_index": IGNORE_INDEX}
 
     # ------------------------------------------------------------------ loss of the model's own forward
     def hf_loss(self, batch: Any) -> Tensor:
@@ -482,6 +483,14 @@ class HFCausalLM(HFModelMixin, pl.LightningModule):
         """The logits ``(batch, sequence, vocab)``."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).logits  # type: ignore[no-any-return]
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        """The loss is :meth:`~HFModelMixin.hf_loss`, a mean over the counted tokens (labels other than -100): the
+        strategies weigh data-parallel ranks, a pipeline's micro-batches and a step's accumulated batches by their
+        counted tokens (:meth:`~HFModelMixin.hf_labels`), so padding and masked prompts weigh as on one device
+        taking the step's batch whole. No attention is routed: context parallelism is refused
+        (:meth:`~HFModelMixin.check_parallel_layout`)."""
+        return {"labels": self.hf_labels, "ignore_index": IGNORE_INDEX}
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.hf_loss(batch)

@@ -173,7 +173,8 @@ class ParallelModuleMixin:
 
     def check_parallel_layout(self, layout: ParallelConfig) -> None:
         """Refuse, before launch, a layout this module cannot run (raise :class:`~lightning_parallel.LayoutError`
-        with the key, the value, the reason and the fix); called by every layout strategy after its own checks.
+        with the key, the value, the reason and the fix); called by every layout strategy after its shape checks and
+        before the context-parallel, recomputation and compile checks.
         Default: nothing."""
 
     def parallel_shape(self) -> dict[str, int]:

@@ -186,6 +186,46 @@ def test_ragged_labels_weigh_every_token_of_the_step_once() -> None:
     assert weight_diff(ref, llama()) > 1e-3 and max(diffs.values()) < TOL, diffs
 
 
+class SequenceMean(HFModelMixin, pl.LightningModule):
+    """A user's module mixing in the adapter with a loss that is not a token mean (the mean over the samples of each
+    sample's token mean): it names no labels, so no strategy reweighs it by counted tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama().model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.hf_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        target = self.hf_labels(batch)
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), target, ignore_index=-100,
+                                                      reduction="none")
+        return (per_token.sum(1) / (target != -100).sum(1).clamp(min=1)).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def test_a_users_mixin_module_with_another_loss_is_not_reweighed() -> None:
+    """Only a module that names its labels is weighed by tokens (HFCausalLM does; the mixin does not impose it): a
+    per-sample mean under lp_ddp x2 equals one device on the ragged batches, and lp_auto sees no context-parallel
+    plan in the adapter's labels-only one."""
+    from lightning_parallel.auto import _has_hook
+
+    kw: dict[str, Any] = dict(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                              enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
+    torch.manual_seed(0)
+    ref = SequenceMean()
+    pl.Trainer(devices=1, **kw).fit(ref, datamodule=PaddedDicts(8, ragged=True))
+    torch.manual_seed(0)
+    model = SequenceMean()
+    pl.Trainer(devices=2, strategy=LPDDPStrategy(start_method="fork"), **kw).fit(
+        model, datamodule=PaddedDicts(4, ragged=True))
+    diff = weight_diff(model, ref)
+    print(f"HFModelMixin module, per-sample mean loss, ragged labels, lp_ddp x2: max |w - w_1dev| = {diff:.2e}")
+    assert diff < TOL
+    assert not _has_hook(llama(), "context_parallel_plan") and not _has_hook(ref, "context_parallel_plan")
+
+
 class OwnModule(HFModelMixin, pl.LightningModule):
     """A user's own LightningModule holding an HF model under another attribute name."""
 

@@ -113,9 +113,12 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
         raise LayoutError(f"{err} A minimal implementation:\n{MINIMAL_PLAN}") from None
     raw = module.context_parallel_plan()  # type: ignore[operator]
     if not isinstance(raw, Mapping) or set(raw) - _KEYS or "attention" not in raw:
-        raise _refuse(module, f"returned {raw!r}; it must return a dict with the keys 'attention' (names of the "
+        shown = {k: describe_labels(v) if callable(v) else v for k, v in raw.items()} if isinstance(
+            raw, Mapping) else raw  # (a bound method's repr would print the whole module)
+        raise _refuse(module, f"returned {shown!r}; it must return a dict with the keys 'attention' (names of the "
                               f"attention submodules) and 'batch' (the sequence dim of the batch tensors), and "
-                              f"optionally 'labels' (the batch entry of the token labels) and 'ignore_index'. "
+                              f"optionally 'labels' (the batch entry of the token labels, or a function of the batch "
+                              f"returning them) and 'ignore_index'. "
                               f"Example:\n{MINIMAL_PLAN}")
     keys = raw["attention"]
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys) or not keys:
