@@ -14,9 +14,13 @@ Its index sampler (``batch_sampler``, or ``sampler`` when ``batch_size=None``) i
 sampler's epoch first: Lightning sets it after it creates a fit's first iterator, whose workers draw at once) and, on
 the first iteration of a resumed epoch, skips the batches already run -- as indices
 only. A sampler that draws from a seeded ``torch.Generator`` of its own (``RandomSampler(generator=...)``, also inside
-the ``DistributedSamplerWrapper`` Lightning inserts) starts again where the user's code seeds it, so the orders of the
-epochs before the resumed one are drawn again first (indices only): the resumed epoch has the order the uninterrupted
-run had. Exact, then, for ``SequentialSampler``, ``RandomSampler`` with a seeded generator, ``DistributedSampler``
+the ``DistributedSamplerWrapper`` Lightning inserts, and ``DataLoader(shuffle=True, generator=...)``) starts again
+where the user's code seeds it, so on the first iteration of a resumed fit (mid-epoch or after an epoch-end
+checkpoint) the draws of the epochs before it are made again first -- the batches of indices each epoch's loop took,
+those the loader's workers drew ahead (``prefetch_factor x num_workers``: near an epoch's end they exhaust the sampler,
+which makes its last draw then), and the draw each epoch's iterator makes for its workers' base seed where the loader
+shares the generator (without persistent workers): the resumed epoch has the order the uninterrupted run had.
+Exact, then, for ``SequentialSampler``, ``RandomSampler`` with a seeded generator, ``DistributedSampler``
 (order from ``seed + epoch``) and the samplers Lightning inserts. A ``RandomSampler`` without a generator draws its
 order from the global RNG at the epoch's start, a state no checkpoint holds: the batches run are skipped but the rest
 of the epoch comes in another order (:func:`process_training_loader` warns). The position is counted in batches of the
@@ -117,9 +121,16 @@ class FastForward:
             it is exhausted) happen only if the loop exhausts it; a replayed epoch takes as many.
     """
 
-    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int] | None = None) -> None:
+    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int] | None = None,
+                 seed_generator: torch.Generator | None = None, read_ahead: int = 0) -> None:
         self.current_epoch = current_epoch
         self._epoch_batches = epoch_batches
+        self.read_ahead = read_ahead
+        """Batches of indices a loader with workers draws ahead of the loop (``prefetch_factor x num_workers``): an
+        epoch run to within that many batches of its end exhausts the sampler, which makes its last draws then."""
+        self.seed_generator = seed_generator
+        """The loader's ``generator`` when each epoch's iterator draws its workers' base seed from it (no persistent
+        workers): a replayed epoch makes that draw too, after its indices, as the next epoch's iterator did."""
         self.pending: tuple[int, int] | None = None
         self.skipped = 0
         """Batches skipped by the last resumed iteration (0 when none)."""
@@ -133,7 +144,8 @@ class FastForward:
         return int(n) if n is not None and n != float("inf") else None
 
     def resume_at(self, epoch: int, batches: int) -> None:
-        """The next iteration, if it is of ``epoch``, starts after its first ``batches`` batches."""
+        """The next iteration, if it is of ``epoch`` (the first of a resumed fit), starts after its first ``batches``
+        batches (0: an epoch-end checkpoint), the draws of a seeded generator's earlier epochs made again first."""
         self.pending = (int(epoch), int(batches))
 
     def iterate(self, inner: Any) -> Iterator[Any]:
@@ -146,16 +158,23 @@ class FastForward:
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch) and getattr(sampler, "epoch", None) != epoch:
             set_epoch(epoch)
+        # a checkpoint saved after an epoch's last batch resumes at the next epoch: nothing to skip there
+        resumed = pending is not None and pending[0] <= epoch
         skip = pending[1] if pending is not None and pending[0] == epoch else 0
         self.skipped = self.replayed = 0
-        if skip and epoch and _generator_holders(inner):
+        if resumed and epoch and _generator_holders(inner):
             # a seeded generator is where the user's code made it, at epoch 0: the epochs before this one are run
-            # again as the loop ran them -- as many batches of indices each, no sample -- so the generator has made
-            # the same draws and this epoch's order is the one the saved run drew
+            # again as the loop ran them -- as many batches of indices each (and those the loader's workers drew
+            # ahead), no sample, and the draw of the next epoch's iterator for its workers' seed where the loader
+            # shares the generator -- so the generator has made the same draws and this epoch's order is the one
+            # the saved run drew
             per_epoch = self.epoch_batches()
+            drawn = None if per_epoch is None else per_epoch + self.read_ahead
             for _ in range(epoch):
-                for _ in itertools.islice(iter(inner), per_epoch):
+                for _ in itertools.islice(iter(inner), drawn):
                     pass
+                if self.seed_generator is not None:
+                    torch.empty((), dtype=torch.int64).random_(generator=self.seed_generator)
             self.replayed = epoch
         it = iter(inner)
         for _ in range(skip):
@@ -194,7 +213,10 @@ def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
         return loader
     loader = copy.copy(loader)  # the user's object stays as it is (validation on it, a later fit, predict)
     loader.__dict__["_iterator"] = None  # a persistent workers' iterator of the original is not shared
-    owner = FastForward(current_epoch, epoch_batches)
+    # each iterator draws its workers' base seed from the loader's generator (once per fit with persistent workers)
+    persistent = loader.persistent_workers and loader.num_workers > 0
+    owner = FastForward(current_epoch, epoch_batches, seed_generator=None if persistent else loader.generator,
+                        read_ahead=(loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0)
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     # DataLoader refuses to re-set its samplers after __init__ (a guard against changing a running loader); the
     # wrapper yields the same indices, so it is put in place directly
@@ -256,7 +278,7 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     loader = make_resumable(loader, current_epoch=lambda: int(trainer.fit_loop.epoch_progress.current.processed),
                             epoch_batches=lambda: trainer.num_training_batches)
     fit_loop = trainer.fit_loop
-    if fit_loop.restarting:
+    if fit_loop.restarting or fit_loop.is_resuming:  # (after an epoch-end checkpoint Lightning is not "restarting")
         _resume(trainer, loader)
         fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
     else:  # perhaps before the checkpoint is restored: see reload_after_restore
@@ -287,14 +309,19 @@ def reload_after_restore(trainer: Any) -> bool:
 
 
 def _resume(trainer: Any, loader: Any) -> None:
-    """On a mid-epoch resume: set the fast-forward of ``loader`` to start after the batches the restored loop ran
-    in the epoch, and warn about what does not resume exactly."""
+    """On a resume: set the fast-forward of ``loader`` to start after the batches the restored loop ran in the
+    epoch, and warn about what does not resume exactly; at an epoch's boundary, to draw a seeded generator's
+    earlier epochs again (nothing to skip)."""
     fit_loop = trainer.fit_loop
     epoch, batches = trainer_position(trainer)
-    if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
-        return  # saved at an epoch's boundary: nothing to skip
-    messages = [resume_warning(loader, epoch=epoch, batches=batches), partial_step_warning(trainer, batches)]
     owner = fast_forward_of(loader)
+    if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
+        # saved at an epoch's boundary: the next epoch is the processed count (the epoch Lightning sets)
+        following = int(fit_loop.epoch_progress.current.processed)
+        if owner is not None and following > 0:
+            owner.resume_at(following, 0)
+        return
+    messages = [resume_warning(loader, epoch=epoch, batches=batches), partial_step_warning(trainer, batches)]
     if owner is not None:
         owner.resume_at(epoch, batches)
         _silence_lightnings_warning()

@@ -217,12 +217,16 @@ def test_an_iterable_dataset_without_state_gets_a_warning_on_a_mid_epoch_resume(
 
 class _Seen(pl.LightningModule):
     """Records the sample ids of every training batch; reads ``estimated_stepping_batches`` in
-    ``configure_optimizers`` when ``estimate`` (as a schedule does: the data is loaded before the restore)."""
+    ``configure_optimizers`` when ``estimate`` (as a schedule does: the data is loaded before the restore).
+    ``order``: ``"distributed"`` a ``DistributedSampler`` (shuffled from ``seed + epoch`` when ``shuffle``),
+    ``"generator"`` a ``RandomSampler`` drawing from a generator the loader's code seeds, ``"loader"``
+    ``DataLoader(shuffle=True, generator=...)`` (the iterator draws its workers' seed from that generator too),
+    ``"persistent"`` the same with persistent workers (one iterator for the whole fit)."""
 
-    def __init__(self, workers: int, shuffle: bool, estimate: bool) -> None:
+    def __init__(self, workers: int, shuffle: bool, estimate: bool, order: str = "distributed") -> None:
         super().__init__()
         self.layer, self.seen = nn.Linear(1, 1), []  # type: ignore[var-annotated]
-        self.workers, self.shuffle, self.estimate = workers, shuffle, estimate
+        self.workers, self.shuffle, self.estimate, self.order = workers, shuffle, estimate, order
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self.seen.append(batch[0].flatten().int().tolist())
@@ -238,6 +242,13 @@ class _Seen(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         data = TensorDataset(torch.arange(16).float().unsqueeze(1))
+        seeded = torch.Generator().manual_seed(5)
+        if self.order == "generator":
+            return DataLoader(data, batch_size=2, num_workers=self.workers,
+                              sampler=RandomSampler(data, generator=seeded))
+        if self.order in ("loader", "persistent"):
+            return DataLoader(data, batch_size=2, num_workers=self.workers, shuffle=True, generator=seeded,
+                              persistent_workers=self.order == "persistent")
         return DataLoader(data, batch_size=2, num_workers=self.workers,
                           sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=self.shuffle, seed=0))
 
@@ -254,17 +265,25 @@ class _LibraryData(ResumableDataModuleMixin, pl.LightningDataModule):
                           sampler=self.resumable_sampler(self.ds, 2, shuffle=True, seed=0))
 
 
-@pytest.mark.parametrize(("workers", "shuffle", "estimate", "stop", "library"), [
-    (1, False, True, 11, False), (1, True, True, 11, False), (1, True, False, 11, False), (0, True, True, 11, False),
-    (1, True, True, 8, False), (0, True, True, 11, True)])
+@pytest.mark.parametrize(("workers", "shuffle", "estimate", "stop", "library", "order"), [
+    (1, False, True, 11, False, "distributed"), (1, True, True, 11, False, "distributed"),
+    (1, True, False, 11, False, "distributed"), (0, True, True, 11, False, "distributed"),
+    (1, True, True, 8, False, "distributed"), (0, True, True, 11, True, "distributed"),
+    (0, True, False, 16, False, "generator"), (1, True, True, 8, False, "generator"),
+    (0, True, False, 19, False, "generator"), (0, True, False, 19, False, "loader"),
+    (1, True, True, 16, False, "loader"), (1, True, False, 19, False, "persistent")])
 def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Path, workers: int, shuffle: bool,
-                                                                   estimate: bool, stop: int, library: bool) -> None:
-    """Epochs of 8 batches, saved at step ``stop`` (11: 3 batches into epoch 1; 8: epoch 0's end), resumed: the
-    batches must be the uninterrupted run's rest. With a loader worker the first iterator draws its indices when it
-    is created: before the checkpoint is restored when the data is loaded for ``estimated_stepping_batches`` (the
-    epoch replayed its first batches; after an epoch-end checkpoint it took epoch 0's order), and before Lightning
-    sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order). ``library``: the library's data module,
-    whose position the reload must not lose."""
+                                                                   estimate: bool, stop: int, library: bool,
+                                                                   order: str) -> None:
+    """Epochs of 8 batches, 3 of them, saved at step ``stop`` (11 and 19: 3 batches into epochs 1 and 2; 8 and 16:
+    epoch 0's and 1's end), resumed: the batches must be the uninterrupted run's rest. With a loader worker the first
+    iterator draws its indices when it is created: before the checkpoint is restored when the data is loaded for
+    ``estimated_stepping_batches`` (the epoch replayed its first batches; after an epoch-end checkpoint it took epoch
+    0's order), and before Lightning sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order).
+    ``library``: the library's data module, whose position the reload must not lose. A generator the loader's code
+    seeds starts again at its seed in the resumed run: the epochs before are drawn again (after an epoch-end
+    checkpoint too: the resumed epoch took epoch 0's order), with the draw each iterator makes for its workers'
+    seed when the loader shares the generator."""
     class Stop(Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step >= stop:
@@ -274,8 +293,8 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
         callbacks: list[Callback] = [ResumableDataLoaders()]
         if save:
             callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=stop), Stop()]
-        module = _Seen(workers, shuffle, estimate)
-        pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        module = _Seen(workers, shuffle, estimate, order)
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                    enable_checkpointing=save, callbacks=callbacks).fit(
                        module, datamodule=_LibraryData() if library else None, ckpt_path=ckpt)
@@ -284,8 +303,8 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
     uninterrupted = run()
     run(save=True)
     resumed = run(ckpt=str(tmp_path / "stop.ckpt"))
-    print(f"\nworkers={workers} shuffle={shuffle} estimated_stepping_batches={estimate} stop={stop} "
-          f"library={library}: resumed {resumed}, uninterrupted rest {uninterrupted[stop:]}")
+    print(f"\norder={order} workers={workers} shuffle={shuffle} estimated_stepping_batches={estimate} stop={stop} "
+          f"library={library}: resumed {resumed[:4]}..., uninterrupted rest {uninterrupted[stop:stop + 4]}...")
     assert resumed == uninterrupted[stop:]
 
 
