@@ -19,7 +19,12 @@ where the user's code seeds it, so on the first iteration of a resumed fit (mid-
 checkpoint) the draws of the epochs before it are made again first -- the batches of indices each epoch's loop took,
 those the loader's workers drew ahead (``prefetch_factor x num_workers``: near an epoch's end they exhaust the sampler,
 which makes its last draw then), and the draw each epoch's iterator makes for its workers' base seed where the loader
-shares the generator (without persistent workers): the resumed epoch has the order the uninterrupted run had.
+shares the generator (without persistent workers): the resumed epoch has the order the uninterrupted run had
+(since the last reload, with ``reload_dataloaders_every_n_epochs``; not for a generator made outside
+``train_dataloader()`` when the data is loaded before the restore, nor with reloads plus workers or a shared loader
+generator: Lightning iterates a reloaded loader twice at its epoch's start). A checkpoint saved after an epoch's last
+batch resumes at the next epoch, with nothing to skip -- also when a loader with workers draws before Lightning's loop
+moves past the saved epoch (:func:`_finished_on_restore`).
 Exact, then, for ``SequentialSampler``, ``RandomSampler`` with a seeded generator, ``DistributedSampler``
 (order from ``seed + epoch``) and the samplers Lightning inserts. A ``RandomSampler`` without a generator draws its
 order from the global RNG at the epoch's start, a state no checkpoint holds: the batches run are skipped but the rest
@@ -46,7 +51,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "make_resumable",
+__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "loop_batches", "make_resumable",
            "process_training_loader", "reload_after_restore", "resume_warning", "trainer_position"]
 
 _ATTACHED = "_lp_fast_forward"
@@ -116,15 +121,22 @@ class FastForward:
 
     Args:
         current_epoch: ``() -> epoch``, read when an iteration starts (a resume position applies to its epoch only).
-        epoch_batches: ``() -> batches the loop takes per epoch`` (Lightning's ``num_training_batches``; None or
-            unset: the whole epoch). The loop stops asking for batches there, so a sampler's last draws (made when
-            it is exhausted) happen only if the loop exhausts it; a replayed epoch takes as many.
+        epoch_batches: ``() -> batches the loop takes per epoch`` (the loader's length under the Trainer's
+            ``limit_train_batches``; None or unset: the whole epoch). The loop stops asking for batches there, so a
+            sampler's last draws (made when it is exhausted) happen only if the loop, or the loader's read-ahead,
+            exhausts it; a replayed epoch takes as many.
+        seed_generator: the loader's ``generator`` when each epoch's iterator draws its workers' base seed from it
+            (without persistent workers).
+        read_ahead: the batches of indices the loader's workers draw ahead of the loop.
+        reload_every: the Trainer's ``reload_dataloaders_every_n_epochs``.
     """
 
-    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int] | None = None,
-                 seed_generator: torch.Generator | None = None, read_ahead: int = 0) -> None:
+    def __init__(self, current_epoch: Callable[[], int], epoch_batches: Callable[[], int | None] | None = None,
+                 seed_generator: torch.Generator | None = None, read_ahead: int = 0, reload_every: int = 0) -> None:
         self.current_epoch = current_epoch
         self._epoch_batches = epoch_batches
+        self.reload_every = reload_every
+        """The Trainer's ``reload_dataloaders_every_n_epochs`` (0: the loader serves every epoch of the fit)."""
         self.read_ahead = read_ahead
         """Batches of indices a loader with workers draws ahead of the loop (``prefetch_factor x num_workers``): an
         epoch run to within that many batches of its end exhausts the sampler, which makes its last draws then."""
@@ -137,6 +149,12 @@ class FastForward:
         self.replayed = 0
         """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
 
+
+    def reloaded_at(self, epoch: int) -> int:
+        """The epoch whose start built the loader serving ``epoch`` (0 unless the Trainer reloads the training data
+        every ``n`` epochs: then ``n x (epoch // n)``, where a generator made by ``train_dataloader`` started)."""
+        n = int(self.reload_every or 0)
+        return n * (epoch // n) if n > 0 else 0
 
     def epoch_batches(self) -> int | None:
         """How many batches the loop takes from an epoch (None: all of them)."""
@@ -152,13 +170,16 @@ class FastForward:
         """One epoch of ``inner``'s items (a generator: nothing runs before the first batch is asked for)."""
         pending, self.pending = self.pending, None
         epoch = int(self.current_epoch())
+        if pending is not None and pending[0] > epoch:
+            # a loader with workers draws when its iterator is created, before the restored loop moves past an epoch
+            # saved after its last batch: this iterator serves the epoch the resume names
+            epoch = pending[0]
         # the epoch's order: Lightning sets the sampler's epoch after it creates the first iterator of a fit, whose
         # workers draw indices at once (with num_workers > 0 a resumed epoch drew epoch 0's order)
         sampler = getattr(inner, "sampler", inner)  # what Lightning's _set_sampler_epoch reaches, set once
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch) and getattr(sampler, "epoch", None) != epoch:
             set_epoch(epoch)
-        # a checkpoint saved after an epoch's last batch resumes at the next epoch: nothing to skip there
         resumed = pending is not None and pending[0] <= epoch
         skip = pending[1] if pending is not None and pending[0] == epoch else 0
         self.skipped = self.replayed = 0
@@ -170,7 +191,7 @@ class FastForward:
             # the saved run drew
             per_epoch = self.epoch_batches()
             drawn = None if per_epoch is None else per_epoch + self.read_ahead
-            for _ in range(epoch):
+            for _ in range(epoch - self.reloaded_at(epoch)):
                 for _ in itertools.islice(iter(inner), drawn):
                     pass
                 if self.seed_generator is not None:
@@ -200,10 +221,11 @@ def _uses_resumable_sampler(loader: DataLoader) -> bool:
 
 
 def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
-                   epoch_batches: Callable[[], int] | None = None) -> Any:
+                   epoch_batches: Callable[[], int | None] | None = None, reload_every: int = 0) -> Any:
     """A copy of a map-style ``DataLoader`` able to resume exactly mid-epoch (module docstring; the user's loader is
     left as it is); returns it.
-    :meth:`FastForward.resume_at` (``fast_forward_of(loader)``) then sets where the next iteration starts.
+    :meth:`FastForward.resume_at` (``fast_forward_of(loader)``) then sets where the next iteration starts. The
+    arguments are :class:`FastForward`'s.
 
     Left as it is: anything but a ``DataLoader``, a loader already stateful (torchdata's ``StatefulDataLoader``), an
     ``IterableDataset``'s loader, and one drawing from the library's ``ResumableSampler``."""
@@ -216,7 +238,8 @@ def make_resumable(loader: Any, *, current_epoch: Callable[[], int],
     # each iterator draws its workers' base seed from the loader's generator (once per fit with persistent workers)
     persistent = loader.persistent_workers and loader.num_workers > 0
     owner = FastForward(current_epoch, epoch_batches, seed_generator=None if persistent else loader.generator,
-                        read_ahead=(loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0)
+                        read_ahead=(loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0,
+                        reload_every=reload_every)
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     # DataLoader refuses to re-set its samplers after __init__ (a guard against changing a running loader); the
     # wrapper yields the same indices, so it is put in place directly
@@ -276,7 +299,8 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
     # the epoch Lightning sets on the sampler (after an epoch-end checkpoint the loop's "current_epoch" still reads
     # the finished one until the loop starts)
     loader = make_resumable(loader, current_epoch=lambda: int(trainer.fit_loop.epoch_progress.current.processed),
-                            epoch_batches=lambda: trainer.num_training_batches)
+                            epoch_batches=lambda: loop_batches(trainer, loader),
+                            reload_every=int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0))
     fit_loop = trainer.fit_loop
     if fit_loop.restarting or fit_loop.is_resuming:  # (after an epoch-end checkpoint Lightning is not "restarting")
         _resume(trainer, loader)
@@ -308,6 +332,37 @@ def reload_after_restore(trainer: Any) -> bool:
     return True
 
 
+def loop_batches(trainer: Any, loader: Any) -> int | None:
+    """The batches Lightning's training loop takes from each epoch of ``loader``: its length under the Trainer's
+    ``limit_train_batches`` (an int caps it, a fraction scales it), None when it has no length. Computed here rather
+    than read from ``trainer.num_training_batches``, which Lightning sets only after it creates the epoch's first
+    iterator -- whose workers draw at once."""
+    from lightning.fabric.utilities.data import sized_len
+
+    length = sized_len(loader)
+    limit = getattr(trainer, "limit_train_batches", 1.0)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        return length
+    if isinstance(limit, int):
+        return limit if length is None else min(length, limit)
+    return None if length is None else int(length * limit)
+
+
+def _finished_on_restore(fit_loop: Any) -> bool:
+    """A loop restored from a checkpoint saved after its epoch's last batch (``on_train_batch_end``): Lightning's
+    ``FitLoop.reset`` counts that epoch as processed and runs the next one, without a batch of the saved one (its
+    test, read from the same counters before ``reset`` runs)."""
+    if not fit_loop.restarting:
+        return False
+    epochs, batches = fit_loop.epoch_progress.total, fit_loop.epoch_loop.batch_progress
+    mid_epoch = (epochs.started == epochs.ready and epochs.processed == epochs.started - 1
+                 and epochs.completed == epochs.processed)
+    total = batches.total
+    on_batch_end = (total.started == total.ready and total.processed == total.started
+                    and total.completed == total.processed - 1)
+    return mid_epoch and on_batch_end and bool(batches.is_last_batch)
+
+
 def _resume(trainer: Any, loader: Any) -> None:
     """On a resume: set the fast-forward of ``loader`` to start after the batches the restored loop ran in the
     epoch, and warn about what does not resume exactly; at an epoch's boundary, to draw a seeded generator's
@@ -315,6 +370,10 @@ def _resume(trainer: Any, loader: Any) -> None:
     fit_loop = trainer.fit_loop
     epoch, batches = trainer_position(trainer)
     owner = fast_forward_of(loader)
+    if _finished_on_restore(fit_loop):  # the next epoch starts with nothing to skip
+        if owner is not None:
+            owner.resume_at(int(fit_loop.epoch_progress.current.processed) + 1, 0)
+        return
     if fit_loop.epoch_progress.current.processed >= fit_loop.epoch_progress.current.started or batches <= 0:
         # saved at an epoch's boundary: the next epoch is the processed count (the epoch Lightning sets)
         following = int(fit_loop.epoch_progress.current.processed)

@@ -265,25 +265,37 @@ class _LibraryData(ResumableDataModuleMixin, pl.LightningDataModule):
                           sampler=self.resumable_sampler(self.ds, 2, shuffle=True, seed=0))
 
 
-@pytest.mark.parametrize(("workers", "shuffle", "estimate", "stop", "library", "order"), [
-    (1, False, True, 11, False, "distributed"), (1, True, True, 11, False, "distributed"),
-    (1, True, False, 11, False, "distributed"), (0, True, True, 11, False, "distributed"),
-    (1, True, True, 8, False, "distributed"), (0, True, True, 11, True, "distributed"),
-    (0, True, False, 16, False, "generator"), (1, True, True, 8, False, "generator"),
-    (0, True, False, 19, False, "generator"), (0, True, False, 19, False, "loader"),
-    (1, True, True, 16, False, "loader"), (1, True, False, 19, False, "persistent")])
+def _case(workers: int, shuffle: bool, estimate: bool, stop: int, library: bool = False, order: str = "distributed",
+          **trainer: Any) -> Any:
+    name = f"{order}-w{workers}-stop{stop}" + ("-shuffle" if shuffle else "") + ("-estimate" if estimate else "") + (
+        "-library" if library else "") + "".join(f"-{k}={v}" for k, v in trainer.items())
+    return pytest.param(workers, shuffle, estimate, stop, library, order, trainer, id=name)
+
+
+@pytest.mark.parametrize(("workers", "shuffle", "estimate", "stop", "library", "order", "trainer_kw"), [
+    _case(1, False, True, 11), _case(1, True, True, 11), _case(1, True, False, 11), _case(0, True, True, 11),
+    _case(1, True, True, 8), _case(0, True, True, 11, library=True),
+    _case(0, True, False, 16, order="generator"), _case(1, True, True, 8, order="generator"),
+    _case(0, True, False, 19, order="generator"), _case(0, True, False, 19, order="loader"),
+    _case(1, True, True, 16, order="loader"), _case(1, True, False, 19, order="persistent"),
+    _case(1, True, False, 8, order="generator"), _case(2, True, False, 16, order="generator"),
+    _case(1, True, False, 16, max_steps=24, max_epochs=-1),
+    _case(1, True, False, 14, order="generator", limit_train_batches=0.75),
+    _case(0, True, False, 16, order="generator", reload_dataloaders_every_n_epochs=1)])
 def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Path, workers: int, shuffle: bool,
                                                                    estimate: bool, stop: int, library: bool,
-                                                                   order: str) -> None:
+                                                                   order: str, trainer_kw: dict[str, Any]) -> None:
     """Epochs of 8 batches, 3 of them, saved at step ``stop`` (11 and 19: 3 batches into epochs 1 and 2; 8 and 16:
-    epoch 0's and 1's end), resumed: the batches must be the uninterrupted run's rest. With a loader worker the first
-    iterator draws its indices when it is created: before the checkpoint is restored when the data is loaded for
-    ``estimated_stepping_batches`` (the epoch replayed its first batches; after an epoch-end checkpoint it took epoch
-    0's order), and before Lightning sets the sampler's epoch (a shuffled resumed epoch took epoch 0's order).
-    ``library``: the library's data module, whose position the reload must not lose. A generator the loader's code
-    seeds starts again at its seed in the resumed run: the epochs before are drawn again (after an epoch-end
-    checkpoint too: the resumed epoch took epoch 0's order), with the draw each iterator makes for its workers'
-    seed when the loader shares the generator."""
+    after epoch 0's and 1's last batch), resumed: the batches must be the uninterrupted run's rest. With a loader
+    worker the first iterator draws its indices when it is created: before the checkpoint is restored when the data
+    is loaded for ``estimated_stepping_batches`` (the epoch replayed its first batches; after an epoch-end checkpoint
+    it took epoch 0's order), before Lightning sets the sampler's epoch (a shuffled resumed epoch took epoch 0's
+    order), and before Lightning moves past an epoch saved after its last batch (the resumed fit skipped a whole
+    epoch of training). ``library``: the library's data module, whose position the reload must not lose. A generator
+    the loader's code seeds starts again at its seed in the resumed run: the epochs before are drawn again (after an
+    epoch-end checkpoint too: the resumed epoch took epoch 0's order), with the draw each iterator makes for its
+    workers' seed when the loader shares the generator and the batches the workers read ahead (under
+    ``limit_train_batches`` too); since the last reload with ``reload_dataloaders_every_n_epochs``."""
     class Stop(Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step >= stop:
@@ -294,9 +306,10 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
         if save:
             callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=stop), Stop()]
         module = _Seen(workers, shuffle, estimate, order)
-        pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
+        kw: dict[str, Any] = {"max_epochs": 3, **trainer_kw}
+        pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                   enable_checkpointing=save, callbacks=callbacks).fit(
+                   enable_checkpointing=save, callbacks=callbacks, **kw).fit(
                        module, datamodule=_LibraryData() if library else None, ckpt_path=ckpt)
         return module.seen
 
@@ -304,7 +317,8 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
     run(save=True)
     resumed = run(ckpt=str(tmp_path / "stop.ckpt"))
     print(f"\norder={order} workers={workers} shuffle={shuffle} estimated_stepping_batches={estimate} stop={stop} "
-          f"library={library}: resumed {resumed[:4]}..., uninterrupted rest {uninterrupted[stop:stop + 4]}...")
+          f"library={library} {trainer_kw}: resumed {len(resumed)} batches {resumed[:4]}..., uninterrupted rest "
+          f"{len(uninterrupted) - stop} {uninterrupted[stop:stop + 4]}...")
     assert resumed == uninterrupted[stop:]
 
 
