@@ -596,6 +596,10 @@ class _CheckCLI(LightningParallelCLI):
             self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
+        # on the meta device because check builds it so, not the user: fit builds it on a real device
+        from lightning_parallel.parallel.pipeline import META_BY_CHECK
+
+        self.model.__dict__[META_BY_CHECK] = True
         LAUNCH_NOTES_ONLY["on"] = True  # a recipe for several nodes is checked where they are not started
         try:
             self.trainer = self.instantiate_trainer()

@@ -174,6 +174,30 @@ def interrupted_saves(folders: list[Path]) -> list[Path]:
     found: set[Path] = set()
     for folder in folders:
         if folder.is_dir():
-            for pattern in (f"*{PARTIAL_SUFFIX}", f"*{OLD_SUFFIX}"):
-                found.update(p for p in folder.rglob(pattern) if not p.name.startswith("."))
+            found.update(_leftovers_under(folder))
     return sorted(found)
+
+
+_LEFTOVER_DEPTH, _LEFTOVER_FOLDERS = 6, 20_000
+
+
+def _leftovers_under(folder: Path) -> list[Path]:
+    """The ``.partial`` / ``.old`` entries under ``folder``, looked for where checkpoints go -- at most
+    ``_LEFTOVER_DEPTH`` folders deep (``<root>/<logger>/version_<n>/checkpoints/<name>`` is 4), outside hidden
+    folders, and in at most ``_LEFTOVER_FOLDERS`` folders: a run started in a large tree (a home folder, the
+    default ``default_root_dir`` being the working directory) must not wait on a walk of all of it."""
+    found: list[Path] = []
+    visited = 0
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        depth = len(here.relative_to(folder).parts)
+        for name in (*dirs, *files):
+            if not name.startswith(".") and name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
+                found.append(here / name)
+        visited += 1
+        if visited >= _LEFTOVER_FOLDERS:
+            break
+        # a leftover is not searched inside; hidden folders and those too deep are not entered
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not d.endswith((PARTIAL_SUFFIX, OLD_SUFFIX))
+                   and depth < _LEFTOVER_DEPTH]
+    return found

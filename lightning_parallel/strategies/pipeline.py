@@ -109,7 +109,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             except LayoutError as err:
                 raise LayoutError(f"{err} A minimal implementation:\n{_MINIMAL_HOOKS}") from None
         from lightning_parallel.module_hooks import as_pipeline_layer, check_layer_signature
-        from lightning_parallel.parallel.pipeline import has_meta_tensors, layer_names, stage_ranges
+        from lightning_parallel.parallel.pipeline import layer_names, needs_init_weights, stage_ranges
 
         try:
             specs = [as_pipeline_layer(layer) for layer in module.pipeline_layers()]  # type: ignore[operator]
@@ -144,7 +144,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                             "GPT: tie_embeddings=False), or put both layers in one stage with "
                             "parallel.pipeline_stage_layers."
                         )
-        if has_meta_tensors(module) and not callable(getattr(module, "init_weights", None)):
+        if needs_init_weights(module) and not callable(getattr(module, "init_weights", None)):
             raise LayoutError(
                 f"{type(module).__name__} was built on the meta device but has no init_weights(): the pipeline "
                 "stages could not fill their layers. Fix: implement init_weights() (re-initialize every present "

@@ -298,4 +298,9 @@ def test_cli_by_class_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             "--trainer.strategy", "lp_pipeline_fork", "--parallel.pipeline_parallel_size", "2",
             "--parallel.num_micro_batches", "2", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+    # check (the dry run: the model on the meta device) judges the pipeline as fit does -- it refused the adapter's
+    # model as "built on the meta device but has no init_weights()", which fit never does
+    from lightning_parallel.cli import check_recipe
+
+    assert "recipe OK | strategy lp_pipeline (dp=1 x pp=2" in check_recipe(args[1:])
     assert main(args) == 0

@@ -161,6 +161,18 @@ def test_leftovers_of_interrupted_saves_are_named_at_the_next_start(tmp_path: Pa
     assert "last.ckpt.partial: an interrupted save of last.ckpt (incomplete: never resumed from; last.ckpt is the " \
            "previous, complete checkpoint)" in out, out
     assert "epoch=0-step=9.ckpt.old: the previous epoch=0-step=9.ckpt, moved aside" in out, out
+    # where checkpoints go, not a walk of every folder under the root: a lightning_logs layout is found, a leftover's
+    # inside, hidden folders and folders 7 deep are not searched
+    logs = tmp_path / "lightning_logs" / "version_3" / "checkpoints"
+    logs.mkdir(parents=True)
+    (logs / "last.ckpt.partial").mkdir()
+    (logs / "last.ckpt.partial" / "inner.old").write_bytes(b"x")
+    (tmp_path / ".git" / "x.partial").mkdir(parents=True)
+    deep = tmp_path.joinpath(*"abcdefg")
+    deep.mkdir(parents=True)
+    (deep / "far.ckpt.partial").mkdir()
+    assert interrupted_saves([tmp_path]) == [logs / "last.ckpt.partial", folder / "epoch=0-step=9.ckpt.old",
+                                             folder / "last.ckpt.partial"]
 
 
 def test_a_write_the_disk_refuses_names_the_path_and_the_bytes(tmp_path: Path) -> None:

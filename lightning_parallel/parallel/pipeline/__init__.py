@@ -6,6 +6,7 @@ training and evaluation (:mod:`.runtime`). No Lightning import; the ``lp_pipelin
 from .partition import balanced_partition, bubble_fraction, stage_ranges, stages_of_rank
 from .runtime import PipelineRunner, largest_divisor_at_most
 from .stage import (
+    META_BY_CHECK,
     LayerFlow,
     PipelineFlowError,
     PrunedLayer,
@@ -15,10 +16,12 @@ from .stage import (
     input_names,
     layer_names,
     materialize,
+    needs_init_weights,
     plan_stages,
     prune_to,
 )
 
-__all__ = ["LayerFlow", "PipelineFlowError", "PipelineRunner", "PrunedLayer", "StageChunk", "StagePlan",
-           "balanced_partition", "bubble_fraction", "has_meta_tensors", "input_names", "largest_divisor_at_most",
-           "layer_names", "materialize", "plan_stages", "prune_to", "stage_ranges", "stages_of_rank"]
+__all__ = ["META_BY_CHECK", "LayerFlow", "PipelineFlowError", "PipelineRunner", "PrunedLayer", "StageChunk",
+           "StagePlan", "balanced_partition", "bubble_fraction", "has_meta_tensors", "input_names",
+           "largest_divisor_at_most", "layer_names", "materialize", "needs_init_weights", "plan_stages", "prune_to",
+           "stage_ranges", "stages_of_rank"]

@@ -32,8 +32,9 @@ from lightning_parallel.module_hooks import PipelineLayer, as_pipeline_layer
 
 from .partition import stage_ranges, stages_of_rank
 
-__all__ = ["LayerFlow", "PipelineFlowError", "PrunedLayer", "StageChunk", "StagePlan", "has_meta_tensors",
-           "input_names", "layer_names", "materialize", "plan_stages", "prune_to"]
+__all__ = ["META_BY_CHECK", "LayerFlow", "PipelineFlowError", "PrunedLayer", "StageChunk", "StagePlan",
+           "has_meta_tensors", "input_names", "layer_names", "materialize", "needs_init_weights", "plan_stages",
+           "prune_to"]
 
 
 class PipelineFlowError(ValueError):
@@ -264,6 +265,16 @@ def prune_to(module: nn.Module, plan: StagePlan,
 def has_meta_tensors(module: nn.Module) -> bool:
     """True if any parameter or buffer is on the meta device (the module was built without memory)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+META_BY_CHECK = "_lp_meta_by_check"
+"""Set on a module ``lightning-parallel check`` built on the meta device itself (``fit`` builds it on a real one)."""
+
+
+def needs_init_weights(module: nn.Module) -> bool:
+    """True when a pipeline must fill the module's layers with its ``init_weights()``: the user built it on the meta
+    device (not ``lightning-parallel check``, which builds every model there and must judge it as ``fit`` would)."""
+    return has_meta_tensors(module) and not module.__dict__.get(META_BY_CHECK, False)
 
 
 def materialize(module: nn.Module, device: torch.device, *, seed: int) -> None:
