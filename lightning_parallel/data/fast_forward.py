@@ -20,7 +20,8 @@ checkpoint) the draws of the epochs before it are made again first -- the batche
 those the loader's workers drew ahead (``prefetch_factor x num_workers``: near an epoch's end they exhaust the sampler,
 which makes its last draw then), and the draw each epoch's iterator makes for its workers' base seed where the loader
 shares the generator (without persistent workers): the resumed epoch has the order the uninterrupted run had
-(since the last reload, with ``reload_dataloaders_every_n_epochs``; not for a generator made outside
+(since the last reload, with ``reload_dataloaders_every_n_epochs``, whose schedule the resumed fit keeps:
+:func:`_align_reloads`; not for a generator made outside
 ``train_dataloader()`` when the data is loaded before the restore, nor with reloads plus workers or a shared loader
 generator: Lightning iterates a reloaded loader twice at its epoch's start). A checkpoint saved after an epoch's last
 batch resumes at the next epoch, with nothing to skip -- also when a loader with workers draws before Lightning's loop
@@ -191,10 +192,13 @@ class FastForward:
             # the saved run drew
             per_epoch = self.epoch_batches()
             drawn = None if per_epoch is None else per_epoch + self.read_ahead
-            for _ in range(epoch - self.reloaded_at(epoch)):
+            # a resume past the saved epoch (saved after its last batch, restarted "on last") made an iterator for
+            # the saved epoch and dropped it: its draw for its workers' seed is one of the draws replayed here
+            seeds = epoch - self.reloaded_at(epoch) - (1 if pending is not None and pending[0] < epoch else 0)
+            for replayed in range(epoch - self.reloaded_at(epoch)):
                 for _ in itertools.islice(iter(inner), drawn):
                     pass
-                if self.seed_generator is not None:
+                if self.seed_generator is not None and replayed < seeds:
                     torch.empty((), dtype=torch.int64).random_(generator=self.seed_generator)
             self.replayed = epoch
         it = iter(inner)
@@ -322,6 +326,7 @@ def reload_after_restore(trainer: Any) -> bool:
     state see the restored position. Before, such a resumed epoch replayed its first batches. Returns whether it
     did."""
     fit_loop = trainer.fit_loop
+    _align_reloads(trainer)
     if not getattr(fit_loop, _LOADED_BEFORE_RESTORE, False):
         return False
     setattr(fit_loop, _LOADED_BEFORE_RESTORE, False)
@@ -361,6 +366,20 @@ def _finished_on_restore(fit_loop: Any) -> bool:
     on_batch_end = (total.started == total.ready and total.processed == total.started
                     and total.completed == total.processed - 1)
     return mid_epoch and on_batch_end and bool(batches.is_last_batch)
+
+
+def _align_reloads(trainer: Any) -> None:
+    """On a resumed fit with ``reload_dataloaders_every_n_epochs = n > 1``: Lightning counts the next reload from the
+    epoch it resumed at, while the uninterrupted run reloaded at multiples of ``n``; the resumed run is put back on
+    that schedule (the loader it serves until then is the one the uninterrupted run built at ``n x (epoch // n)``,
+    :meth:`FastForward.reloaded_at`)."""
+    fit_loop = trainer.fit_loop
+    n = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
+    if n <= 1 or not (fit_loop.restarting or fit_loop.is_resuming):
+        return
+    epoch = int(fit_loop.epoch_progress.current.processed)
+    if hasattr(fit_loop, "_last_train_dl_reload_epoch"):  # (set by Lightning to the epoch its setup read)
+        fit_loop._last_train_dl_reload_epoch = n * (epoch // n)
 
 
 def _resume(trainer: Any, loader: Any) -> None:

@@ -235,6 +235,12 @@ class _Seen(pl.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         return self.layer(batch[0])
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(TensorDataset(torch.arange(4).float().unsqueeze(1)), batch_size=2)
+
     def configure_optimizers(self) -> Any:
         if self.estimate:
             assert self.trainer.estimated_stepping_batches > 0
@@ -281,7 +287,9 @@ def _case(workers: int, shuffle: bool, estimate: bool, stop: int, library: bool 
     _case(1, True, False, 8, order="generator"), _case(2, True, False, 16, order="generator"),
     _case(1, True, False, 16, max_steps=24, max_epochs=-1),
     _case(1, True, False, 14, order="generator", limit_train_batches=0.75),
-    _case(0, True, False, 16, order="generator", reload_dataloaders_every_n_epochs=1)])
+    _case(0, True, False, 16, order="generator", reload_dataloaders_every_n_epochs=1),
+    _case(0, True, False, 16, order="generator", reload_dataloaders_every_n_epochs=2, max_epochs=4),
+    _case(0, True, False, 8, order="loader", val_check_interval=8, limit_val_batches=1)])
 def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Path, workers: int, shuffle: bool,
                                                                    estimate: bool, stop: int, library: bool,
                                                                    order: str, trainer_kw: dict[str, Any]) -> None:
@@ -295,7 +303,9 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
     the loader's code seeds starts again at its seed in the resumed run: the epochs before are drawn again (after an
     epoch-end checkpoint too: the resumed epoch took epoch 0's order), with the draw each iterator makes for its
     workers' seed when the loader shares the generator and the batches the workers read ahead (under
-    ``limit_train_batches`` too); since the last reload with ``reload_dataloaders_every_n_epochs``."""
+    ``limit_train_batches`` too); since the last reload with ``reload_dataloaders_every_n_epochs`` (whose schedule the
+    resumed fit keeps: Lightning counts it from the resumed epoch); and a validation-end checkpoint after an epoch's
+    last batch (Lightning makes an iterator for the saved epoch and drops it: its seed draw counts)."""
     class Stop(Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step >= stop:
@@ -304,11 +314,13 @@ def test_a_resumed_epoch_takes_its_own_batches_with_loader_workers(tmp_path: Pat
     def run(ckpt: str | None = None, save: bool = False) -> list[list[int]]:
         callbacks: list[Callback] = [ResumableDataLoaders()]
         if save:
-            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=stop), Stop()]
+            every = None if "val_check_interval" in trainer_kw else stop  # else saved at the validation's end
+            callbacks += [ModelCheckpoint(dirpath=tmp_path, filename="stop", every_n_train_steps=every,
+                                          save_on_train_epoch_end=False), Stop()]
         module = _Seen(workers, shuffle, estimate, order)
-        kw: dict[str, Any] = {"max_epochs": 3, **trainer_kw}
+        kw: dict[str, Any] = {"max_epochs": 3, "limit_val_batches": 0, **trainer_kw}
         pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   enable_model_summary=False, num_sanity_val_steps=0,
                    enable_checkpointing=save, callbacks=callbacks, **kw).fit(
                        module, datamodule=_LibraryData() if library else None, ckpt_path=ckpt)
         return module.seen
