@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -231,8 +232,20 @@ def _runnable(candidate: Candidate, module: nn.Module | None, options: PlannerOp
                            (layout.tensor_parallel_size, "tensor_parallel_plan"),
                            (layout.context_parallel_size, "context_parallel_plan")):
             if size > 1 and not _has_hook(module, hook):
-                return f"{type(module).__name__} does not implement {hook}()"
+                what = ("routes no attention (its context_parallel_plan() names only the labels of its loss)"
+                        if hook == "context_parallel_plan" and callable(getattr(module, hook, None))
+                        and _returns(module, hook) else f"does not implement {hook}()")
+                return f"{type(module).__name__} {what}"
     return ""
+
+
+def _returns(module: nn.Module, hook: str) -> bool:
+    """The module's ``hook()`` returns (does not raise ``NotImplementedError``, the mixin's default)."""
+    try:
+        getattr(module, hook)()
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _has_hook(module: nn.Module, hook: str) -> bool:
@@ -244,7 +257,7 @@ def _has_hook(module: nn.Module, hook: str) -> bool:
     except NotImplementedError:
         return False
     # a plan naming only the labels of a token-mean loss (the Hugging Face adapter's) routes no attention
-    return hook != "context_parallel_plan" or (isinstance(value, dict) and "attention" in value)
+    return hook != "context_parallel_plan" or (isinstance(value, Mapping) and "attention" in value)
 
 
 def _with_nvme_path(candidate: Candidate, options: PlannerOptions) -> Candidate:

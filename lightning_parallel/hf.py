@@ -266,31 +266,34 @@ class HFModelMixin(ParallelModuleMixin):
     # ------------------------------------------------------------------ the loss's tokens
     def hf_labels(self, batch: Any) -> Tensor:
         """The labels :meth:`hf_loss` counts on ``batch``: a dict batch's ``labels`` (or ``input_ids``) shifted, an
-        ``(input, target)`` pair's target -- the target :meth:`pipeline_batch` returns. A module whose training loss
+        ``(input, target)`` pair's target -- the target the mixin's :meth:`pipeline_batch` returns. A module whose loss
         is that token mean names them, so that the strategies weigh every counted token of an optimizer step once
         (:class:`HFCausalLM` does)::
 
             def context_parallel_plan(self):
                 return {"labels": self.hf_labels}
         """
-        target = self.pipeline_batch(batch)[1]
-        if target is None:
-            raise TypeError("a batch without targets (give (input, target) or a dict with input_ids)")
-        return target
+        return self._hf_split(batch)[1]
 
+    def _hf_split(self, batch: Any) -> tuple[Any, Tensor]:
+        """``(model inputs, shifted target)`` of ``batch`` as :meth:`hf_loss` and :meth:`hf_labels` read it (the
+        mixin's own :meth:`pipeline_batch`, whatever a subclass does with its pipeline's batches)."""
+        inputs, target = HFModelMixin.pipeline_batch(self, batch)
+        if target is None:
+            raise ValueError("a batch without targets (give (input, target) or a dict with input_ids).")
+        return inputs, target
 
     # ------------------------------------------------------------------ loss of the model's own forward
     def hf_loss(self, batch: Any) -> Tensor:
-        """The model's loss on ``batch`` by Hugging Face's convention (see the module docstring)."""
-        if isinstance(batch, Mapping):
-            kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
-            logits = self.hf_model(input_ids=batch["input_ids"], use_cache=False, **kwargs).logits
-            labels = batch.get("labels")
-            return hf_causal_loss(logits, shift_labels(batch["input_ids"] if labels is None else labels))
-        inputs, target = super().pipeline_batch(batch)
-        if target is None:
-            raise ValueError("hf_loss: a batch without targets (give (input, target) or a dict with input_ids).")
-        return hf_causal_loss(self.hf_model(input_ids=inputs, use_cache=False).logits, target)
+        """The model's loss on ``batch`` by Hugging Face's convention (see the module docstring): the mean over the
+        counted tokens of :meth:`hf_labels`."""
+        inputs, target = self._hf_split(batch)
+        if isinstance(inputs, Mapping):
+            kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
+            logits = self.hf_model(input_ids=inputs["input_ids"], use_cache=False, **kwargs).logits
+        else:
+            logits = self.hf_model(input_ids=inputs, use_cache=False).logits
+        return hf_causal_loss(logits, target)
 
     # ------------------------------------------------------------------ tensor plan
     def tensor_parallel_plan(self) -> dict[str, Any]:

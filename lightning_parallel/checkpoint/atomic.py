@@ -182,17 +182,22 @@ _LEFTOVER_DEPTH, _LEFTOVER_FOLDERS = 6, 20_000
 
 
 def _leftovers_under(folder: Path) -> list[Path]:
-    """The ``.partial`` / ``.old`` entries under ``folder``, looked for where checkpoints go -- at most
-    ``_LEFTOVER_DEPTH`` folders deep (``<root>/<logger>/version_<n>/checkpoints/<name>`` is 4), outside hidden
-    folders, and in at most ``_LEFTOVER_FOLDERS`` folders: a run started in a large tree (a home folder, the
-    default ``default_root_dir`` being the working directory) must not wait on a walk of all of it."""
+    """The ``.partial`` entries and the ``.old`` checkpoints (``*.ckpt.old``, folders) under ``folder``, looked for
+    where checkpoints go -- at most ``_LEFTOVER_DEPTH`` folders deep (``<root>/<logger>/version_<n>/checkpoints/
+    <name>`` is 4), outside hidden folders, and in at most ``_LEFTOVER_FOLDERS`` folders: a run started in a large
+    tree (a home folder, the default ``default_root_dir`` being the working directory) must not wait on a walk of all
+    of it."""
     found: list[Path] = []
     visited = 0
     for root, dirs, files in os.walk(folder):
         here = Path(root)
         depth = len(here.relative_to(folder).parts)
         for name in (*dirs, *files):
-            if not name.startswith(".") and name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
+            if name.startswith("."):
+                continue
+            # a ".old" is a checkpoint moved aside: a folder (a sharded save) or a ".ckpt" file, not any backup
+            if name.endswith(PARTIAL_SUFFIX) or (name.endswith(OLD_SUFFIX) and (
+                    name in dirs or name[: -len(OLD_SUFFIX)].endswith(".ckpt"))):
                 found.append(here / name)
         visited += 1
         if visited >= _LEFTOVER_FOLDERS:

@@ -121,7 +121,7 @@ class FastForward:
     """What :func:`make_resumable` attaches to a DataLoader (``loader._lp_fast_forward``).
 
     Args:
-        current_epoch: ``() -> epoch``, read when an iteration starts (a resume position applies to its epoch only).
+        current_epoch: ``() -> epoch``, read when an iteration starts.
         epoch_batches: ``() -> batches the loop takes per epoch`` (the loader's length under the Trainer's
             ``limit_train_batches``; None or unset: the whole epoch). The loop stops asking for batches there, so a
             sampler's last draws (made when it is exhausted) happen only if the loop, or the loader's read-ahead,
@@ -148,7 +148,7 @@ class FastForward:
         self.skipped = 0
         """Batches skipped by the last resumed iteration (0 when none)."""
         self.replayed = 0
-        """Earlier epochs whose random draws the last resumed iteration replayed (0 when none)."""
+        """Earlier epochs (since the loader's reload) whose random draws the last resumed iteration replayed."""
 
 
     def reloaded_at(self, epoch: int) -> int:
@@ -163,8 +163,11 @@ class FastForward:
         return int(n) if n is not None and n != float("inf") else None
 
     def resume_at(self, epoch: int, batches: int) -> None:
-        """The next iteration, if it is of ``epoch`` (the first of a resumed fit), starts after its first ``batches``
-        batches (0: an epoch-end checkpoint), the draws of a seeded generator's earlier epochs made again first."""
+        """The next iteration (the first of a resumed fit) resumes at ``epoch``: if it is of ``epoch`` it starts after
+        its first ``batches`` batches (0: an epoch-end checkpoint); if of a later epoch (the saved one ended, restarted
+        "on last") it skips nothing; if the loop's count still reads an earlier epoch (a loader with workers draws
+        before Lightning's loop moves past a finished epoch) it serves ``epoch``. The draws of a seeded generator's
+        earlier epochs are made again first."""
         self.pending = (int(epoch), int(batches))
 
     def iterate(self, inner: Any) -> Iterator[Any]:
@@ -200,7 +203,7 @@ class FastForward:
                     pass
                 if self.seed_generator is not None and replayed < seeds:
                     torch.empty((), dtype=torch.int64).random_(generator=self.seed_generator)
-            self.replayed = epoch
+            self.replayed = epoch - self.reloaded_at(epoch)
         it = iter(inner)
         for _ in range(skip):
             try:
@@ -293,8 +296,9 @@ def trainer_position(trainer: Any) -> tuple[int, int]:
 
 def process_training_loader(trainer: Any, loader: Any) -> Any:
     """What a strategy's ``process_dataloader`` does with ``loader`` (any stage): the training DataLoader of a fit
-    is made resumable (:func:`make_resumable`) and, on a mid-epoch resume, set to start after the batches the
-    restored loop already ran; a loader that cannot be fast-forwarded exactly gets a warning saying what resumes.
+    is made resumable (:func:`make_resumable`) and, on a resume, set to start after the batches the restored loop
+    already ran (mid-epoch) and to replay a seeded generator's earlier epochs (any resume); a loader that cannot be
+    fast-forwarded exactly gets a warning saying what resumes.
     Other loaders pass unchanged."""
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
@@ -306,7 +310,7 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
                             epoch_batches=lambda: loop_batches(trainer, loader),
                             reload_every=int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0))
     fit_loop = trainer.fit_loop
-    if fit_loop.restarting or fit_loop.is_resuming:  # (after an epoch-end checkpoint Lightning is not "restarting")
+    if _resuming(fit_loop):  # (after an epoch-end checkpoint Lightning is not "restarting")
         _resume(trainer, loader)
         fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
     else:  # perhaps before the checkpoint is restored: see reload_after_restore
@@ -330,10 +334,11 @@ def reload_after_restore(trainer: Any) -> bool:
     if not getattr(fit_loop, _LOADED_BEFORE_RESTORE, False):
         return False
     setattr(fit_loop, _LOADED_BEFORE_RESTORE, False)
-    if not (fit_loop.restarting or getattr(fit_loop, "is_resuming", False)):  # (an epoch-end checkpoint: resuming)
+    if not _resuming(fit_loop):  # (an epoch-end checkpoint: resuming, not restarting)
         return False
     fit_loop._combined_loader = None
     fit_loop.setup_data()
+    _align_reloads(trainer)  # (setup_data set Lightning's count again)
     return True
 
 
@@ -353,11 +358,18 @@ def loop_batches(trainer: Any, loader: Any) -> int | None:
     return None if length is None else int(length * limit)
 
 
+def _resuming(fit_loop: Any) -> bool:
+    """The fit resumes from a checkpoint: Lightning's loop is restarting, or (after an epoch-end checkpoint, where it
+    is not; ``is_resuming`` exists from Lightning 2.5.x on) resuming."""
+    return bool(fit_loop.restarting or getattr(fit_loop, "is_resuming", False))
+
+
 def _finished_on_restore(fit_loop: Any) -> bool:
     """A loop restored from a checkpoint saved after its epoch's last batch (``on_train_batch_end``): Lightning's
     ``FitLoop.reset`` counts that epoch as processed and runs the next one, without a batch of the saved one (its
-    test, read from the same counters before ``reset`` runs)."""
-    if not fit_loop.restarting:
+    test, read from the same counters before ``reset`` runs; Lightning versions without that rule -- no restart
+    stages, before 2.5 -- run the saved epoch's end again, and this is False there)."""
+    if not fit_loop.restarting or not hasattr(fit_loop.epoch_loop, "restarted_on_train_batch_end"):
         return False
     epochs, batches = fit_loop.epoch_progress.total, fit_loop.epoch_loop.batch_progress
     mid_epoch = (epochs.started == epochs.ready and epochs.processed == epochs.started - 1
@@ -375,7 +387,7 @@ def _align_reloads(trainer: Any) -> None:
     :meth:`FastForward.reloaded_at`)."""
     fit_loop = trainer.fit_loop
     n = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
-    if n <= 1 or not (fit_loop.restarting or fit_loop.is_resuming):
+    if n <= 1 or not _resuming(fit_loop):
         return
     epoch = int(fit_loop.epoch_progress.current.processed)
     if hasattr(fit_loop, "_last_train_dl_reload_epoch"):  # (set by Lightning to the epoch its setup read)

@@ -164,7 +164,7 @@ def test_ragged_labels_weigh_every_token_of_the_step_once() -> None:
     different number of counted tokens, and the adapter's loss is a token mean. Every strategy's optimizer step of 8
     samples (2 accumulated batches) equals one device taking the 8 samples as one batch -- the mean over every
     counted token of the step, as Hugging Face's trainer computes it -- because the adapter names its shifted labels
-    (``HFModelMixin.context_parallel_plan``)."""
+    (``HFCausalLM.context_parallel_plan``)."""
     kw: dict[str, Any] = dict(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
                               enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
                               gradient_clip_val=0.5)

@@ -298,11 +298,11 @@ def labels_of(batch: Any, plan: ContextParallelPlan) -> Tensor:
     if callable(plan.labels):
         try:
             labels = plan.labels(batch)
-        except (KeyError, IndexError, TypeError, AttributeError) as err:
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"context_parallel_plan()['labels'], the function {describe_labels(plan.labels)}, "
                              f"raised {type(err).__name__}: {err} on a batch ({type(batch).__name__}). Fix: return "
                              "the labels the loss counts for every training batch, or leave 'labels' out (the loss "
-                             "is then not reweighted by each rank's counted tokens).") from None
+                             "is then not reweighted by each rank's counted tokens).") from err
         where = f"the function {describe_labels(plan.labels)} returns"
     else:
         labels = _entry(batch, plan.labels)
