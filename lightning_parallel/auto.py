@@ -231,33 +231,27 @@ def _runnable(candidate: Candidate, module: nn.Module | None, options: PlannerOp
         for size, hook in ((layout.pipeline_parallel_size, "pipeline_layers"),
                            (layout.tensor_parallel_size, "tensor_parallel_plan"),
                            (layout.context_parallel_size, "context_parallel_plan")):
-            if size > 1 and not _has_hook(module, hook):
-                what = ("routes no attention (its context_parallel_plan() names only the labels of its loss)"
-                        if hook == "context_parallel_plan" and callable(getattr(module, hook, None))
-                        and _returns(module, hook) else f"does not implement {hook}()")
-                return f"{type(module).__name__} {what}"
+            missing = _missing_hook(module, hook) if size > 1 else None
+            if missing:
+                return f"{type(module).__name__} {missing}"
     return ""
 
 
-def _returns(module: nn.Module, hook: str) -> bool:
-    """The module's ``hook()`` returns (does not raise ``NotImplementedError``, the mixin's default)."""
-    try:
-        getattr(module, hook)()
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _has_hook(module: nn.Module, hook: str) -> bool:
+def _missing_hook(module: nn.Module, hook: str) -> str | None:
+    """Why ``module`` cannot run a layout that needs ``hook()`` (None: it can). A ``context_parallel_plan()`` that
+    names only the labels of a token-mean loss (the Hugging Face adapter's) routes no attention."""
     fn = getattr(module, hook, None)
     if not callable(fn):
-        return False
+        return f"does not implement {hook}()"
     try:
         value = fn()
     except NotImplementedError:
-        return False
-    # a plan naming only the labels of a token-mean loss (the Hugging Face adapter's) routes no attention
-    return hook != "context_parallel_plan" or (isinstance(value, Mapping) and "attention" in value)
+        return f"does not implement {hook}()"
+    if hook == "context_parallel_plan" and not (isinstance(value, Mapping) and "attention" in value):
+        if isinstance(value, Mapping) and set(value) <= {"labels", "ignore_index"}:
+            return "routes no attention (its context_parallel_plan() names only the labels of its loss)"
+        return "has a context_parallel_plan() without 'attention'"
+    return None
 
 
 def _with_nvme_path(candidate: Candidate, options: PlannerOptions) -> Candidate:

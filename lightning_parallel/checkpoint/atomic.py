@@ -182,7 +182,7 @@ _LEFTOVER_DEPTH, _LEFTOVER_FOLDERS = 6, 20_000
 
 
 def _leftovers_under(folder: Path) -> list[Path]:
-    """The ``.partial`` entries and the ``.old`` checkpoints (``*.ckpt.old``, folders) under ``folder``, looked for
+    """The ``.partial`` entries and the ``.old`` checkpoints (``*.ckpt.old``: files or folders) under ``folder``, found
     where checkpoints go -- at most ``_LEFTOVER_DEPTH`` folders deep (``<root>/<logger>/version_<n>/checkpoints/
     <name>`` is 4), outside hidden folders, and in at most ``_LEFTOVER_FOLDERS`` folders: a run started in a large
     tree (a home folder, the default ``default_root_dir`` being the working directory) must not wait on a walk of all
@@ -195,9 +195,9 @@ def _leftovers_under(folder: Path) -> list[Path]:
         for name in (*dirs, *files):
             if name.startswith("."):
                 continue
-            # a ".old" is a checkpoint moved aside: a folder (a sharded save) or a ".ckpt" file, not any backup
-            if name.endswith(PARTIAL_SUFFIX) or (name.endswith(OLD_SUFFIX) and (
-                    name in dirs or name[: -len(OLD_SUFFIX)].endswith(".ckpt"))):
+            # a ".old" is a checkpoint moved aside (a "*.ckpt" file or folder), not any backup of the user's
+            if name.endswith(PARTIAL_SUFFIX) or (name.endswith(OLD_SUFFIX)
+                                                 and name[: -len(OLD_SUFFIX)].endswith(".ckpt")):
                 found.append(here / name)
         visited += 1
         if visited >= _LEFTOVER_FOLDERS:

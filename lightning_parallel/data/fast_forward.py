@@ -360,7 +360,7 @@ def loop_batches(trainer: Any, loader: Any) -> int | None:
 
 def _resuming(fit_loop: Any) -> bool:
     """The fit resumes from a checkpoint: Lightning's loop is restarting, or (after an epoch-end checkpoint, where it
-    is not; ``is_resuming`` exists from Lightning 2.5.x on) resuming."""
+    is not; ``is_resuming`` exists from Lightning 2.5.3 on: before, such a resume is not seen) resuming."""
     return bool(fit_loop.restarting or getattr(fit_loop, "is_resuming", False))
 
 

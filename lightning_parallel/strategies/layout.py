@@ -654,7 +654,7 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
         labels = labels_of(batch, plan)
     except ValueError as err:
         raise LayoutError(f"{type(module).__name__}.{err} (a training batch of {probe.source}: a "
-                          f"{type(batch).__name__})") from None
+                          f"{type(batch).__name__})") from err.__cause__
     if target is not None and not (isinstance(target, torch.Tensor) and target.shape == labels.shape
                                    and torch.equal(target, labels)):
         raise LayoutError(

@@ -209,7 +209,7 @@ def test_a_users_mixin_module_with_another_loss_is_not_reweighed() -> None:
     """Only a module that names its labels is weighed by tokens (HFCausalLM does; the mixin does not impose it): a
     per-sample mean under lp_ddp x2 equals one device on the ragged batches, and lp_auto sees no context-parallel
     plan in the adapter's labels-only one."""
-    from lightning_parallel.auto import _has_hook
+    from lightning_parallel.auto import _missing_hook
 
     kw: dict[str, Any] = dict(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
                               enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
@@ -223,7 +223,9 @@ def test_a_users_mixin_module_with_another_loss_is_not_reweighed() -> None:
     diff = weight_diff(model, ref)
     print(f"HFModelMixin module, per-sample mean loss, ragged labels, lp_ddp x2: max |w - w_1dev| = {diff:.2e}")
     assert diff < TOL
-    assert not _has_hook(llama(), "context_parallel_plan") and not _has_hook(ref, "context_parallel_plan")
+    assert _missing_hook(llama(), "context_parallel_plan") == ("routes no attention (its context_parallel_plan() "
+                                                                "names only the labels of its loss)")
+    assert _missing_hook(ref, "context_parallel_plan") == "does not implement context_parallel_plan()"
 
 
 class OwnModule(HFModelMixin, pl.LightningModule):

@@ -169,6 +169,7 @@ def test_leftovers_of_interrupted_saves_are_named_at_the_next_start(tmp_path: Pa
     (logs / "last.ckpt.partial" / "inner.old").write_bytes(b"x")
     (tmp_path / ".git" / "x.partial").mkdir(parents=True)
     (logs / "config.yaml.old").write_text("a user's backup, not a checkpoint")
+    (logs / "data.old").mkdir()  # a user's folder, not a checkpoint moved aside
     deep = tmp_path.joinpath(*"abcdefg")
     deep.mkdir(parents=True)
     (deep / "far.ckpt.partial").mkdir()
