@@ -150,7 +150,6 @@ class FastForward:
         self.replayed = 0
         """Earlier epochs (since the loader's reload) whose random draws the last resumed iteration replayed."""
 
-
     def reloaded_at(self, epoch: int) -> int:
         """The epoch whose start built the loader serving ``epoch`` (0 unless the Trainer reloads the training data
         every ``n`` epochs: then ``n x (epoch // n)``, where a generator made by ``train_dataloader`` started)."""
