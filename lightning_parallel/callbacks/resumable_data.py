@@ -26,9 +26,9 @@ class ResumableDataLoaders(Callback):
         self._patched: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_parallel.data.fast_forward import process_training_loader
+        from lightning_parallel.data.fast_forward import forget_early_load, process_training_loader
 
-        trainer.fit_loop.__dict__.pop("_lp_loaded_before_restore", None)  # a mark of an earlier fit
+        forget_early_load(trainer)  # a mark of an earlier fit
         strategy = trainer.strategy
         if getattr(strategy, "resumes_dataloaders", False) or self._patched is not None:
             return

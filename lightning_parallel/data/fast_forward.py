@@ -52,8 +52,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "is_resumable", "loop_batches", "make_resumable",
-           "process_training_loader", "reload_after_restore", "resume_warning", "trainer_position"]
+from lightning_parallel.data.resumable import resuming
+
+__all__ = ["FastForward", "FastForwardSampler", "fast_forward_of", "forget_early_load", "is_resumable", "loop_batches",
+           "make_resumable", "process_training_loader", "reload_after_restore", "resume_warning",
+           "trainer_position"]
 
 _ATTACHED = "_lp_fast_forward"
 _CHAIN = ("batch_sampler", "sampler", "_sampler", "dataset")  # where a sampler keeps the sampler it draws from
@@ -196,13 +199,14 @@ class FastForward:
             drawn = None if per_epoch is None else per_epoch + self.read_ahead
             # a resume past the saved epoch (saved after its last batch, restarted "on last") made an iterator for
             # the saved epoch and dropped it: its draw for its workers' seed is one of the draws replayed here
-            seeds = epoch - self.reloaded_at(epoch) - (1 if pending is not None and pending[0] < epoch else 0)
-            for replayed in range(epoch - self.reloaded_at(epoch)):
+            epochs = epoch - self.reloaded_at(epoch)
+            seeds = epochs - (1 if pending is not None and pending[0] < epoch else 0)
+            for replayed in range(epochs):
                 for _ in itertools.islice(iter(inner), drawn):
                     pass
                 if self.seed_generator is not None and replayed < seeds:
                     torch.empty((), dtype=torch.int64).random_(generator=self.seed_generator)
-            self.replayed = epoch - self.reloaded_at(epoch)
+            self.replayed = epochs
         it = iter(inner)
         for _ in range(skip):
             try:
@@ -309,7 +313,7 @@ def process_training_loader(trainer: Any, loader: Any) -> Any:
                             epoch_batches=lambda: loop_batches(trainer, loader),
                             reload_every=int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0))
     fit_loop = trainer.fit_loop
-    if _resuming(fit_loop):  # (after an epoch-end checkpoint Lightning is not "restarting")
+    if resuming(fit_loop):  # (after an epoch-end checkpoint Lightning is not "restarting")
         _resume(trainer, loader)
         fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
     else:  # perhaps before the checkpoint is restored: see reload_after_restore
@@ -333,7 +337,7 @@ def reload_after_restore(trainer: Any) -> bool:
     if not getattr(fit_loop, _LOADED_BEFORE_RESTORE, False):
         return False
     setattr(fit_loop, _LOADED_BEFORE_RESTORE, False)
-    if not _resuming(fit_loop):  # (an epoch-end checkpoint: resuming, not restarting)
+    if not resuming(fit_loop):  # (an epoch-end checkpoint: resuming, not restarting)
         return False
     fit_loop._combined_loader = None
     fit_loop.setup_data()
@@ -357,10 +361,10 @@ def loop_batches(trainer: Any, loader: Any) -> int | None:
     return None if length is None else int(length * limit)
 
 
-def _resuming(fit_loop: Any) -> bool:
-    """The fit resumes from a checkpoint: Lightning's loop is restarting, or (after an epoch-end checkpoint, where it
-    is not; ``is_resuming`` exists from Lightning 2.5.3 on: before, such a resume is not seen) resuming."""
-    return bool(fit_loop.restarting or getattr(fit_loop, "is_resuming", False))
+def forget_early_load(trainer: Any) -> None:
+    """Drop the mark :func:`process_training_loader` leaves when the training data is loaded before the checkpoint is
+    restored (at a fit's setup: a mark of an earlier fit must not make this one load its data again)."""
+    trainer.fit_loop.__dict__.pop(_LOADED_BEFORE_RESTORE, None)
 
 
 def _finished_on_restore(fit_loop: Any) -> bool:
@@ -386,7 +390,7 @@ def _align_reloads(trainer: Any) -> None:
     :meth:`FastForward.reloaded_at`)."""
     fit_loop = trainer.fit_loop
     n = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
-    if n <= 1 or not _resuming(fit_loop):
+    if n <= 1 or not resuming(fit_loop):
         return
     epoch = int(fit_loop.epoch_progress.current.processed)
     if hasattr(fit_loop, "_last_train_dl_reload_epoch"):  # (set by Lightning to the epoch its setup read)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ResumableDataModuleMixin", "ResumableSampler"]
+__all__ = ["ResumableDataModuleMixin", "ResumableSampler", "resuming"]
 
 
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -122,7 +122,7 @@ class ResumableDataModuleMixin:
             items = int(samples) // replicas
             skip = items if 0 < items < full_batches * batch_size else 0
         loop = getattr(trainer, "fit_loop", None)
-        if loop is None or getattr(loop, "is_resuming", False) or getattr(loop, "restarting", False):
+        if loop is None or resuming(loop):
             # once the loops are restored (data loaded before it, for estimated_stepping_batches, keeps it): a later
             # epoch or reloaded loader starts over
             self._lp_resume, self._lp_resume_samples = (0, 0), None
@@ -138,3 +138,9 @@ class ResumableDataModuleMixin:
 def global_batches(n_items: int, batch_size: int, replicas: int) -> int:
     """How many full global batches of ``batch_size * replicas`` items one epoch of :class:`ResumableSampler` has."""
     return math.floor(n_items / replicas) // batch_size
+
+
+def resuming(fit_loop: Any) -> bool:
+    """The fit resumes from a checkpoint: Lightning's loop is restarting, or (after an epoch-end checkpoint, where it
+    is not; ``is_resuming`` exists from Lightning 2.5.3 on: before, such a resume is not seen) resuming."""
+    return bool(getattr(fit_loop, "restarting", False) or getattr(fit_loop, "is_resuming", False))

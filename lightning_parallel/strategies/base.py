@@ -235,10 +235,13 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                 return None
             raise
 
-    loss_labels: Any = None
-    """The token labels the module's ``context_parallel_plan()`` names (a
-    :class:`~lightning_parallel.parallel.context_parallel.ContextParallelPlan` read by
-    :func:`~lightning_parallel.parallel.context_parallel.loss_labels`), or None: set when the module is composed."""
+    @property
+    def loss_labels(self) -> Any:
+        """The token labels the composed module's ``context_parallel_plan()`` names (a
+        :class:`~lightning_parallel.parallel.context_parallel.ContextParallelPlan`, read once per module by
+        :meth:`~lightning_parallel.strategies.resumable.ResumableDataMixin.token_labels` when it is composed), or
+        None."""
+        return self._labels
 
     def batch_share(self, batch: Any, *, optional: bool = False) -> Tensor | None:
         """This rank's share of the counted tokens of the global batch, by which its loss and its mean-logged values
@@ -508,9 +511,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                               data_parallel=self.precision_plan(self.data_parallel_plan()), fitting=fitting,
                               pipeline=self.pipelined)
         self.composition = composition
-        from lightning_parallel.parallel.context_parallel import loss_labels
-
-        self.loss_labels = loss_labels(model)
+        self._labels_of = None  # read again for each composition; the step (loss_labels) and the read-ahead share it
+        self.token_labels(model)
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
         return composition
 

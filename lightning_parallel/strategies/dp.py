@@ -284,7 +284,6 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
                 for c, b in zip(counts, sizes, strict=True)]
         return loss, logged
 
-
     @staticmethod
     def _weighed(module: pl.LightningModule, outputs: list[Any], recorders: list[_LogRecorder],
                  weights: list[Tensor], logged: list[Tensor], *, loss: bool) -> list[Any]:

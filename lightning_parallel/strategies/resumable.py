@@ -33,12 +33,12 @@ class ResumableDataMixin:
     _labels_of: Any = None
     _labels: Any = None
 
-    def token_labels(self) -> Any:
-        """The token labels the module's ``context_parallel_plan()`` names
+    def token_labels(self, module: Any = None) -> Any:
+        """The token labels the ``context_parallel_plan()`` of ``module`` (default: the Lightning module) names
         (:func:`~lightning_parallel.parallel.context_parallel.loss_labels`), read once per module; None without."""
         from lightning_parallel.parallel.context_parallel import loss_labels
 
-        module = self.lightning_module
+        module = self.lightning_module if module is None else module
         if module is None:
             return None
         if self._labels_of is not module:

@@ -331,7 +331,6 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
                             accumulation=1 if step is None else step[1],
                             window=None if step is None else torch.full((1,), float(step[0]), device=count.device))
 
-
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
