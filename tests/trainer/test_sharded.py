@@ -132,6 +132,43 @@ def test_fit_equals_one_device(reference: GPT, stage: int, backend: str) -> None
     assert diff < 1e-5
 
 
+class _ZeroInitAdapter(pl.LightningModule):
+    """Token embedding -> a low-rank adapter whose second factor starts at zero (as LoRA's does) -> head. The first
+    factor ``lora_a`` is used by every forward, but its gradient is exactly zero until ``lora_b`` has moved: one
+    device's AdamW still steps it (weight decay 0.1), as it steps any parameter that has a gradient, even a zero one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 16)
+        self.lora_a = torch.nn.Parameter(torch.randn(16, 4))
+        self.lora_b = torch.nn.Parameter(torch.zeros(4, 16))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, targets = batch
+        h = self.embed(idx)
+        logits = self.head(h + h @ self.lora_a @ self.lora_b)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_used_parameter_with_a_zero_gradient_is_stepped_as_one_device_steps_it(stage: int) -> None:
+    """ZeRO-1/2 leave a parameter that got no gradient on any rank as it was (torch's optimizers skip it), knowing which
+    ones got one from autograd hooks. Lightning wraps the optimizer in a ``LightningOptimizer`` -- an instance of a
+    subclass of the wrapped class -- and dropped such a wrapper once; its inherited clean-up removed the real
+    optimizer's hooks, so every parameter looked unused at every step and one whose reduced gradient was all zero (here
+    ``lora_a`` at the first step) was held back: no weight decay (2.7e-03 from one device after 4 steps, measured)."""
+    model = _fit(LPShardedStrategy({"zero_stage": stage}, start_method="fork"), 2, model=_ZeroInitAdapter())[0]
+    reference = _fit("auto", 1, model=_ZeroInitAdapter())[0]
+    diff = _diff(model, reference)
+    print(f"lp_sharded zero_stage={stage}, a zero-gradient parameter: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 1e-5
+
+
 class _ReducedDuringAccumulation(pl.Callback):
     """Raises in the rank unless every accumulation batch's backward (not only the step's last) already reduced its
     gradient to the shards: the flat ZeRO-2 has freed the gradients it sent (what is left is less than the whole

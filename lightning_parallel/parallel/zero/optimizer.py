@@ -110,7 +110,10 @@ class ZeroOptimizer(Optimizer):
         self.optim.defaults = value
 
     def __del__(self) -> None:
-        for handle in getattr(self, "_usage_hooks", ()):
+        # this object's own hooks only: Lightning's LightningOptimizer wrapper is an instance of a subclass of this
+        # class that forwards missing attributes to the optimizer it wraps, so ``getattr`` here would hand a dropped
+        # wrapper the wrapped optimizer's hooks to remove (every parameter then looked unused at every step)
+        for handle in vars(self).get("_usage_hooks", ()):
             handle.remove()
 
     def __repr__(self) -> str:
