@@ -430,15 +430,27 @@ def test_stage2_on_4_ranks() -> None:
         assert r["2-adamw"]["optim"] < 1e-5
 
 
-def _tp_gradients_count_as_used(rank: int, world: int) -> tuple[list[list[bool]], int]:
-    """ZeRO-1 over the local tensors of a tensor-parallel module: the DTensor gradients are set on the local tensors
-    by hand (no autograd hook runs on them); they must count as used, or every step would hold back (clone and
-    select) every tp parameter."""
+def _usage_is_tracked(rank: int, world: int) -> list[tuple[str, list[list[bool]], int]]:
+    """Which parameters got a gradient, as ZeRO-1 sees it at the step (must be all, so that nothing is held back --
+    cloned and selected -- at every step), in two cases.
+
+    ``tp``: ZeRO-1 over the local tensors of a tensor-parallel module, whose DTensor gradients are set on the local
+    tensors by hand (no autograd hook runs on them).
+
+    ``lightning wrapper``: Lightning's ``LightningOptimizer`` is an instance of a subclass of the wrapped optimizer's
+    class that forwards missing attributes to it; wrappers are made and dropped during a fit, and manual optimization
+    calls ``zero_grad`` on one. Before the usage hooks moved into an object of their own, a dropped wrapper removed
+    the optimizer's hooks (every parameter then looked unused at every step under the Trainer)."""
+    import gc
+
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from lightning_parallel.parallel.tensor.sync import LocalShardZeroOptimizer
+    from lightning_parallel.parallel.zero import ZeroOptimizer
 
+    out_rows: list[tuple[str, list[list[bool]], int]] = []
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     parallelize_module(model, mesh, {"0": ColwiseParallel()})
@@ -447,9 +459,22 @@ def _tp_gradients_count_as_used(rank: int, world: int) -> tuple[list[list[bool]]
     out = model(torch.randn(2, 4))
     (out.full_tensor() if hasattr(out, "full_tensor") else out).sum().backward()
     zero.reduce_gradients()
-    return [list(u) for u in zero._used], len(zero._hold_unused())
+    out_rows.append(("tp", [list(u) for u in zero._usage.used], len(zero._hold_unused())))
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    zero = ZeroOptimizer(torch.optim.AdamW(plain.parameters(), lr=0.1, weight_decay=0.1), stage=1)
+    wrapper = LightningOptimizer(zero)
+    wrapper.zero_grad()  # manual optimization's opt.zero_grad(): ZeroOptimizer.zero_grad with the wrapper as self
+    del wrapper
+    LightningOptimizer(zero)  # made and dropped at once
+    gc.collect()
+    plain(torch.randn(2, 4)).sum().backward()
+    zero.reduce_gradients()
+    out_rows.append(("lightning wrapper", [list(u) for u in zero._usage.used], len(zero._hold_unused())))
+    return out_rows
 
 
-def test_tensor_parallel_gradients_set_by_hand_count_as_used() -> None:
-    for used, held in run_distributed(_tp_gradients_count_as_used, 1, timeout_s=120):
-        assert all(all(u) for u in used) and held == 0, (used, held)
+def test_gradients_set_by_hand_or_behind_lightnings_wrapper_count_as_used() -> None:
+    for rows in run_distributed(_usage_is_tracked, 1, timeout_s=120):
+        for case, used, held in rows:
+            assert all(all(u) for u in used) and held == 0, (case, used, held)

@@ -78,11 +78,8 @@ class ZeroOptimizer(Optimizer):
         self._chunked = ChunkedReduce(self.shards, group) if stage == 2 and self.world_size > 1 else None
         # which parameters received a gradient since the last step (autograd's hooks), and where each lies in this
         # rank's shard: a parameter without one is left as it was by the step (see _hold_unused)
-        self._used = [[False] * len(shard.params) for shard in self.shards]
+        self._usage = _Usage(self.shards)
         self._spans = [_spans_in_shard(shard) for shard in self.shards]
-        self._trainable: tuple[bool, ...] = ()
-        self._usage_hooks: list[Any] = []
-        self._hook_usage()
 
     # shared with the inner optimizer (which may replace them, e.g. in load_state_dict), never copied
     @property  # type: ignore[override]
@@ -109,13 +106,6 @@ class ZeroOptimizer(Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optim.defaults = value
 
-    def __del__(self) -> None:
-        # this object's own hooks only: Lightning's LightningOptimizer wrapper is an instance of a subclass of this
-        # class that forwards missing attributes to the optimizer it wraps, so ``getattr`` here would hand a dropped
-        # wrapper the wrapped optimizer's hooks to remove (every parameter then looked unused at every step)
-        for handle in vars(self).get("_usage_hooks", ()):
-            handle.remove()
-
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
 
@@ -139,8 +129,8 @@ class ZeroOptimizer(Optimizer):
         """
         chunks = self._chunked.finish() if self._chunked is not None else None
         for k, shard in enumerate(self.shards):
-            for i in shard.params_with_own_grad():  # set by hand, not by autograd: no hook ran (see _hook_usage)
-                self._used[k][i] = True
+            for i in shard.params_with_own_grad():  # set by hand, not by autograd: no hook ran (see _Usage)
+                self._usage.used[k][i] = True
             grad = shard.shard_param.grad
             assert grad is not None
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
@@ -181,26 +171,11 @@ class ZeroOptimizer(Optimizer):
         self._grads_reduced = False
         for shard in self.shards:
             shard.reduced = None
-        self._reset_usage()
+        self._usage.reset()
         self.all_gather_params()
         return loss
 
     # ------------------------------------------------------------------ parameters without a gradient
-    def _hook_usage(self) -> None:
-        """Hooks that mark a parameter used when autograd accumulates its gradient (torch refuses a hook on a frozen
-        one: it stays unused), made again when the set of trainable parameters changed. Weakly bound, as
-        :class:`~lightning_parallel.parallel.zero.overlap.ChunkedReduce`'s are."""
-        self._trainable, self._usage_hooks = hook_trainable(self.shards, partial(_mark_used, weakref.ref(self)),
-                                                            self._trainable, self._usage_hooks)
-
-    def _reset_usage(self, *, rehook: bool = False) -> None:
-        """Every parameter unused again; ``rehook`` (``zero_grad``, before a step's first backward): hooks for the
-        parameters made trainable since (a callback unfreezing a backbone)."""
-        for used in self._used:
-            used[:] = [False] * len(used)
-        if rehook:
-            self._hook_usage()
-
     def _put_back(self, held: list[tuple[int, Any, int, int, Tensor, Tensor]]) -> None:
         """After the inner step: each held slice back where its flag holds, into the tensor that holds it now (the
         parameter shard, or the optimizer state read again by key: an optimizer may replace a state tensor)."""
@@ -221,7 +196,7 @@ class ZeroOptimizer(Optimizer):
         optimizer's step count is per param group (one flat tensor) and still advances."""
         held: list[tuple[int, Any, int, int, Tensor, Tensor]] = []
         for s, shard in enumerate(self.shards):
-            used, grad = self._used[s], shard.shard_param.grad
+            used, grad = self._usage.used[s], shard.shard_param.grad
             unused = [(lo, hi) for i, lo, hi in self._spans[s] if not used[i]]
             if not unused or grad is None:
                 continue
@@ -242,7 +217,7 @@ class ZeroOptimizer(Optimizer):
             shard.zero_grad()
             shard.reduced = None
         self._grads_reduced = False
-        self._reset_usage(rehook=True)
+        self._usage.reset(rehook=True)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -339,10 +314,45 @@ class ZeroOptimizer(Optimizer):
         return {"state": state, "param_groups": groups}
 
 
-def _mark_used(owner: weakref.ref[ZeroOptimizer], s: int, i: int, _param: Tensor) -> None:
-    optimizer = owner()
-    if optimizer is not None:
-        optimizer._used[s][i] = True
+class _Usage:
+    """Which parameters of ``shards`` received a gradient from autograd since the last step: a post-accumulate-grad
+    hook per trainable parameter (torch refuses a hook on a frozen one: it stays unused), made again when the set of
+    trainable parameters changed.
+
+    Owned by one :class:`ZeroOptimizer` and changed only in place: Lightning's ``LightningOptimizer`` is an instance
+    of a subclass of the wrapped optimizer's class that forwards missing attributes to it, so optimizer methods also
+    run with a wrapper as ``self``; an attribute assigned or cleaned up there would belong to the wrapper, which is
+    dropped (with its hooks, or taking the optimizer's) while the optimizer lives on. The hooks hold this object
+    weakly, so that an optimizer dropped (a second fit of the same module builds another) takes its hooks with it."""
+
+    def __init__(self, shards: list[FlatShard]) -> None:
+        self.shards = shards
+        self.used = [[False] * len(shard.params) for shard in shards]
+        self.trainable: tuple[bool, ...] = ()
+        self.handles: list[Any] = []
+        self._hook()
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "handles", ()):
+            handle.remove()
+
+    def _hook(self) -> None:
+        self.trainable, self.handles = hook_trainable(self.shards, partial(_mark_used, weakref.ref(self)),
+                                                      self.trainable, self.handles)
+
+    def reset(self, *, rehook: bool = False) -> None:
+        """Every parameter unused again; ``rehook`` (``zero_grad``, before a step's first backward): hooks for the
+        parameters made trainable since (a callback unfreezing a backbone)."""
+        for used in self.used:
+            used[:] = [False] * len(used)
+        if rehook:
+            self._hook()
+
+
+def _mark_used(owner: weakref.ref[_Usage], s: int, i: int, _param: Tensor) -> None:
+    usage = owner()
+    if usage is not None:
+        usage.used[s][i] = True
 
 
 def _spans_in_shard(shard: FlatShard) -> list[tuple[int, int, int]]:
