@@ -61,7 +61,7 @@ from .pipeline import StageChunk, StagePlan, has_meta_tensors, materialize, plan
 __all__ = ["COMPOSITION_ORDER", "Composition", "CompositionOrderError", "DataParallelPlan", "DataParallelSync",
            "apply_compile", "apply_context_parallel_step", "apply_recomputation", "apply_tensor_plan", "compose",
            "composition_of", "composition_path", "data_parallel_plan", "ddp_wrapper", "place", "reshard_policy",
-           "split_pipeline", "steps_done", "wrap_data_parallel"]
+           "rewrap_if_trainable_changed", "split_pipeline", "steps_done", "wrap_data_parallel"]
 
 COMPOSITION_ORDER = ("pipeline split", "placement", "tensor plan", "context parallel", "activation checkpointing",
                      "compile",
@@ -73,6 +73,7 @@ ShardingBackend = Literal["native", "fairscale"]
 
 _STEPS_DONE = "_lp_composition_steps"
 _COMPOSITION = "_lp_composition"
+_BUILT_TRAINABLE = "_lp_built_trainable"  # on a DDP wrapper: its module's parameters, and which required gradients
 
 
 class CompositionOrderError(RuntimeError):
@@ -345,8 +346,37 @@ def ddp_wrapper(module: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh) 
     from torch.nn.parallel import DistributedDataParallel
 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    return DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device.index],
-                                   process_group=mesh.get_group(plan.axis), **dict(plan.ddp_options))
+    ddp = DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device.index],
+                                  process_group=mesh.get_group(plan.axis), **dict(plan.ddp_options))
+    params = list(module.parameters())
+    object.__setattr__(ddp, _BUILT_TRAINABLE, (params, [p.requires_grad for p in params]))
+    return ddp
+
+
+def rewrap_if_trainable_changed(model: nn.Module, *, plan: DataParallelPlan, mesh: DeviceMesh) -> nn.Module:
+    """``model`` itself, or -- when it is a DDP wrapper made by :func:`ddp_wrapper` and the set of its parameters that
+    require gradients has changed since -- a new DDP over the same module.
+
+    torch DDP builds its reducer over the parameters that require gradients when it is constructed and never looks
+    again: a parameter made trainable later (Lightning's ``BackboneFinetuning`` unfreezing a backbone frozen before
+    the wrap, a callback unfreezing layers) gets its gradient on every rank, never averaged, and each replica steps
+    with its own -- the replicas drift apart without an error; a parameter frozen later leaves a bucket that never
+    fills. The strategies call this before each training batch (after the callbacks' batch-start hooks). The new
+    wrapper's constructor checks the parameter shapes over the group and broadcasts the group's first rank's
+    states (equal already), the old one's autograd hooks are removed. Every rank must change the set alike, as a
+    callback does. Cost per batch: one read of ``requires_grad`` per parameter."""
+    built = getattr(model, _BUILT_TRAINABLE, None)
+    if built is None:
+        return model
+    params, flags = built
+    if [p.requires_grad for p in params] == flags:
+        return model
+    remove = getattr(model, "_remove_autograd_hooks", None)
+    if callable(remove):
+        remove()
+    inner = model.module
+    assert isinstance(inner, nn.Module)
+    return ddp_wrapper(inner, plan=plan, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------------------- all of it

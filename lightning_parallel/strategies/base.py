@@ -50,14 +50,20 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.config import ParallelConfig
-from lightning_parallel.parallel.compose import Composition, DataParallelPlan, compose, data_parallel_plan
+from lightning_parallel.parallel.compose import (
+    Composition,
+    DataParallelPlan,
+    compose,
+    data_parallel_plan,
+    rewrap_if_trainable_changed,
+)
 from lightning_parallel.parallel.context_parallel import weigh
 from lightning_parallel.parallel.counters import CommCounter, uncounted_all_reduce
 from lightning_parallel.parallel.faults import interrupts, watchdog
@@ -576,6 +582,30 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             self._manual_share = None
 
     _manual_share: Tensor | None = None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each training batch, after the callbacks' batch-start hooks: a torch DDP wrapper whose module's set
+        of trainable parameters changed since it was built (``BackboneFinetuning`` unfreezing a backbone) is built
+        again, so that every trainable parameter's gradient is averaged over the replicas
+        (:func:`~lightning_parallel.parallel.compose.rewrap_if_trainable_changed`)."""
+        super().on_train_batch_start(batch, batch_idx)
+        model = self.model
+        if model is None or self._train_step is None:
+            return
+        rewrapped = rewrap_if_trainable_changed(model, plan=self.train_step.plan, mesh=self.mesh)
+        if rewrapped is not model:
+            self.model = rewrapped
+            self.ddp_rewrapped(rewrapped)
+
+    def ddp_rewrapped(self, model: nn.Module) -> None:
+        """After :meth:`on_train_batch_start` built the DDP wrapper again: what the strategy adds to a new wrapper
+        (``lp_ddp``: its comm hook)."""
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        rank_zero_info(f"{self.strategy_name}: the module's trainable parameters changed (now {trainable:,} of "
+                       f"{total:,} elements); DDP was built again over them, so that every trainable parameter's "
+                       "gradient is averaged over the replicas.")
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -121,6 +121,13 @@ class LPDDPStrategy(LayoutStrategy):
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     @override
+    def ddp_rewrapped(self, model: nn.Module) -> None:
+        """The comm hook on the new wrapper as on the first."""
+        super().ddp_rewrapped(model)
+        if isinstance(model, DistributedDataParallel):
+            self._register_comm_hook(model)
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Manual optimization: tell DDP's reducer which outputs the backward starts from."""
         from lightning.pytorch.overrides.distributed import prepare_for_backward

@@ -842,6 +842,42 @@ def check_nonfinite_guard(strategy: Any, trainer: pl.Trainer | None) -> None:
             )
 
 
+def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning: Lightning's ``BaseFinetuning`` callbacks (``BackboneFinetuning``) read the optimizer's param
+    groups parameter by parameter -- they look each one up by name and compare the parameters they unfreeze with
+    those already there (``torch.equal``) before adding them as a new group -- which three kinds of layout cannot
+    serve: the flat ZeRO-1/2 optimizers hold one flat shard per param group (a ``KeyError`` at the first epoch),
+    tensor parallelism mixes DTensor and plain parameters or meshes (``torch.equal`` refuses them), and
+    ``lp_zero_offload``'s DeepSpeed engine (Lightning refuses the callback there). Refused here, with the layouts that
+    run it: ``lp_ddp`` (built again over the unfrozen parameters), ZeRO-3, pipelines without tensor parallelism."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    found = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, BaseFinetuning)]
+    if not found:
+        return
+    layout = getattr(strategy, "layout", None)
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    if not isinstance(layout, ParallelConfig):
+        return
+    zero, pp, tp = layout.zero, layout.pipeline_parallel_size, layout.tensor_parallel_size
+    flat = (getattr(strategy, "backend", "native") == "fairscale" or zero == 1
+            or (zero == 2 and pp == 1 and not layout.data_parallel_shard_size))
+    reason = ("the DeepSpeed engine owns the optimizer (Lightning refuses the callback under DeepSpeed)"
+              if name == "lp_zero_offload" else
+              f"tensor_parallel_size={tp}: the callback compares parameters with torch.equal, which refuses a mix of "
+              "DTensor and plain parameters or of device meshes" if tp > 1 else
+              f"zero_stage={zero} keeps one flat shard per param group in the optimizer, where the callback looks "
+              "each parameter up by name" if flat else None)
+    if reason is None:
+        return
+    raise LayoutError(
+        f"{type(found[0]).__name__} (a BaseFinetuning callback: it unfreezes layers and adds them to the optimizer as "
+        f"a new param group) cannot run under {name} ({layout.describe()}): {reason}. Fix: lp_ddp (torch DDP is "
+        "built again over the unfrozen parameters), zero_stage=3 without tensor parallelism, or a pipeline without "
+        "tensor parallelism and with zero_stage 0, 2 or 3; or keep every layer trainable and hold the frozen ones "
+        "with a learning rate of 0 in their own param group.")
+
+
 def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     """Everything checked before any rank starts, for ``trainer.fit(*args)`` (the checked launchers,
     ``lightning-parallel check``, and the CLI for strategies without a checked launcher): the module against the
@@ -857,6 +893,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
         check_evaluation_data(trainer, module, args)
         return
     check_nonfinite_guard(strategy, trainer)
+    check_finetuning_callbacks(strategy, trainer)
     check_layer_sync(strategy)
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
     # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.

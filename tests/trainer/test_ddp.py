@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_parallel import LPDDPStrategy
+from lightning_parallel.models import GPT
 from tests.helpers import TRAINER_QUIET, SequentialTokens, max_abs_diff, max_rel_diff, tiny_gpt
 
 STEPS = 12
@@ -81,3 +82,46 @@ def test_sampler_takes_rank_and_size_from_dp_axis() -> None:
     pl.Trainer(strategy=strategy, accelerator="cpu", devices=3, **TRAINER_QUIET)
     assert strategy.dims.shape == (3, 1, 1)
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
+
+
+class _BackboneGPT(GPT):
+    """The GPT whose blocks are the ``backbone`` Lightning's ``BackboneFinetuning`` freezes before the fit and
+    unfreezes later, adding them to the optimizer; SGD over what is trainable when the optimizer is made."""
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self.blocks
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+@pytest.mark.parametrize("strategy", ["lp_ddp", "lp_sharded zero3"])
+def test_backbone_finetuning_equals_one_device(strategy: str) -> None:
+    """The blocks are frozen for the first epoch (4 steps) and unfrozen at the second. torch DDP builds its reducer
+    over the parameters that require gradients when it is made -- the blocks were frozen then -- and never averaged
+    their gradients once unfrozen: each replica stepped its own (1.8e-01 from one device after 12 SGD steps; Lightning's
+    own ``ddp`` does the same). lp_ddp builds DDP again when the trainable set changes; FSDP2 (ZeRO-3) steps
+    each parameter as one device does."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from lightning_parallel.strategies import LPShardedStrategy
+
+    def fit(devices: int) -> pl.LightningModule:
+        model = _BackboneGPT(**tiny_gpt().hparams)
+        chosen: Any = "auto" if devices == 1 else LPDDPStrategy(start_method="fork") if strategy == "lp_ddp" else \
+            LPShardedStrategy({"zero_stage": 3}, start_method="fork")
+        trainer = pl.Trainer(strategy=chosen, accelerator="cpu", devices=devices, max_epochs=3, limit_val_batches=0,
+                             callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda _: 1.0,
+                                                           backbone_initial_ratio_lr=1.0)], **TRAINER_QUIET)
+        trainer.fit(model, SequentialTokens(batch_size=8 // devices, n_samples=32))
+        assert devices > 1 or trainer.global_step == 12  # (a fork launcher's parent does not count the ranks' steps)
+        return model
+
+    reference = fit(1)
+    untrained = _BackboneGPT(**tiny_gpt().hparams)
+    assert max_abs_diff(reference.blocks, untrained.blocks) > 1e-2  # the blocks trained after the unfreeze
+    model = fit(2)
+    diff = max_abs_diff(model, reference)
+    print(f"\n{strategy} 2 ranks, BackboneFinetuning (unfrozen at epoch 1) vs 1 device: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 1e-6
