@@ -69,7 +69,7 @@ from lightning_parallel.parallel.counters import CommCounter, uncounted_all_redu
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
-from .layout import LayoutMixin, clip_by_norm_replaced
+from .layout import LayoutMixin, clip_by_norm_replaced, toggles_by_model_parameters
 from .logged import TokenWeights, log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
 
@@ -442,6 +442,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                 original(optimizer, clip_val)  # whole gradients (DDP) or globally-normed DTensors (FSDP2)
 
         patches: list[contextlib.AbstractContextManager[Any]] = [clip_by_norm_replaced(self.precision_plugin, clip)]
+        module = self.lightning_module
+        if module is not None and any(callable(getattr(o, "model_parameters", None)) for o in self.optimizers):
+            patches.append(toggles_by_model_parameters(module, lambda: self.optimizers))
         if self._comm_counter is not None:
             self._comm_counter.dims, self._comm_counter.rank = self.dims, self.global_rank
             patches.append(self._comm_counter.counting())

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_parallel.config import LayoutError, ParallelConfig, check_model_compat
@@ -44,6 +44,7 @@ __all__ = [
     "check_context_labels",
     "check_data_modules",
     "check_evaluation_data",
+    "check_finetuning_callbacks",
     "check_layer_sync",
     "check_nonfinite_guard",
     "check_output_dirs",
@@ -54,6 +55,7 @@ __all__ = [
     "oversubscription_warning",
     "preflight",
     "report_interrupted_saves",
+    "toggles_by_model_parameters",
 ]
 
 
@@ -396,6 +398,57 @@ def clip_by_norm_replaced(precision: Any, clip: Callable[[Any, float], None]) ->
             precision.clip_grad_by_norm = original
         else:
             del precision.clip_grad_by_norm
+
+
+@contextlib.contextmanager
+def toggles_by_model_parameters(module: pl.LightningModule,
+                                optimizers: Callable[[], list[Any]]) -> Generator[None, None, None]:
+    """While the context is open: ``module.toggle_optimizer`` / ``untoggle_optimizer`` (and so ``toggled_optimizer``)
+    freeze and restore the module's parameters of each optimizer, read with its ``model_parameters()`` where it has
+    one (the library's ZeRO-1/2 optimizers, whose ``param_groups`` hold flat shards: Lightning's own methods toggled
+    those and left the other optimizer's layers trainable, so their gradients leaked into the next optimizer's
+    step), else from its ``param_groups``, as Lightning does. ``optimizers()`` gives the strategy's optimizers."""
+
+    def unwrap(optimizer: Any) -> Any:
+        return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+    def params_of(optimizer: Any) -> list[Tensor]:
+        optimizer = unwrap(optimizer)
+        own = getattr(optimizer, "model_parameters", None)
+        return own() if callable(own) else [p for group in optimizer.param_groups for p in group["params"]]
+
+    def toggle(optimizer: Any) -> None:
+        state: dict[Tensor, bool] = {}
+        for opt in optimizers():
+            for p in params_of(opt):
+                if p not in state:
+                    state[p] = p.requires_grad
+                    p.requires_grad = False
+        for p in params_of(optimizer):
+            p.requires_grad = state[p]
+        module._param_requires_grad_state = state  # type: ignore[assignment]  # (Lightning keys it by parameter)
+
+    def untoggle(optimizer: Any) -> None:
+        state: Any = module._param_requires_grad_state
+        for opt in optimizers():
+            if opt is not unwrap(optimizer):
+                for p in params_of(opt):
+                    if p in state:
+                        p.requires_grad = state[p]
+        module._param_requires_grad_state = {}
+
+    names = ("toggle_optimizer", "untoggle_optimizer")
+    shadowed = {name: vars(module)[name] for name in names if name in vars(module)}
+    module.toggle_optimizer = toggle  # type: ignore[method-assign]
+    module.untoggle_optimizer = untoggle  # type: ignore[method-assign]
+    try:
+        yield None
+    finally:
+        for name in names:
+            if name in shadowed:
+                setattr(module, name, shadowed[name])
+            else:
+                delattr(module, name)
 
 
 def oversubscription_warning(*, processes: int, device_type: str, cores: int | None) -> str | None:

@@ -157,6 +157,10 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
                 offset += n
             self._weights.append(shard.shard_of(weight).clone())
 
+    def model_parameters(self) -> list[Tensor]:
+        """The module's parameters this optimizer steps (the DTensors themselves, not their local tensors)."""
+        return [p for params in self.original_params for p in params]
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Copy the DTensor gradients' local tensors into the flat gradient, then reduce-scatter it over ``dp``."""

@@ -73,13 +73,21 @@ class ZeroOptimizer(Optimizer):
                               keep_full_grad=(stage == 1))
             pg["params"] = [shard.shard_param]
             self.shards.append(shard)
-        self._grads_reduced = False
         # stage 2: the chunks of the gradient reduced during an armed backward (overlap_backward)
         self._chunked = ChunkedReduce(self.shards, group) if stage == 2 and self.world_size > 1 else None
         # which parameters received a gradient since the last step (autograd's hooks), and where each lies in this
         # rank's shard: a parameter without one is left as it was by the step (see _hold_unused)
         self._usage = _Usage(self.shards)
         self._spans = [_spans_in_shard(shard) for shard in self.shards]
+
+    @property
+    def _grads_reduced(self) -> bool:
+        """Whether this step's gradients were reduced (since the last step or ``zero_grad``), read off the shards.
+        Nothing of a step's progress is assigned to ``self``: Lightning's ``LightningOptimizer`` is an instance of a
+        subclass of this class that forwards missing attributes to the optimizer it wraps, so these methods also run
+        with a wrapper as ``self`` (manual optimization's ``opt.zero_grad()``, ``opt.clip_grad_norm_()``), and an
+        attribute assigned there would be the wrapper's alone (a gradient then reduced twice)."""
+        return any(shard.reduced is not None for shard in self.shards)
 
     # shared with the inner optimizer (which may replace them, e.g. in load_state_dict), never copied
     @property  # type: ignore[override]
@@ -109,6 +117,11 @@ class ZeroOptimizer(Optimizer):
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
 
+    def model_parameters(self) -> list[Tensor]:
+        """The module's parameters this optimizer steps, in param-group order (its ``param_groups`` hold one flat
+        shard per group instead)."""
+        return [p for shard in self.shards for p in shard.params]
+
     # ------------------------------------------------------------------ the step
     def overlap_backward(self) -> None:
         """Stage 2: the next backward reduces each rank's chunk of the gradient as it completes it and frees the
@@ -134,11 +147,11 @@ class ZeroOptimizer(Optimizer):
             grad = shard.shard_param.grad
             assert grad is not None
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
-            earlier = shard.reduced if self._grads_reduced else None
+            earlier = shard.reduced
             if chunks is not None:
                 out = chunks[k].div_(self.world_size)
             else:
-                full = shard.full_local_grad()
+                full = shard.full_local_grad(onto_reduced=earlier is not None)
                 if earlier is not None and shard.flat_grad is not None:
                     shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
                 out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
@@ -148,7 +161,6 @@ class ZeroOptimizer(Optimizer):
             grad.copy_(out)
             shard.reduced = out  # released by step() / zero_grad()
             shard.release_full_grad()
-        self._grads_reduced = True
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
@@ -168,7 +180,6 @@ class ZeroOptimizer(Optimizer):
         held = self._hold_unused()
         self.optim.step()
         self._put_back(held)
-        self._grads_reduced = False
         for shard in self.shards:
             shard.reduced = None
         self._usage.reset()
@@ -216,7 +227,6 @@ class ZeroOptimizer(Optimizer):
         for shard in self.shards:
             shard.zero_grad()
             shard.reduced = None
-        self._grads_reduced = False
         self._usage.reset(rehook=True)
 
     @torch.no_grad()
