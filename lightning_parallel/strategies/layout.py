@@ -407,7 +407,8 @@ def toggles_by_model_parameters(module: pl.LightningModule,
     freeze and restore the module's parameters of each optimizer, read with its ``model_parameters()`` where it has
     one (the library's ZeRO-1/2 optimizers, whose ``param_groups`` hold flat shards: Lightning's own methods toggled
     those and left the other optimizer's layers trainable, so their gradients leaked into the next optimizer's
-    step), else from its ``param_groups``, as Lightning does. ``optimizers()`` gives the strategy's optimizers."""
+    step), else from its ``param_groups``, as Lightning does. ``optimizers()`` gives the strategy's optimizers. A
+    module whose class overrides either method keeps its own."""
 
     def unwrap(optimizer: Any) -> Any:
         return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -438,6 +439,9 @@ def toggles_by_model_parameters(module: pl.LightningModule,
         module._param_requires_grad_state = {}
 
     names = ("toggle_optimizer", "untoggle_optimizer")
+    if any(getattr(type(module), name) is not getattr(pl.LightningModule, name) for name in names):
+        yield None  # the module's own toggling is its author's (it reads model_parameters() if it needs to)
+        return
     shadowed = {name: vars(module)[name] for name in names if name in vars(module)}
     module.toggle_optimizer = toggle  # type: ignore[method-assign]
     module.untoggle_optimizer = untoggle  # type: ignore[method-assign]
