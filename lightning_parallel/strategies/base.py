@@ -69,7 +69,7 @@ from lightning_parallel.parallel.counters import CommCounter, uncounted_all_redu
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
-from .layout import LayoutMixin, clip_by_norm_replaced, toggles_by_model_parameters
+from .layout import LayoutMixin, check_finetuning_callbacks, clip_by_norm_replaced, toggles_by_model_parameters
 from .logged import TokenWeights, log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
 
@@ -416,6 +416,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # again in the rank: a module's configure_callbacks() adds its callbacks after the launch
+            check_finetuning_callbacks(self, trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -599,6 +601,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         rewrapped = rewrap_if_trainable_changed(model, plan=self.train_step.plan, mesh=self.mesh)
         if rewrapped is not model:
             self.model = rewrapped
+            if self.composition is not None and self.composition.module is model:
+                self.composition.module = rewrapped  # the old wrapper and its reducer are dropped
             self.ddp_rewrapped(rewrapped)
 
     def ddp_rewrapped(self, model: nn.Module) -> None:

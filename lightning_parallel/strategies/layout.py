@@ -411,7 +411,10 @@ def toggles_by_model_parameters(module: pl.LightningModule,
     module whose class overrides either method keeps its own."""
 
     def unwrap(optimizer: Any) -> Any:
-        return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        """The strategy's optimizer behind ``optimizer``: Lightning's wrapper's, or the ZeRO optimizer around the
+        user's own optimizer object (kept so that schedulers stay bound to it; its groups hold the flat shards)."""
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return next((o for o in optimizers() if getattr(o, "optim", None) is optimizer), optimizer)
 
     def params_of(optimizer: Any) -> list[Tensor]:
         optimizer = unwrap(optimizer)
@@ -439,8 +442,14 @@ def toggles_by_model_parameters(module: pl.LightningModule,
         module._param_requires_grad_state = {}
 
     names = ("toggle_optimizer", "untoggle_optimizer")
-    if any(getattr(type(module), name) is not getattr(pl.LightningModule, name) for name in names):
-        yield None  # the module's own toggling is its author's (it reads model_parameters() if it needs to)
+    overridden = [name for name in names if getattr(type(module), name) is not getattr(pl.LightningModule, name)]
+    if overridden:  # the module's own toggling is its author's
+        rank_zero_warn(
+            f"{type(module).__name__} overrides {' and '.join(overridden)}; the library leaves it as it is. Its "
+            "optimizers' param_groups hold ZeRO's flat shards, not the module's parameters, so Lightning's own "
+            "toggling (super()) would freeze the shards and leave the other optimizers' layers trainable: read "
+            "each optimizer's model_parameters() instead.")
+        yield None
         return
     shadowed = {name: vars(module)[name] for name in names if name in vars(module)}
     module.toggle_optimizer = toggle  # type: ignore[method-assign]
@@ -916,9 +925,9 @@ def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> Non
     name = getattr(strategy, "strategy_name", type(strategy).__name__)
     if not isinstance(layout, ParallelConfig):
         return
-    zero, pp, tp = layout.zero, layout.pipeline_parallel_size, layout.tensor_parallel_size
-    flat = (getattr(strategy, "backend", "native") == "fairscale" or zero == 1
-            or (zero == 2 and pp == 1 and not layout.data_parallel_shard_size))
+    zero, tp = layout.zero, layout.tensor_parallel_size
+    plan = getattr(strategy, "data_parallel_plan", None)
+    flat = callable(plan) and plan().sync in ("zero", "fairscale")  # the plan that picks the optimizer
     reason = ("the DeepSpeed engine owns the optimizer (Lightning refuses the callback under DeepSpeed)"
               if name == "lp_zero_offload" else
               f"tensor_parallel_size={tp}: the callback compares parameters with torch.equal, which refuses a mix of "

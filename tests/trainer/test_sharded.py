@@ -171,8 +171,9 @@ def test_a_used_parameter_with_a_zero_gradient_is_stepped_as_one_device_steps_it
 
 class _TwoOptimizers(lightning_parallel.ParallelModuleMixin, pl.LightningModule):
     """Manual optimization as a GAN-like module does it: two optimizers (the embedding and first layer; the second
-    layer and the head), each toggled (Lightning's ``toggle_optimizer``: the other's layers frozen), zeroed and
-    clipped through what ``self.optimizers()`` returns (Lightning's wrappers), the second stepping two backwards."""
+    layer and the head), each toggled (Lightning's ``toggle_optimizer``: the other's layers frozen; the second by the
+    optimizer object the module made), zeroed and clipped through what ``self.optimizers()`` returns (Lightning's
+    wrappers), the second stepping two backwards."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -204,15 +205,15 @@ class _TwoOptimizers(lightning_parallel.ParallelModuleMixin, pl.LightningModule)
             else:
                 torch.nn.utils.clip_grad_norm_([*self.emb.parameters(), *self.layers[0].parameters()], 100.0)
             first.step()
-        with self.toggled_optimizer(second):
+        with self.toggled_optimizer(self.second_sgd):  # the user's own object (ZeRO keeps it inside its optimizer)
             second.zero_grad()
             self.manual_backward(self._loss(idx, targets))
             self.manual_backward(self._loss(idx.roll(1, dims=1), targets) * 0.5)
             second.step()
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.SGD([*self.emb.parameters(), *self.layers[0].parameters()], lr=0.5),
-                torch.optim.SGD([*self.layers[1].parameters(), *self.out.parameters()], lr=0.5)]
+        self.second_sgd = torch.optim.SGD([*self.layers[1].parameters(), *self.out.parameters()], lr=0.5)
+        return [torch.optim.SGD([*self.emb.parameters(), *self.layers[0].parameters()], lr=0.5), self.second_sgd]
 
 
 @pytest.mark.parametrize("layout", ["zero1", "zero2", "tp2 zero1"])

@@ -183,3 +183,35 @@ def test_every_strategy_refuses_exactly_what_its_row_of_the_table_does_not_run()
                 assert runner in refused, (row.name, layout.describe(), refused)
             checked += 1
     assert checked > 30
+
+
+def test_finetuning_callbacks_are_refused_where_they_cannot_run() -> None:
+    """Lightning's BaseFinetuning callbacks read the optimizer's param groups parameter by parameter: refused before
+    launch (and again in the rank, for callbacks a module's ``configure_callbacks()`` adds) under the flat ZeRO-1/2
+    optimizers -- whatever the layout that picks them, a shard size equal to dp included -- and tensor parallelism;
+    let run where the module's parameters are in the param groups (DDP, FSDP2, pipelines at ZeRO 0/2)."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from lightning_parallel.strategies import LPPipelineStrategy, LPShardedStrategy, LPTensorStrategy
+    from lightning_parallel.strategies.layout import check_finetuning_callbacks
+
+    cases: list[tuple[Any, int, bool]] = [
+        (LPDDPStrategy(), 2, False),
+        (LPShardedStrategy({"zero_stage": 1}), 2, True),
+        (LPShardedStrategy({"zero_stage": 2}), 2, True),
+        (LPShardedStrategy({"zero_stage": 2, "data_parallel_shard_size": 2}), 2, True),  # not HSDP: the flat ZeRO-2
+        (LPShardedStrategy({"zero_stage": 2, "data_parallel_shard_size": 2}), 4, False),  # HSDP over FSDP2
+        (LPShardedStrategy({"zero_stage": 3}), 2, False),
+        (LPTensorStrategy({"tensor_parallel_size": 2}), 2, True),
+        (LPPipelineStrategy({"pipeline_parallel_size": 2}), 2, False),
+        (LPPipelineStrategy({"pipeline_parallel_size": 2, "zero_stage": 1}), 4, True),
+        (LPPipelineStrategy({"pipeline_parallel_size": 2, "zero_stage": 2}), 4, False),
+    ]
+    for strategy, devices, refused in cases:
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[BackboneFinetuning()],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        if refused:
+            with pytest.raises(LayoutError, match=r"BackboneFinetuning .* cannot run under"):
+                check_finetuning_callbacks(strategy, trainer)
+        else:
+            check_finetuning_callbacks(strategy, trainer)

@@ -163,9 +163,18 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Copy the DTensor gradients' local tensors into the flat gradient, then reduce-scatter it over ``dp``."""
+        """Copy the DTensor gradients' local tensors into the flat gradient, then reduce-scatter it over ``dp``. A
+        further reduction in the same step (manual optimization: several backwards, each reduced) adds them onto
+        their views instead: this rank's slot holds the step's reduced gradient and the rest is zero, as the
+        reduction of the flat ZeRO-1 expects of gradients autograd accumulated there."""
+        again = self._grads_reduced
         for p, local in self.dtensor_params:
-            local.grad = local_tensor(p.grad) if p.grad is not None else None
+            grad = local_tensor(p.grad) if p.grad is not None else None
+            if not again:
+                local.grad = grad
+            elif grad is not None:
+                assert local.grad is not None  # the view the first reduction attached
+                local.grad.add_(grad)
         super().reduce_gradients()
         for p, _ in self.dtensor_params:
             p.grad = None

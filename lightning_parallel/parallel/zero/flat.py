@@ -112,25 +112,18 @@ class FlatShard:
         return [i for i, (p, view) in enumerate(zip(self.params, self._grad_views, strict=True))
                 if p.grad is not None and p.grad is not view]
 
-    def full_local_grad(self, *, onto_reduced: bool = False) -> Tensor:
+    def full_local_grad(self) -> Tensor:
         """This rank's local (not yet reduced) gradients as one full flat buffer.
 
         ZeRO-1: the persistent buffer (re-attached if something replaced a ``.grad``); ZeRO-2: a transient buffer
         assembled from the parameters' ``.grad`` (missing gradients count as zero), freed after the reduce-scatter.
-        ``onto_reduced`` (ZeRO-1, a further reduction in the same step): the rank's own slot of the buffer holds the
-        step's reduced gradient and the rest is zero (:meth:`release_full_grad`), and autograd accumulated the new
-        gradients onto that; a gradient set by hand since (the tensor-parallel wrapper's) is added the same way, and
-        a parameter without one leaves its view as it is.
         """
         if self.flat_grad is not None:
             for p, view in zip(self.params, self._grad_views, strict=True):
                 if p.grad is view:
                     continue
                 if p.grad is None:
-                    if not onto_reduced:
-                        view.zero_()
-                elif onto_reduced:
-                    view.add_(p.grad)
+                    view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view

@@ -151,7 +151,7 @@ class ZeroOptimizer(Optimizer):
             if chunks is not None:
                 out = chunks[k].div_(self.world_size)
             else:
-                full = shard.full_local_grad(onto_reduced=earlier is not None)
+                full = shard.full_local_grad()
                 if earlier is not None and shard.flat_grad is not None:
                     shard.shard_of(full).sub_(earlier)  # ZeRO-1: this slot holds earlier + the new local gradient
                 out = torch.empty(shard.shard_numel, dtype=full.dtype, device=full.device)
