@@ -40,7 +40,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
@@ -343,7 +343,11 @@ def install(trainer: pl.Trainer) -> NonFiniteLossGuard:
             callback.attach(trainer)
             return callback
     guard = NonFiniteLossGuard()
-    trainer.callbacks.insert(0, guard)  # type: ignore[attr-defined]  # before ModelCheckpoint, which runs last
+    # before the first checkpoint callback (Lightning puts them last), else at the end: never in front of the
+    # others -- Lightning's learning-rate finder swaps in its own callback list and reads it back by index 0
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+    callbacks.insert(first_checkpoint, guard)
     guard.attach(trainer)
     return guard
 

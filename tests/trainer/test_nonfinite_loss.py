@@ -111,3 +111,25 @@ def test_skip_mode_skips_the_nan_steps_and_trains_on(tmp_path: Path, family: str
     print(f"\n{family}: skip mode ran {saved['global_step']} steps; weights after the 3 skipped steps vs after step "
           f"{before['global_step']}: max |diff| {diff:.1e}")
     assert diff == 0.0
+
+
+def test_the_guard_goes_before_the_checkpoint_callbacks_and_never_first() -> None:
+    """Every library strategy installs a guard when training starts. It must run before ModelCheckpoint (so a
+    non-finite step is caught before anything is saved) and must not take index 0: Lightning's learning-rate finder
+    swaps in a list holding its own callback and reads it back as ``trainer.callbacks[0]`` (the guard in front made
+    ``Tuner.lr_find`` fail under every strategy: 'NonFiniteLossGuard' object has no attribute 'lrs')."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_parallel.callbacks.nonfinite import install
+
+    first = Callback()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[first], logger=False, enable_progress_bar=False)
+    guard = install(trainer)
+    names = [type(c).__name__ for c in trainer.callbacks]
+    assert trainer.callbacks[0] is first and isinstance(guard, NonFiniteLossGuard)
+    assert trainer.callbacks.index(guard) < min(i for i, c in enumerate(trainer.callbacks)
+                                                if isinstance(c, ModelCheckpoint)), names
+    finder = Callback()
+    trainer.callbacks = [finder]  # what lr_find does for its run
+    install(trainer)
+    assert trainer.callbacks[0] is finder and isinstance(trainer.callbacks[1], NonFiniteLossGuard)
