@@ -69,7 +69,14 @@ from lightning_parallel.parallel.counters import CommCounter, uncounted_all_redu
 from lightning_parallel.parallel.faults import interrupts, watchdog
 from lightning_parallel.parallel.step import TrainStep
 
-from .layout import LayoutMixin, check_finetuning_callbacks, clip_by_norm_replaced, toggles_by_model_parameters
+from .layout import (
+    LayoutMixin,
+    check_finetuning_callbacks,
+    check_weight_averaging_callbacks,
+    clip_by_norm_replaced,
+    clip_by_value_on_local_tensors,
+    toggles_by_model_parameters,
+)
 from .logged import TokenWeights, log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
 
@@ -418,6 +425,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # again in the rank: a module's configure_callbacks() adds its callbacks after the launch
             check_finetuning_callbacks(self, trainer)
+            check_weight_averaging_callbacks(self, trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -443,7 +451,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             if self.train_step.clip_grad_norm_(optimizer, clip_val) is None:
                 original(optimizer, clip_val)  # whole gradients (DDP) or globally-normed DTensors (FSDP2)
 
-        patches: list[contextlib.AbstractContextManager[Any]] = [clip_by_norm_replaced(self.precision_plugin, clip)]
+        patches: list[contextlib.AbstractContextManager[Any]] = [clip_by_norm_replaced(self.precision_plugin, clip),
+                                                                 clip_by_value_on_local_tensors(self.precision_plugin)]
         module = self.lightning_module
         if module is not None and any(callable(getattr(o, "model_parameters", None)) for o in self.optimizers):
             patches.append(toggles_by_model_parameters(module, lambda: self.optimizers))

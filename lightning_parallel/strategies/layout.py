@@ -48,7 +48,10 @@ __all__ = [
     "check_layer_sync",
     "check_nonfinite_guard",
     "check_output_dirs",
+    "check_overfit_batches",
+    "check_weight_averaging_callbacks",
     "clip_by_norm_replaced",
+    "clip_by_value_on_local_tensors",
     "configured_optimizers",
     "data_parallel_size",
     "launch_environment_refusal",
@@ -398,6 +401,33 @@ def clip_by_norm_replaced(precision: Any, clip: Callable[[Any, float], None]) ->
             precision.clip_grad_by_norm = original
         else:
             del precision.clip_grad_by_norm
+
+
+@contextlib.contextmanager
+def clip_by_value_on_local_tensors(precision: Any) -> Generator[None, None, None]:
+    """While the context is open, Lightning's ``gradient_clip_algorithm="value"`` clamps each gradient's local tensor
+    (a DTensor's shard, a plain tensor itself) one by one: clamping is element-wise, so this is the clamp of the
+    whole gradient, and it runs where torch's ``clip_grad_value_`` refuses a tensor-parallel model's mix of DTensor
+    and plain gradients (``_foreach_clamp_min_`` "got mixed torch.Tensor and DTensor")."""
+    from lightning_parallel.parallel.tensor.sync import local_tensor
+
+    original = precision.clip_grad_by_value
+
+    def clip_grad_by_value(optimizer: Any, clip_val: float | int) -> None:
+        with torch.no_grad():
+            for p in precision.main_params(optimizer):
+                if p.grad is not None:
+                    local_tensor(p.grad).clamp_(min=-clip_val, max=clip_val)
+
+    shadowed = "clip_grad_by_value" in vars(precision)
+    precision.clip_grad_by_value = clip_grad_by_value
+    try:
+        yield None
+    finally:
+        if shadowed:
+            precision.clip_grad_by_value = original
+        else:
+            del precision.clip_grad_by_value
 
 
 @contextlib.contextmanager
@@ -944,6 +974,59 @@ def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> Non
         "with a learning rate of 0 in their own param group.")
 
 
+def check_weight_averaging_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning (and again in the rank): Lightning's ``StochasticWeightAveraging`` and ``WeightAveraging``
+    (``EMAWeightAveraging``) keep a whole copy of the module and pair its parameters with the live ones one by one;
+    where this rank's live parameters are not whole -- sharded by FSDP2 (ZeRO-3, a pipeline's ZeRO-2, HSDP), split
+    over ``tp``, or only this pipeline stage's layers -- the pairing fails at the averaging's first update (after
+    ``swa_epoch_start`` epochs of SWA), and under ``lp_zero_offload`` Lightning refuses SWA in the rank. Refused here
+    with the layouts that run them (measured equal to one device: ``lp_ddp``, ZeRO-1/2, ``lp_dp``)."""
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    kinds = tuple(kind for name in ("StochasticWeightAveraging", "WeightAveraging")
+                  if isinstance(kind := getattr(lightning_callbacks, name, None), type))
+    found = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, kinds)]
+    layout = getattr(strategy, "layout", None)
+    if not found or not isinstance(layout, ParallelConfig):
+        return
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    plan = getattr(strategy, "data_parallel_plan", None)
+    reason = ("DeepSpeed's engine owns the parameters (Lightning refuses the callback there)"
+              if name == "lp_zero_offload" else
+              f"tensor_parallel_size={layout.tensor_parallel_size} splits each layer over the tp ranks"
+              if layout.tensor_parallel_size > 1 else
+              f"pipeline_parallel_size={layout.pipeline_parallel_size}: each rank holds its stages' layers only"
+              if layout.pipeline_parallel_size > 1 else
+              f"zero_stage={layout.zero} shards every parameter over the dp ranks (FSDP2)"
+              if callable(plan) and plan().sync == "fsdp" else None)
+    if reason is None:
+        return
+    raise LayoutError(
+        f"{type(found[0]).__name__} keeps a whole copy of the module and averages the live parameters into it one by "
+        f"one, which cannot run under {name} ({layout.describe()}): {reason}. Fix: lp_ddp, or lp_sharded with "
+        "zero_stage 1 or 2 (each rank holds whole parameters; measured equal to one device), or drop the callback.")
+
+
+def check_overfit_batches(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning: ``overfit_batches`` with ``use_distributed_sampler=False`` over dp > 1. Lightning replaces the
+    training sampler with a sequential one over the whole dataset -- a ``DistributedSampler`` of the data module's
+    own (the library's resumable data modules', the fixed-order recipe's) included -- so every dp rank trains on the
+    same batches and the step counts each sample dp times (a tiny GPT, 6 SGD steps, dp=2: 8.0e-02 from one device).
+    With Lightning's own sampler it splits the overfit batches over the ranks and equals one device."""
+    overfit = getattr(trainer, "overfit_batches", 0) or 0
+    connector = getattr(trainer, "_accelerator_connector", None)
+    dims = getattr(strategy, "dims", None)
+    replicas = getattr(dims, "replicas", 1) if dims is not None else 1
+    if not overfit or connector is None or connector.use_distributed_sampler or replicas <= 1:
+        return
+    raise LayoutError(
+        f"trainer.overfit_batches={overfit} with use_distributed_sampler=False over {replicas} data-parallel replicas: "
+        "Lightning replaces the training sampler with a sequential one over the whole dataset (the data module's "
+        "own DistributedSampler included), so every replica would train on the same batches. Fix: "
+        "use_distributed_sampler=True for the overfit run (Lightning then splits the batches over the replicas), "
+        "or overfit on one device.")
+
+
 def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
     """Everything checked before any rank starts, for ``trainer.fit(*args)`` (the checked launchers,
     ``lightning-parallel check``, and the CLI for strategies without a checked launcher): the module against the
@@ -960,6 +1043,8 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
         return
     check_nonfinite_guard(strategy, trainer)
     check_finetuning_callbacks(strategy, trainer)
+    check_weight_averaging_callbacks(strategy, trainer)
+    check_overfit_batches(strategy, trainer)
     check_layer_sync(strategy)
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
     # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.

@@ -100,6 +100,19 @@ def test_gpt_dp2_tp2_zero3_equals_one_device(reference: GPT, each: bool) -> None
     assert diff < 2e-5
 
 
+def test_clipping_by_value_equals_one_device() -> None:
+    """``gradient_clip_algorithm="value"``: torch's ``clip_grad_value_`` refused the model's mix of DTensor and plain
+    gradients (``_foreach_clamp_min_`` "got mixed torch.Tensor and DTensor"); the strategy clamps each gradient's
+    local tensor (element-wise, so the whole gradient's clamp). Clip 0.01 bites on most elements."""
+    kw: dict[str, Any] = dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    reference, _ = fit("auto", 1, 1, model=_gpt(), **kw)
+    model, _ = fit(_tp(tensor_parallel_size=2), 2, 1, model=_gpt(), **kw)
+    diff = weight_diff(model, reference)
+    print(f"lp_tensor tp=2, clipping by value 0.01, {STEPS} AdamW steps: max |w - w_1dev| = {diff:.2e}")
+    assert weight_diff(reference, fit("auto", 1, 1, model=_gpt())[0]) > 1e-4  # the clip changed the training
+    assert diff < 2e-5
+
+
 def test_non_gpt_module_with_its_own_plan_equals_one_device() -> None:
     ref, _ = fit("auto", 1, 1, model=_tiny())
     model, _ = fit(_tp(tensor_parallel_size=2), 2, 1, model=_tiny())

@@ -215,3 +215,40 @@ def test_finetuning_callbacks_are_refused_where_they_cannot_run() -> None:
                 check_finetuning_callbacks(strategy, trainer)
         else:
             check_finetuning_callbacks(strategy, trainer)
+
+
+def test_weight_averaging_and_overfit_runs_are_refused_where_they_cannot_run() -> None:
+    """SWA / EMA (a whole copy of the module, averaged parameter by parameter) need whole live parameters: refused
+    under FSDP2 (ZeRO-3), tensor and pipeline parallelism, let run under DDP and the flat ZeRO-1/2. ``overfit_batches``
+    with ``use_distributed_sampler=False`` over dp > 1 would train every replica on the same batches: refused."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_parallel.strategies import LPPipelineStrategy, LPShardedStrategy, LPTensorStrategy
+    from lightning_parallel.strategies.layout import check_overfit_batches, check_weight_averaging_callbacks
+
+    cases: list[tuple[Any, bool]] = [
+        (LPDDPStrategy(), False),
+        (LPShardedStrategy({"zero_stage": 1}), False),
+        (LPShardedStrategy({"zero_stage": 2}), False),
+        (LPShardedStrategy({"zero_stage": 3}), True),
+        (LPTensorStrategy({"tensor_parallel_size": 2}), True),
+        (LPPipelineStrategy({"pipeline_parallel_size": 2}), True),
+    ]
+    quiet: dict[str, Any] = dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False)
+    for strategy, refused in cases:
+        trainer = pl.Trainer(strategy=strategy, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)], **quiet)
+        if refused:
+            with pytest.raises(LayoutError, match=r"StochasticWeightAveraging keeps a whole copy .* Fix: lp_ddp"):
+                check_weight_averaging_callbacks(strategy, trainer)
+        else:
+            check_weight_averaging_callbacks(strategy, trainer)
+    for use_sampler, devices, refused in ((False, 2, True), (True, 2, False), (False, 1, False)):
+        strategy = LPDDPStrategy()
+        trainer = pl.Trainer(strategy=strategy, overfit_batches=2, use_distributed_sampler=use_sampler,
+                             **{**quiet, "devices": devices})
+        if refused:
+            with pytest.raises(LayoutError, match=r"overfit_batches=2 with use_distributed_sampler=False over 2"):
+                check_overfit_batches(strategy, trainer)
+        else:
+            check_overfit_batches(strategy, trainer)
