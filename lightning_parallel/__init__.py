@@ -5,6 +5,7 @@ Importing the package registers its strategies with Lightning (``Trainer(strateg
 """
 
 from lightning_parallel.config import LayoutError, ParallelConfig, UserInputError, check_model_compat
+from lightning_parallel.grads import grad_norm
 from lightning_parallel.module_hooks import ParallelModuleMixin, PipelineLayer
 from lightning_parallel.parallel.dims import ParallelDims
 from lightning_parallel.strategies import LayoutStrategy, LPDDPStrategy, register_strategies
@@ -24,5 +25,6 @@ __all__ = [
     "UserInputError",
     "__version__",
     "check_model_compat",
+    "grad_norm",
     "register_strategies",
 ]
