@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,38 @@ def test_manual_optimization_with_two_toggled_optimizers_equals_one_device(layou
     print(f"manual optimization, two toggled optimizers, {layout}: max |w - w_1dev| = {diff:.2e}")
     assert _diff(_TwoOptimizers(), reference) > 1e-2
     assert diff < 1e-6
+
+
+class _LearningRateNames(pl.Callback):
+    """Writes the learning-rate keys and values ``LearningRateMonitor`` put in ``callback_metrics`` (this rank's)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        lrs = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("lr-")}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(lrs, sort_keys=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_learning_rate_monitor_names_and_values_as_one_device(tmp_path: Path, stage: int) -> None:
+    """The GPT's AdamW (two param groups) with its warmup + cosine scheduler: ``LearningRateMonitor`` logs
+    ``lr-AdamW/pg1`` and ``lr-AdamW/pg2`` on one device; under the flat ZeRO it also logged ``lr-ZeroOptimizer/pg1``
+    and ``/pg2`` (the strategy's optimizer around the user's, which the scheduler is bound to)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    keys: list[dict[str, float]] = []
+    for name, strategy, devices in (("one", "auto", 1),
+                                    ("zero", LPShardedStrategy({"zero_stage": stage}, start_method="fork"), 2)):
+        out = tmp_path / name
+        out.mkdir()
+        _fit(strategy, devices, logger=CSVLogger(str(tmp_path / "logs")), log_every_n_steps=1,
+             callbacks=[LearningRateMonitor(), _LearningRateNames(out)])
+        keys += [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
+    print(f"LearningRateMonitor, ZeRO-{stage}: one device {keys[0]}; ranks {keys[1:]}")
+    assert sorted(keys[0]) == ["lr-AdamW/pg1", "lr-AdamW/pg2"]
+    assert all(k == keys[0] for k in keys[1:])
 
 
 class _ReducedDuringAccumulation(pl.Callback):

@@ -117,6 +117,13 @@ class ZeroOptimizer(Optimizer):
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, optim={self.optim!r})"
 
+    @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer inside, under the name DeepSpeed's optimizers give theirs: Lightning's
+        ``LearningRateMonitor`` unwraps it, and so names and reads the learning rates as on one device (``lr-AdamW``,
+        once, where it logged ``lr-ZeroOptimizer`` beside the scheduler's ``lr-AdamW``)."""
+        return self.optim
+
     def model_parameters(self) -> list[Tensor]:
         """The module's parameters this optimizer steps, in param-group order (its ``param_groups`` hold one flat
         shard per group instead)."""
