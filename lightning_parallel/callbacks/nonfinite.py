@@ -40,7 +40,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
@@ -343,11 +343,21 @@ def install(trainer: pl.Trainer) -> NonFiniteLossGuard:
             callback.attach(trainer)
             return callback
     guard = NonFiniteLossGuard()
-    # before the first checkpoint callback (Lightning puts them last), else at the end: never in front of the
-    # others -- Lightning's learning-rate finder swaps in its own callback list and reads it back by index 0
+    # first, so that it catches a non-finite step before any callback saves it (ModelCheckpoint, and callbacks that
+    # save from on_train_batch_end as PeriodicCheckpoint does) -- but behind a tuner's own callback: Lightning's
+    # learning-rate finder runs its fit with [its callback] and reads it back as trainer.callbacks[0]
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
-    first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
-    callbacks.insert(first_checkpoint, guard)
+    first = 0
+    while first < len(callbacks) and _is_tuner_callback(callbacks[first]):
+        first += 1
+    callbacks.insert(first, guard)
     guard.attach(trainer)
     return guard
+
+
+def _is_tuner_callback(callback: Any) -> bool:
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    return (isinstance(callback, (BatchSizeFinder, LearningRateFinder))
+            or type(callback).__module__.startswith("lightning.pytorch.tuner"))
 

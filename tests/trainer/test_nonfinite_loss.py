@@ -113,23 +113,24 @@ def test_skip_mode_skips_the_nan_steps_and_trains_on(tmp_path: Path, family: str
     assert diff == 0.0
 
 
-def test_the_guard_goes_before_the_checkpoint_callbacks_and_never_first() -> None:
-    """Every library strategy installs a guard when training starts. It must run before ModelCheckpoint (so a
-    non-finite step is caught before anything is saved) and must not take index 0: Lightning's learning-rate finder
-    swaps in a list holding its own callback and reads it back as ``trainer.callbacks[0]`` (the guard in front made
-    ``Tuner.lr_find`` fail under every strategy: 'NonFiniteLossGuard' object has no attribute 'lrs')."""
+def test_the_guard_goes_first_but_behind_a_tuners_callback() -> None:
+    """Every library strategy installs a guard when training starts. It must run before every callback that may
+    save the step (ModelCheckpoint, the library's PeriodicCheckpoint saving from on_train_batch_end), so it goes
+    first; but Lightning's learning-rate finder runs its fit with ``[its callback]`` and reads it back as
+    ``trainer.callbacks[0]`` (the guard in front made ``Tuner.lr_find`` fail under every strategy:
+    'NonFiniteLossGuard' object has no attribute 'lrs'), so it goes behind a tuner's callback."""
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.tuner.lr_finder import _LRCallback
 
+    from lightning_parallel.callbacks import PeriodicCheckpoint
     from lightning_parallel.callbacks.nonfinite import install
 
-    first = Callback()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[first], logger=False, enable_progress_bar=False)
+    saver = PeriodicCheckpoint(every_n_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[saver], logger=False, enable_progress_bar=False)
     guard = install(trainer)
-    names = [type(c).__name__ for c in trainer.callbacks]
-    assert trainer.callbacks[0] is first and isinstance(guard, NonFiniteLossGuard)
-    assert trainer.callbacks.index(guard) < min(i for i, c in enumerate(trainer.callbacks)
-                                                if isinstance(c, ModelCheckpoint)), names
-    finder = Callback()
-    trainer.callbacks = [finder]  # what lr_find does for its run
+    assert trainer.callbacks[0] is guard and isinstance(guard, NonFiniteLossGuard)
+    assert trainer.callbacks.index(guard) < trainer.callbacks.index(saver)
+    finder = _LRCallback(num_training=2, early_stop_threshold=None)
+    trainer.callbacks = [finder, Callback()]  # what lr_find does for its run
     install(trainer)
     assert trainer.callbacks[0] is finder and isinstance(trainer.callbacks[1], NonFiniteLossGuard)
