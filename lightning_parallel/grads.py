@@ -20,7 +20,35 @@ from torch import Tensor, nn
 
 __all__ = ["grad_norm"]
 
-_Part = tuple[str, float, int]  # (kind: "flat" | "copy", this rank's sum of |g|^p or max |g|, distinct shards)
+_Part = tuple[str, float, int, bool]
+"""(kind: "flat" | "copy", this rank's sum of |g|^p or max |g|, distinct shards, the parameter got a gradient)"""
+
+
+class _Parts:
+    """This rank's parts, measured on the device and read to the host once (:meth:`read`)."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+        self.meta: dict[str, tuple[str, int, bool]] = {}  # name -> (kind, distinct, used)
+        self.values: dict[str, list[Tensor]] = {}  # name -> measured 0-d float64 tensors (summed, or max for inf)
+
+    def add(self, name: str, kind: str, value: Tensor | None, distinct: int = 1, used: bool = True) -> None:
+        _, _, seen = self.meta.get(name, (kind, distinct, False))
+        self.meta[name] = (kind, distinct, seen or used)
+        if value is not None:
+            self.values.setdefault(name, []).append(value)
+
+    def _combined(self, measured: list[Tensor]) -> Tensor:
+        stacked = torch.stack(measured)
+        return stacked.max() if math.isinf(self.p) else stacked.sum()
+
+    def read(self) -> dict[str, _Part]:
+        names = list(self.meta)
+        values = [self._combined(self.values[n]) if n in self.values else None for n in names]
+        present = [v for v in values if v is not None]
+        read = iter(torch.stack([v.cpu() for v in present]).tolist() if present else [])
+        return {n: (self.meta[n][0], next(read) if v is not None else 0.0, self.meta[n][1], self.meta[n][2])
+                for n, v in zip(names, values, strict=True)}
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
@@ -29,32 +57,38 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     library: for ``on_before_optimizer_step`` (the gradients of the step, reduced), e.g.
     ``self.log_dict(lightning_parallel.grad_norm(self, norm_type=2))``. A collective over the world when the module's
     strategy runs several ranks: call it on every rank. Under the flat ZeRO-1/2 optimizers before the step's
-    gradients are reduced (``on_after_backward``) it raises. ``lp_zero_offload`` (DeepSpeed holds the gradient
-    partitions) has none to read."""
+    gradients are reduced (``on_after_backward``) it raises; there a parameter given a gradient but in no optimizer
+    is left out (nothing averages its gradient). ``lp_zero_offload`` (DeepSpeed holds the gradient partitions) has
+    none to read."""
     p = float(norm_type)
     if p <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     name_of = {id(q): name for name, q in module.named_parameters()}
-    parts: dict[str, _Part] = {}
+    parts = _Parts(p)
     covered: set[int] = set()
+    flat = False
     for optimizer in getattr(strategy, "optimizers", None) or []:
-        _flat_parts(optimizer, p, name_of, parts, covered)
+        flat |= _flat_parts(optimizer, name_of, parts, covered)
     for name, q in module.named_parameters():
-        if id(q) not in covered and q.grad is not None:
-            parts[name] = _copy_part(q.grad, p)
-    ranks = [parts]
+        if id(q) not in covered and q.grad is not None and not flat:
+            _copy_part(name, q.grad, parts)
+    mine = parts.read()
+    ranks = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ranks = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(ranks, parts)
-    norms: dict[str, float] = {}  # name -> sum of |g|^p over the whole gradient (inf: max |g|)
+        dist.all_gather_object(ranks, mine)
+    used = {name for rank_parts in ranks for name, part in rank_parts.items() if part[3]}
     holders: dict[str, int] = {}
     for rank_parts in ranks:
-        for name, (kind, _, _) in rank_parts.items():
+        for name, (kind, _, _, _) in rank_parts.items():
             holders[name] = holders.get(name, 0) + (kind == "copy")
+    norms: dict[str, float] = {}  # name -> sum of |g|^p over the whole gradient (inf: max |g|)
     for rank_parts in ranks:
-        for name, (kind, value, distinct) in rank_parts.items():
+        for name, (kind, value, distinct, _) in rank_parts.items():
+            if name not in used:  # in a flat shard, but no rank gave it a gradient (one device: .grad is None)
+                continue
             if math.isinf(p):
                 norms[name] = max(norms.get(name, 0.0), value)
             else:  # a whole copy (or one of `distinct` DTensor shards) is held by `holders / distinct` ranks alike
@@ -73,27 +107,26 @@ def _root(value: float, p: float) -> float:
     return value if math.isinf(p) else value ** (1.0 / p)
 
 
-def _measure(t: Tensor, p: float, weight: Tensor | None = None) -> float:
-    """``max |t|`` (p = inf) or ``sum weight |t|^p`` of ``t``, in float64."""
+def _measure(t: Tensor, p: float, weight: Tensor | None = None) -> Tensor:
+    """``max |t|`` (p = inf) or ``sum weight |t|^p`` of ``t``: a 0-d float64 tensor on ``t``'s device."""
+    t = t.detach()
     if t.numel() == 0:
-        return 0.0
-    values = t.detach().double().abs()
+        return torch.zeros((), dtype=torch.float64, device=t.device)
     if math.isinf(p):
-        return float(values.max())
-    powered = values.pow(p)
-    if weight is not None:
-        powered = powered * weight.double()
-    return float(powered.sum())
+        return torch.linalg.vector_norm(t, math.inf, dtype=torch.float64)
+    if weight is None:
+        return torch.linalg.vector_norm(t, p, dtype=torch.float64).pow(p)
+    return (t.double().abs().pow(p) * weight.to(t.device, torch.float64)).sum()
 
 
-def _flat_parts(optimizer: Any, p: float, name_of: dict[int, str], parts: dict[str, _Part],
-                covered: set[int]) -> None:
+def _flat_parts(optimizer: Any, name_of: dict[int, str], parts: _Parts, covered: set[int]) -> bool:
     """The reduced flat shards of a ZeRO-1/2 optimizer (one that names its module parameters): each element of the
-    averaged gradient lies in one dp rank's shard, weighted ``1/t`` where tensor-parallel ranks hold it alike."""
+    averaged gradient lies in one dp rank's shard, weighted ``1/t`` where tensor-parallel ranks hold it alike; and
+    whether this rank gave each parameter a gradient (the optimizer's usage marks). False for other optimizers."""
     model_parameters = getattr(optimizer, "model_parameters", None)
     shards = getattr(optimizer, "shards", None)
     if not callable(model_parameters) or shards is None:
-        return
+        return False
     params = model_parameters()
     covered.update(id(q) for q in params)
     if not optimizer._grads_reduced:
@@ -103,28 +136,33 @@ def _flat_parts(optimizer: Any, p: float, name_of: dict[int, str], parts: dict[s
     weights = getattr(optimizer, "_weights", None)
     offset = 0
     for s, shard in enumerate(shards):
-        grad = shard.shard_param.grad
+        grad, used = shard.shard_param.grad, optimizer._usage.used[s]
+        for i in range(len(shard.params)):  # every parameter, in this rank's shard or not: its usage counts
+            name = name_of.get(id(params[offset + i]))
+            if name is not None:
+                parts.add(name, "flat", None, used=used[i])
         for i, lo, hi in optimizer._spans[s]:
             name = name_of.get(id(params[offset + i]))
-            if name is None or grad is None:
-                continue
-            value = _measure(grad[lo:hi], p, weights[s][lo:hi] if weights is not None else None)
-            _, before, _ = parts.get(name, ("flat", 0.0, 1))
-            parts[name] = ("flat", max(before, value) if math.isinf(p) else before + value, 1)
+            if name is not None and grad is not None:
+                weight = weights[s][lo:hi] if weights is not None else None
+                parts.add(name, "flat", _measure(grad[lo:hi], parts.p, weight), used=used[i])
         offset += len(shard.params)
+    return True
 
 
-def _copy_part(grad: Tensor, p: float) -> _Part:
+def _copy_part(name: str, grad: Tensor, parts: _Parts) -> None:
     """A gradient this rank holds whole (a replica's) or as one of a DTensor's shards (``distinct`` of them over its
     mesh; replicated mesh dimensions hold copies)."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     if not isinstance(grad, DTensor):
-        return ("copy", _measure(grad, p), 1)
+        parts.add(name, "copy", _measure(grad, parts.p))
+        return
     if any(isinstance(placement, Partial) for placement in grad.placements):
-        return ("copy", _measure(grad.full_tensor(), p), 1)  # a collective over its mesh, as every holder calls it
+        parts.add(name, "copy", _measure(grad.full_tensor(), parts.p))  # a collective over its mesh: all holders
+        return
     distinct = 1
     for dim, placement in enumerate(grad.placements):
         if isinstance(placement, Shard):
             distinct *= grad.device_mesh.size(dim)
-    return ("copy", _measure(grad._local_tensor, p), distinct)  # type: ignore[attr-defined]
+    parts.add(name, "copy", _measure(grad._local_tensor, parts.p), distinct)  # type: ignore[attr-defined]

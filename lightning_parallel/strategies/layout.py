@@ -1016,7 +1016,7 @@ def check_overfit_batches(strategy: Any, trainer: pl.Trainer | None) -> None:
     overfit = getattr(trainer, "overfit_batches", 0) or 0
     connector = getattr(trainer, "_accelerator_connector", None)
     dims = getattr(strategy, "dims", None)
-    replicas = getattr(dims, "replicas", 1) if dims is not None else 1
+    replicas = getattr(dims, "dp", 1) if dims is not None else 1  # what samplers split over (cp ranks share batches)
     if not overfit or connector is None or connector.use_distributed_sampler or replicas <= 1:
         return
     raise LayoutError(

@@ -243,8 +243,9 @@ def test_weight_averaging_and_overfit_runs_are_refused_where_they_cannot_run() -
                 check_weight_averaging_callbacks(strategy, trainer)
         else:
             check_weight_averaging_callbacks(strategy, trainer)
-    for use_sampler, devices, refused in ((False, 2, True), (True, 2, False), (False, 1, False)):
-        strategy = LPDDPStrategy()
+    for use_sampler, devices, cp, refused in ((False, 2, 1, True), (True, 2, 1, False), (False, 1, 1, False),
+                                              (False, 2, 2, False)):  # cp ranks share their batches
+        strategy = LPDDPStrategy({"context_parallel_size": cp})
         trainer = pl.Trainer(strategy=strategy, overfit_batches=2, use_distributed_sampler=use_sampler,
                              **{**quiet, "devices": devices})
         if refused:
