@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.config import ParallelConfig
+from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.parallel.compose import (
     Composition,
     DataParallelPlan,
@@ -431,6 +431,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         assert trainer.state.fn is not None
         self.model = self.parallelize(self.model, trainer_fn=trainer.state.fn)
+        self.metrics_over_replicas()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -440,6 +441,48 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             self._fit_patches = contextlib.ExitStack()
             for patch in self.fit_patches():
                 self._fit_patches.enter_context(patch)
+
+    @override
+    def on_predict_start(self) -> None:
+        """Under FSDP2 over ``dp`` (ZeRO-3; ZeRO-2 in a pipeline; HSDP) every forward all-gathers over the dp ranks,
+        so they must run the same number of batches; Lightning's predict sampler splits a dataset without padding
+        (9 samples in batches of 2 over 2 ranks: 3 batches and 2), and the ranks' gathers then mismatch (gloo:
+        "Received data size doesn't match expected size"; NCCL: a hang). Refused here, on every rank alike, with the
+        counts and the fix (one all-reduce of two numbers)."""
+        super().on_predict_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or self.dims.dp == 1 or self._train_step is None or self.train_step.plan.sync != "fsdp":
+            return
+        local = int(sum(trainer.num_predict_batches))
+        counts = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mesh.get_group("dp"))
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most != fewest:
+            raise LayoutError(
+                f"trainer.predict under {self.describe()}: the data-parallel ranks would run "
+                f"{fewest} to {most} predict batches (Lightning splits the dataset over dp={self.dims.dp} ranks "
+                "without padding), and FSDP2's all-gathers in every forward need the same number on each. Fix: a "
+                f"dataset whose length splits into the same number of batches on each of the {self.dims.dp} ranks, "
+                "or predict under lp_ddp / zero_stage 1 or 2 (whole parameters on each rank), or on one device.")
+
+    def metrics_over_replicas(self) -> None:
+        """torchmetrics ``Metric`` modules of the LightningModule sync their states over the whole world unless given a
+        process group; the tensor- and pipeline-parallel peers of one model replica see the same batches, so a sum,
+        a count or a concatenation came out once per peer (a count of samples seen: 20 for one device's 10 under
+        tp=2). Each metric without a group of its own syncs over the model's replicas (``dp``, or ``dp x cp``)
+        instead. Metrics made after ``setup`` are the user's to give that group
+        (``trainer.strategy.mesh.get_group(trainer.strategy.dims.replica_axis)``)."""
+        module = self.lightning_module
+        if module is None or self.world_size == self.dims.replicas:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        group = self.mesh.get_group(self.dims.replica_axis)
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = group
 
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Context managers held open from the end of ``setup`` (fitting) to ``teardown``: by default, Lightning's
@@ -796,13 +839,16 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         here). Over the world, the ranks of one model replica -- its tensor- and pipeline-parallel peers -- see the
         same batch and so log the same values: a sum (``reduce_fx="sum"``) counts each replica once, the world's sum
         divided by those copies, as one device sums the replicas' batches; a mean, max or min is the same either
-        way."""
+        way. A DTensor value (one computed from a ZeRO-3 or tensor-parallel parameter) is reduced as its whole
+        tensor."""
         if not isinstance(tensor, Tensor):
             return tensor
-        out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        from lightning_parallel.parallel.tensor.local import plain
+
+        out = _sync_ddp_if_available(plain(tensor), group, reduce_op=reduce_op)  # a DTensor value: its whole tensor
         copies = self.world_size // self.dims.replicas if group is None else 1
-        if copies > 1 and _is_sum(reduce_op):
-            out = out / copies if out.is_floating_point() or out.is_complex() else out // copies
+        if copies > 1 and _is_sum(reduce_op):  # in place, as the all-reduce is: the tensor given holds the result too
+            out = out.div_(copies) if out.is_floating_point() or out.is_complex() else out.floor_divide_(copies)
         return out
 
     @override
