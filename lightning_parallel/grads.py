@@ -46,7 +46,7 @@ class _Parts:
         names = list(self.meta)
         values = [self._combined(self.values[n]) if n in self.values else None for n in names]
         present = [v for v in values if v is not None]
-        read = iter(torch.stack([v.cpu() for v in present]).tolist() if present else [])
+        read = iter(torch.stack(present).cpu().tolist() if present else [])  # one copy to the host
         return {n: (self.meta[n][0], next(read) if v is not None else 0.0, self.meta[n][1], self.meta[n][2])
                 for n, v in zip(names, values, strict=True)}
 

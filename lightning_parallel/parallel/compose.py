@@ -290,7 +290,7 @@ def _split_of(p: torch.Tensor) -> tuple[Any, tuple[int, ...]]:
     """How the tensor plan left a parameter: its mesh and placements (None for a plain tensor), and its shape."""
     from torch.distributed.tensor import DTensor
 
-    return ((p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None, tuple(p.shape))
+    return ((p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else "not split", tuple(p.shape))
 
 
 def _tie_again(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
@@ -308,7 +308,8 @@ def _tie_again(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
             where = ", ".join(f"{path}.{name}" for path, name in group)
             raise LayoutError(
                 f"{where} share one parameter (tied weights), but the tensor plan splits them differently "
-                f"({'; '.join(str(_split_of(p)[0]) for p in params)}), so the tie would be lost and each copy "
+                f"({'; '.join(f'{_split_of(p)[0]}, shape {_split_of(p)[1]}' for p in params)}), so the tie would be "
+                "lost and each copy "
                 "trained on its own layer's gradient. Fix: give these layers the same tensor-parallel style in "
                 "tensor_parallel_plan() (e.g. 'vocab' for a token embedding and the output head it is tied to), or "
                 "untie them.")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Generator
 from datetime import timedelta
@@ -453,11 +454,12 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or self.dims.dp == 1 or self._train_step is None or self.train_step.plan.sync != "fsdp":
             return
-        local = int(sum(trainer.num_predict_batches))
+        total = sum(trainer.num_predict_batches)
+        local = int(total) if math.isfinite(total) else -1  # an iterable dataset: not known ahead
         counts = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mesh.get_group("dp"))
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mesh.get_group(self.dims.fsdp_axes[-1]))
         most, fewest = int(counts[0]), -int(counts[1])
-        if most != fewest:
+        if fewest >= 0 and most != fewest:  # (the FSDP2 shard group's ranks gather from one another)
             raise LayoutError(
                 f"trainer.predict under {self.describe()}: the data-parallel ranks would run "
                 f"{fewest} to {most} predict batches (Lightning splits the dataset over dp={self.dims.dp} ranks "
