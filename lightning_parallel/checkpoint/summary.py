@@ -299,10 +299,14 @@ def shown(value: Any) -> str:
 
 
 def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[Any] | None = None,
-                   schedulers: Sequence[Any] | None = None, weights_only: bool = False) -> str | None:
+                   schedulers: Sequence[Any] | None = None, weights_only: bool = False,
+                   groups_may_grow: bool = False) -> str | None:
     """Why the checkpoint summarized in ``summary`` cannot resume into ``module`` with the configured ``optimizers``
     and LR ``schedulers`` (None = unknown: not compared), or None. With ``weights_only`` (``--resume_weights_only``)
-    only the weights are compared. The message names the format, what was saved and what is configured, and the fix.
+    only the weights are compared. ``groups_may_grow``: a callback adds param groups during the fit (Lightning's
+    ``BaseFinetuning`` unfreezing layers) and adds them again when it restores, so a saved optimizer may hold more
+    groups than configured, the configured ones first. The message names the format, what was saved and what is
+    configured, and the fix.
     """
     where = f"--ckpt_path {summary.info.path} ({summary.info.describe()})"
     hp = hparam_differences(summary.hyper_parameters, getattr(module, "hparams", None),
@@ -341,7 +345,9 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
                 return (f"{where}: optimizer {i} was saved as {describe_optimizer(saved_opt.keys)}; this run's "
                         f"configure_optimizers returns {describe_optimizer(live_opt.keys, live_opt.name)}: its state "
                         f"does not carry over.{weights_fix}")
-            if saved_opt.group_sizes != live_opt.group_sizes:
+            saved_sizes, live_sizes = list(saved_opt.group_sizes), list(live_opt.group_sizes)
+            grown = groups_may_grow and saved_sizes[:len(live_sizes)] == live_sizes
+            if saved_sizes != live_sizes and not grown:
                 return (f"{where}: optimizer {i} was saved with param groups of {list(saved_opt.group_sizes)} "
                         f"parameters; this run's {live_opt.name} has {list(live_opt.group_sizes)} (another "
                         f"configure_optimizers or model).{weights_fix}")

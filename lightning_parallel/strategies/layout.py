@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -506,13 +506,15 @@ def oversubscription_warning(*, processes: int, device_type: str, cores: int | N
     )
 
 
-def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> None:
+def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None, finetuning: Sequence[Any] = ()) -> None:
     """Before spawning: a ``ckpt_path`` given as a path must exist, and the strategy must be able to resume its kind
     (``check_resume_source(path)`` where the strategy defines it). With ``module``, the checkpoint -- any format --
     must also fit it: its format version readable, a DCP folder's checksum list present, the tensors' shapes, the
     optimizers and the LR schedulers of ``configure_optimizers``
-    (:func:`~lightning_parallel.checkpoint.summary.resume_refusal`). Lightning's keywords (``last``, ``best``, ...)
-    are resolved later, in the ranks."""
+    (:func:`~lightning_parallel.checkpoint.summary.resume_refusal`). ``finetuning``: the run's ``BaseFinetuning``
+    callbacks -- they freeze layers before ``configure_optimizers`` runs in the ranks (done here too, on the module,
+    then undone) and add param groups during the fit, which they add again on restore. Lightning's keywords
+    (``last``, ``best``, ...) are resolved later, in the ranks."""
     from lightning_parallel.checkpoint.formats import CheckpointFormatError
 
     if not isinstance(ckpt_path, (str, os.PathLike)):
@@ -548,9 +550,16 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None) -> Non
 
     require_manifest(text)
     summary = summarize(text, trusted=os.environ.get(TRUST_ENV, "") == "1")
-    configured = configured_optimizers(module)
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        for callback in finetuning:
+            callback.freeze_before_training(module)
+        configured = configured_optimizers(module)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
     why = resume_refusal(summary, module=module, optimizers=configured[0] if configured else None,
-                         schedulers=configured[1] if configured else None)
+                         schedulers=configured[1] if configured else None, groups_may_grow=bool(finetuning))
     if why:
         raise ResumeError(why)
 
@@ -1061,7 +1070,10 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     if first:
         report_interrupted_saves(trainer)
     if len(args) > 4:
-        check_ckpt_path(strategy, args[4], module=module if first else None)
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        finetuning = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, BaseFinetuning)]
+        check_ckpt_path(strategy, args[4], module=module if first else None, finetuning=finetuning)
 
 
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:

@@ -125,3 +125,30 @@ def test_backbone_finetuning_equals_one_device(strategy: str) -> None:
     diff = max_abs_diff(model, reference)
     print(f"\n{strategy} 2 ranks, BackboneFinetuning (unfrozen at epoch 1) vs 1 device: max |w - w_1dev| = {diff:.2e}")
     assert diff < 1e-6
+
+
+def test_a_backbone_finetuning_checkpoint_passes_the_pre_launch_resume_check(tmp_path: Any) -> None:
+    """The check before launch compares a checkpoint's optimizer with ``configure_optimizers`` of a fresh module:
+    with ``BackboneFinetuning`` the run's optimizer has the unfrozen head's group at first (the callback freezes the
+    backbone in ``setup``) and gains the backbone's group at the unfreeze, which the callback adds again on restore.
+    Both checkpoints were refused before ("saved with param groups of [5, 30] parameters; this run's SGD has
+    [35]"); a checkpoint of another model still is."""
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    from lightning_parallel.checkpoint.errors import ResumeError
+    from lightning_parallel.strategies.layout import check_ckpt_path
+
+    def finetuning() -> BackboneFinetuning:
+        return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda _: 1.0,
+                                  backbone_initial_ratio_lr=1.0)
+
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=0,
+                         callbacks=[finetuning(), saver], **{**TRAINER_QUIET, "enable_checkpointing": True})
+    trainer.fit(_BackboneGPT(**tiny_gpt().hparams), SequentialTokens(batch_size=8, n_samples=32))
+    strategy = LPDDPStrategy()
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):  # before and after the unfreeze
+        check_ckpt_path(strategy, str(tmp_path / name), module=_BackboneGPT(**tiny_gpt().hparams),
+                        finetuning=[finetuning()])
+    with pytest.raises(ResumeError, match="param groups"):  # without the callback the groups do not fit
+        check_ckpt_path(strategy, str(tmp_path / "epoch=1.ckpt"), module=_BackboneGPT(**tiny_gpt().hparams))
