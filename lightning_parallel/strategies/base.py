@@ -72,8 +72,7 @@ from lightning_parallel.parallel.step import TrainStep
 
 from .layout import (
     LayoutMixin,
-    check_finetuning_callbacks,
-    check_weight_averaging_callbacks,
+    check_callbacks,
     clip_by_norm_replaced,
     clip_by_value_on_local_tensors,
     toggles_by_model_parameters,
@@ -425,8 +424,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # again in the rank: a module's configure_callbacks() adds its callbacks after the launch
-            check_finetuning_callbacks(self, trainer)
-            check_weight_averaging_callbacks(self, trainer)
+            check_callbacks(self, trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)

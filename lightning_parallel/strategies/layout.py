@@ -40,6 +40,7 @@ __all__ = [
     "LayoutMixin",
     "RanksPreempted",
     "TrainingDataProbe",
+    "check_callbacks",
     "check_ckpt_path",
     "check_context_labels",
     "check_data_modules",
@@ -378,6 +379,24 @@ def _stop_tqdm_monitor() -> None:
 
 
 @contextlib.contextmanager
+def _methods_replaced(obj: Any, **methods: Callable[..., Any]) -> Generator[None, None, None]:
+    """Set ``methods`` on the instance ``obj`` while the context is open, then put back what the instance had (its own
+    attribute, or none: the class's method again)."""
+    own = vars(obj)
+    shadowed = {name: own[name] for name in methods if name in own}
+    for name, method in methods.items():
+        setattr(obj, name, method)
+    try:
+        yield None
+    finally:
+        for name in methods:
+            if name in shadowed:
+                setattr(obj, name, shadowed[name])
+            else:
+                delattr(obj, name)
+
+
+@contextlib.contextmanager
 def clip_by_norm_replaced(precision: Any, clip: Callable[[Any, float], None]) -> Generator[None, None, None]:
     """Route Lightning's ``gradient_clip_val`` (by norm) to ``clip(raw_optimizer, clip_val)`` while the context is
     open (a strategy's set-up to teardown), then restore the precision plugin's own method.
@@ -386,21 +405,12 @@ def clip_by_norm_replaced(precision: Any, clip: Callable[[Any, float], None]) ->
     shards) the norm of the whole gradient needs a reduction over the right axes, which only the strategy knows.
     ``clip`` receives the unwrapped optimizer and the clip value.
     """
-    original = precision.clip_grad_by_norm
-
     def clip_grad_by_norm(optimizer: Any, clip_val: float | int) -> None:
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         clip(raw, float(clip_val))
 
-    shadowed = "clip_grad_by_norm" in vars(precision)
-    precision.clip_grad_by_norm = clip_grad_by_norm
-    try:
+    with _methods_replaced(precision, clip_grad_by_norm=clip_grad_by_norm):
         yield None
-    finally:
-        if shadowed:
-            precision.clip_grad_by_norm = original
-        else:
-            del precision.clip_grad_by_norm
 
 
 @contextlib.contextmanager
@@ -411,23 +421,14 @@ def clip_by_value_on_local_tensors(precision: Any) -> Generator[None, None, None
     and plain gradients (``_foreach_clamp_min_`` "got mixed torch.Tensor and DTensor")."""
     from lightning_parallel.parallel.tensor.sync import local_tensor
 
-    original = precision.clip_grad_by_value
-
     def clip_grad_by_value(optimizer: Any, clip_val: float | int) -> None:
         with torch.no_grad():
             for p in precision.main_params(optimizer):
                 if p.grad is not None:
                     local_tensor(p.grad).clamp_(min=-clip_val, max=clip_val)
 
-    shadowed = "clip_grad_by_value" in vars(precision)
-    precision.clip_grad_by_value = clip_grad_by_value
-    try:
+    with _methods_replaced(precision, clip_grad_by_value=clip_grad_by_value):
         yield None
-    finally:
-        if shadowed:
-            precision.clip_grad_by_value = original
-        else:
-            del precision.clip_grad_by_value
 
 
 @contextlib.contextmanager
@@ -481,17 +482,8 @@ def toggles_by_model_parameters(module: pl.LightningModule,
             "each optimizer's model_parameters() instead.")
         yield None
         return
-    shadowed = {name: vars(module)[name] for name in names if name in vars(module)}
-    module.toggle_optimizer = toggle  # type: ignore[method-assign]
-    module.untoggle_optimizer = untoggle  # type: ignore[method-assign]
-    try:
+    with _methods_replaced(module, toggle_optimizer=toggle, untoggle_optimizer=untoggle):
         yield None
-    finally:
-        for name in names:
-            if name in shadowed:
-                setattr(module, name, shadowed[name])
-            else:
-                delattr(module, name)
 
 
 def oversubscription_warning(*, processes: int, device_type: str, cores: int | None) -> str | None:
@@ -934,9 +926,8 @@ def check_nonfinite_guard(strategy: Any, trainer: pl.Trainer | None) -> None:
     the step and its gradient partitions)."""
     from lightning_parallel.callbacks.nonfinite import NonFiniteLossGuard
 
-    for callback in getattr(trainer, "callbacks", None) or []:
-        if (isinstance(callback, NonFiniteLossGuard) and callback.action == "skip"
-                and not getattr(strategy, "skips_nonfinite_steps", False)):
+    for callback in _callbacks_of(trainer, NonFiniteLossGuard):
+        if callback.action == "skip" and not getattr(strategy, "skips_nonfinite_steps", False):
             name = getattr(strategy, "strategy_name", type(strategy).__name__)
             raise LayoutError(
                 f"NonFiniteLossGuard(action='skip') cannot skip a step under {name}: "
@@ -945,6 +936,19 @@ def check_nonfinite_guard(strategy: Any, trainer: pl.Trainer | None) -> None:
                 + "Fix: action='stop' (the default: the run stops on that step with the newest good checkpoint), "
                 "or one of lp_ddp, lp_sharded, lp_tensor, lp_pipeline, lp_hybrid, lp_dp."
             )
+
+
+def _callbacks_of(trainer: pl.Trainer | None, kinds: type | tuple[type, ...]) -> list[Any]:
+    """The trainer's callbacks of ``kinds`` (none without a trainer)."""
+    return [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, kinds)]
+
+
+def check_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """The callbacks the layout cannot run (:func:`check_finetuning_callbacks`,
+    :func:`check_weight_averaging_callbacks`): before spawning, and again in the rank, where a module's
+    ``configure_callbacks()`` has added its own."""
+    check_finetuning_callbacks(strategy, trainer)
+    check_weight_averaging_callbacks(strategy, trainer)
 
 
 def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
@@ -957,7 +961,7 @@ def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> Non
     run it: ``lp_ddp`` (built again over the unfrozen parameters), ZeRO-3, pipelines without tensor parallelism."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
-    found = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, BaseFinetuning)]
+    found = _callbacks_of(trainer, BaseFinetuning)
     if not found:
         return
     layout = getattr(strategy, "layout", None)
@@ -994,7 +998,7 @@ def check_weight_averaging_callbacks(strategy: Any, trainer: pl.Trainer | None) 
 
     kinds = tuple(kind for name in ("StochasticWeightAveraging", "WeightAveraging")
                   if isinstance(kind := getattr(lightning_callbacks, name, None), type))
-    found = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, kinds)]
+    found = _callbacks_of(trainer, kinds)
     layout = getattr(strategy, "layout", None)
     if not found or not isinstance(layout, ParallelConfig):
         return
@@ -1051,8 +1055,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
         check_evaluation_data(trainer, module, args)
         return
     check_nonfinite_guard(strategy, trainer)
-    check_finetuning_callbacks(strategy, trainer)
-    check_weight_averaging_callbacks(strategy, trainer)
+    check_callbacks(strategy, trainer)
     check_overfit_batches(strategy, trainer)
     check_layer_sync(strategy)
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
@@ -1072,8 +1075,8 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     if len(args) > 4:
         from lightning.pytorch.callbacks import BaseFinetuning
 
-        finetuning = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, BaseFinetuning)]
-        check_ckpt_path(strategy, args[4], module=module if first else None, finetuning=finetuning)
+        check_ckpt_path(strategy, args[4], module=module if first else None,
+                        finetuning=_callbacks_of(trainer, BaseFinetuning))
 
 
 def _before_launch(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] = ()) -> None:
