@@ -120,33 +120,21 @@ def _measure(t: Tensor, p: float, weight: Tensor | None = None) -> Tensor:
 
 
 def _flat_parts(optimizer: Any, name_of: dict[int, str], parts: _Parts, covered: set[int]) -> bool:
-    """The reduced flat shards of a ZeRO-1/2 optimizer (one that names its module parameters): each element of the
-    averaged gradient lies in one dp rank's shard, weighted ``1/t`` where tensor-parallel ranks hold it alike; and
-    whether this rank gave each parameter a gradient (the optimizer's usage marks). False for other optimizers."""
-    model_parameters = getattr(optimizer, "model_parameters", None)
-    shards = getattr(optimizer, "shards", None)
-    if not callable(model_parameters) or shards is None:
+    """The reduced flat shards of a ZeRO-1/2 optimizer (its ``reduced_gradient_pieces()``): each element of the
+    averaged gradient lies in one dp rank's shard, weighted where tensor-parallel ranks hold it alike; and whether
+    this rank gave each parameter a gradient. False for other optimizers."""
+    pieces_of = getattr(optimizer, "reduced_gradient_pieces", None)
+    if not callable(pieces_of):
         return False
-    params = model_parameters()
-    covered.update(id(q) for q in params)
-    if not optimizer._grads_reduced:
-        raise ValueError(
-            "lightning_parallel.grad_norm reads the step's reduced gradient, which the ZeRO-1/2 optimizer does not "
-            "hold yet (each rank holds its own, not yet averaged). Fix: call it in on_before_optimizer_step.")
-    weights = getattr(optimizer, "_weights", None)
-    offset = 0
-    for s, shard in enumerate(shards):
-        grad, used = shard.shard_param.grad, optimizer._usage.used[s]
-        for i in range(len(shard.params)):  # every parameter, in this rank's shard or not: its usage counts
-            name = name_of.get(id(params[offset + i]))
-            if name is not None:
-                parts.add(name, "flat", None, used=used[i])
-        for i, lo, hi in optimizer._spans[s]:
-            name = name_of.get(id(params[offset + i]))
-            if name is not None and grad is not None:
-                weight = weights[s][lo:hi] if weights is not None else None
-                parts.add(name, "flat", _measure(grad[lo:hi], parts.p, weight), used=used[i])
-        offset += len(shard.params)
+    covered.update(id(q) for q in optimizer.model_parameters())
+    try:
+        pieces = pieces_of()
+    except ValueError as err:
+        raise ValueError(f"lightning_parallel.grad_norm reads the step's reduced gradient: {err}") from None
+    for param, used, grad, weight in pieces:
+        name = name_of.get(id(param))
+        if name is not None:
+            parts.add(name, "flat", None if grad is None else _measure(grad, parts.p, weight), used=used)
     return True
 
 

@@ -129,6 +129,32 @@ class ZeroOptimizer(Optimizer):
         shard per group instead)."""
         return [p for shard in self.shards for p in shard.params]
 
+    def reduced_gradient_pieces(self) -> list[tuple[Tensor, bool, Tensor | None, Tensor | None]]:
+        """This step's reduced gradient as it lies in this rank's shards, for reading it (a gradient norm): per
+        module parameter (:meth:`model_parameters` order), whether this rank gave it a gradient since the last step,
+        its slice of this rank's reduced shard (None when the shard holds none of it) and that slice's weight (None:
+        1; under tensor parallelism ``1/t`` for elements the tp ranks hold alike). Raises before the step's
+        gradients are reduced."""
+        if not self._grads_reduced:
+            raise ValueError(
+                "the ZeRO-1/2 optimizer does not hold the step's reduced gradient yet (each rank holds its own, not "
+                "yet averaged): read it after the reduction, e.g. in on_before_optimizer_step.")
+        weights: list[Tensor] | None = getattr(self, "_weights", None)
+        params = self.model_parameters()
+        pieces: list[tuple[Tensor, bool, Tensor | None, Tensor | None]] = []
+        for s, shard in enumerate(self.shards):
+            grad, used = shard.shard_param.grad, self._usage.used[s]
+            spans = {i: (lo, hi) for i, lo, hi in self._spans[s]}
+            for i in range(len(shard.params)):
+                span = spans.get(i)
+                if span is None or grad is None:
+                    pieces.append((params[len(pieces)], used[i], None, None))
+                    continue
+                lo, hi = span
+                pieces.append((params[len(pieces)], used[i], grad[lo:hi],
+                               weights[s][lo:hi] if weights is not None else None))
+        return pieces
+
     # ------------------------------------------------------------------ the step
     def overlap_backward(self) -> None:
         """Stage 2: the next backward reduces each rank's chunk of the gradient as it completes it and frees the
