@@ -68,6 +68,8 @@ class TrainStep:
         """True inside :meth:`no_sync`: a backward whose gradients stay local."""
         self._dtensor_params: tuple[nn.Module, list[tuple[nn.Module, str]]] | None = None
         """The model of the last step and where its DTensor parameters live (:meth:`_distributed_parameters`)."""
+        self._buffer_places: tuple[nn.Module, list[tuple[nn.Module, str]]] | None = None
+        """The model of the last buffer broadcast and where its buffers live (:meth:`broadcast_buffers`)."""
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of ``axis``, or None when the axis has one rank (nothing to reduce over)."""
@@ -156,6 +158,40 @@ class TrainStep:
             self._dtensor_params = (model, [(module, name) for module in model.modules()
                                             for name, p in module._parameters.items() if isinstance(p, DTensor)])
         return [p for module, name in self._dtensor_params[1] if (p := module._parameters.get(name)) is not None]
+
+    # ------------------------------------------------------------------ buffers
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        """``model``'s buffers (a BatchNorm's running statistics, a counter a forward updates) copied from the first
+        rank of the replicas' group (``dp``, ``dp x cp``) to the others, as torch DDP copies them before a forward:
+        each replica updates its buffers from its own part of the batch, so without the copy they drift apart and
+        each rank evaluates with statistics of its own. One broadcast per dtype (the buffers' concatenation) over
+        the replicas' group; nothing under the ``ddp`` plan (DDP's forward copies them itself), on one replica, or
+        for a module without buffers. Where the buffers live is read once per model (a buffer replaced since is
+        read as it is now)."""
+        if self.plan.sync == "ddp" or self.dims.replicas == 1:
+            return
+        if self._buffer_places is None or self._buffer_places[0] is not model:
+            self._buffer_places = (model, [(module, name) for module in model.modules()
+                                           for name, b in module._buffers.items() if b is not None])
+        if not self._buffer_places[1]:
+            return
+        from torch.distributed.tensor import DTensor
+
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for module, name in self._buffer_places[1]:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                local = buffer.to_local() if isinstance(buffer, DTensor) else buffer  # (the same on each replica)
+                by_dtype.setdefault(local.dtype, []).append(local)
+        src = dist.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for tensors in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, src=src, group=self.dp_group)
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:

@@ -72,6 +72,7 @@ from lightning_parallel.parallel.step import TrainStep
 
 from .layout import (
     LayoutMixin,
+    _methods_replaced,
     check_callbacks,
     clip_by_norm_replaced,
     clip_by_value_on_local_tensors,
@@ -368,8 +369,27 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             else:
                 del module.log
 
+    def buffers_before_forward(self, *, training: bool) -> None:
+        """torch DDP's rule for the module's buffers, for the layouts DDP does not wrap (ZeRO-1/2/3, tensor and
+        pipeline parallelism over dp): before a forward that follows a training forward whose gradients were
+        synchronised (the first forward of a fit, of each optimizer step, and the first validation forward after
+        training), the buffers of the first replica are copied to the others
+        (:meth:`~lightning_parallel.parallel.step.TrainStep.broadcast_buffers`), so that every replica validates,
+        saves and trains on the same running statistics, as under ``lp_ddp``. During a fit only (a test or predict
+        run starts from the same module on every rank, and its ranks may run different numbers of batches)."""
+        step, module = self._train_step, self.lightning_module
+        if step is None or module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._buffers_due:
+            assert self.model is not None
+            step.broadcast_buffers(self.model)
+        self._buffers_due = training and not step.accumulating
+
+    _buffers_due = True
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.buffers_before_forward(training=False)
         if self.dims.cp == 1 and (self.dims.dp == 1 or self.loss_labels is None):
             return super().validation_step(*args, **kwargs)
         args, kwargs, share = self._context_args(args, kwargs, labels="optional")
@@ -577,6 +597,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         self._labels_of = None  # read again for each composition; the step (loss_labels) and the read-ahead share it
         self.token_labels(model)
         self._train_step = TrainStep(composition.data_parallel, dims=self.dims, mesh=self.mesh)
+        self._buffers_due = True  # torch DDP copies the buffers at a fit's first forward
         return composition
 
     @property
@@ -609,6 +630,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         read ahead by the training loader: :attr:`step_tokens`), so every counted token weighs as on one device.
         (Under manual optimization the loss ``manual_backward`` is given inside the step is weighed, so the count
         is summed before the step: one all-reduce of one number more.)"""
+        self.buffers_before_forward(training=True)
         replicas = self.dims.replicas
         guard = self._agreeing_guard()
         reduce: Any = None
@@ -803,7 +825,13 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                 and self._layer_sync):
             assert self.model is not None
             self.model = self._layer_sync.revert(self.model)
-        super().teardown()
+        from lightning_parallel.parallel.pipeline import has_meta_tensors
+
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+        else:  # a run refused before its ranks started: Lightning's move to the CPU would raise over the refusal
+            with _methods_replaced(module, cpu=lambda: module):
+                super().teardown()
         self._mesh = None
 
     @override

@@ -44,9 +44,11 @@ __all__ = [
     "check_ckpt_path",
     "check_context_labels",
     "check_data_modules",
+    "check_detect_anomaly",
     "check_evaluation_data",
     "check_finetuning_callbacks",
     "check_layer_sync",
+    "check_meta_module",
     "check_nonfinite_guard",
     "check_output_dirs",
     "check_overfit_batches",
@@ -164,6 +166,7 @@ class LayoutMixin:
         from lightning_parallel.parallel.compile import check_backend, compile_targets, unwrap_compiled
 
         unwrap_compiled(module)  # the user's torch.compile(submodule): names without "_orig_mod." from here on
+        check_meta_module(module)
         shape_fn = getattr(module, "parallel_shape", None)
         shape = shape_fn() if callable(shape_fn) else {}
         check_model_compat(self.layout, **{k: shape[k] for k in self.shape_checks if k in shape})
@@ -335,12 +338,19 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
-        """Lightning's, plus: a module the main process built on the meta device (a pipeline's large-model path)
-        takes the trained weights as its tensors (``assign=True``) instead of ignoring them; ranks stopped by a
-        preemption end this process with :class:`RanksPreempted`."""
+        """Lightning's, plus: a module that builds its layers in ``configure_model()`` builds them here first (the
+        ranks built them; Lightning loads the trained weights without strictness, so they went nowhere: the main
+        process's module had no layers after the fit, under Lightning's own ``ddp_fork`` too); a module the main
+        process built on the meta device (a pipeline's large-model path) takes the trained weights as its tensors
+        (``assign=True``) instead of ignoring them; ranks stopped by a preemption end this process with
+        :class:`RanksPreempted`."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
         if isinstance(worker_output, _Preempted):
             raise RanksPreempted(worker_output.step)
         module = trainer.lightning_module
+        if worker_output.weights_path is not None and module is not None and is_overridden("configure_model", module):
+            module.configure_model()  # Lightning's contract: the hook is idempotent (a second call builds nothing)
         if (worker_output.weights_path is None or module is None
                 or not any(t.is_meta for t in (*module.parameters(), *module.buffers()))):
             super()._recover_results_in_main_process(worker_output, trainer)
@@ -730,6 +740,38 @@ def check_layer_sync(strategy: Any) -> None:
             "(lp_ddp, lp_sharded, ...).")
 
 
+def check_meta_module(module: nn.Module) -> None:
+    """Before spawning: a module built on the meta device (no memory) needs an ``init_weights()`` that fills its
+    parameters in place once each rank has given them memory (the layout strategies materialize it: a pipeline rank
+    only its stage). Without one the ranks failed in their set-up, the error hidden behind Lightning's teardown
+    ("Cannot copy out of meta tensor")."""
+    from lightning_parallel.parallel.pipeline import needs_init_weights
+
+    if needs_init_weights(module) and not callable(getattr(module, "init_weights", None)):
+        raise LayoutError(
+            f"{type(module).__name__} was built on the meta device (its tensors have no memory) but has no "
+            "init_weights(): the ranks give the tensors memory and then need that method to fill them. Fix: "
+            "implement init_weights() (re-initialize every present parameter and buffer in place, as the library's "
+            "GPT does), or build the module on a real device.")
+
+
+def check_detect_anomaly(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning: ``Trainer(detect_anomaly=True)`` with tensor parallelism is refused -- anomaly mode checks
+    every backward output for NaN with ``aten._is_any_true``, which DTensor has no sharding rule for, so the first
+    backward failed inside the ranks ("Operator aten._is_any_true.default does not have a sharding strategy
+    registered"). The other layouts run it (their backward sees plain tensors: FSDP2 computes on gathered ones)."""
+    dims = getattr(strategy, "dims", None)
+    tp = getattr(dims, "tp", 1) if dims is not None else 1
+    if not getattr(trainer, "_detect_anomaly", False) or tp <= 1:
+        return
+    raise LayoutError(
+        f"Trainer(detect_anomaly=True) with tensor parallelism (tensor_parallel_size={tp}): torch's anomaly mode "
+        "checks each backward output for NaN with an operator (aten._is_any_true) that DTensor cannot run on the "
+        "sharded gradients, so the first backward would fail inside the ranks. Fix: detect_anomaly=False, or hunt "
+        "the NaN in a run without tensor parallelism (lp_ddp, lp_sharded, lp_pipeline: the same training, where "
+        "anomaly mode runs).")
+
+
 def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = None, *, strict: bool = True) -> None:
     """Before spawning, where the token labels weigh the losses (context parallelism, dp ranks, a pipeline's
     micro-batches): the batch entry the module's ``context_parallel_plan()`` names as ``labels`` holds integer token
@@ -1058,6 +1100,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     check_callbacks(strategy, trainer)
     check_overfit_batches(strategy, trainer)
     check_layer_sync(strategy)
+    check_detect_anomaly(strategy, trainer)
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
     # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0

@@ -44,6 +44,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -100,8 +101,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     @override
     def check_module(self, module: pl.LightningModule) -> None:
         """Before spawning: the hooks (named, with a minimal implementation), enough layers for ``p x v`` stages,
-        ``pipeline_stage_layers`` against the layers, no parameter shared across stages, and a meta-device module
-        only with ``init_weights()``."""
+        ``pipeline_stage_layers`` against the layers (a module that builds them in ``configure_model()`` is refused
+        with the meta-device way), and no parameter shared across stages."""
         super().check_module(module)
         for hook in ("pipeline_layers", "pipeline_loss"):
             try:
@@ -109,7 +110,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             except LayoutError as err:
                 raise LayoutError(f"{err} A minimal implementation:\n{_MINIMAL_HOOKS}") from None
         from lightning_parallel.module_hooks import as_pipeline_layer, check_layer_signature
-        from lightning_parallel.parallel.pipeline import layer_names, needs_init_weights, stage_ranges
+        from lightning_parallel.parallel.pipeline import layer_names, stage_ranges
 
         try:
             specs = [as_pipeline_layer(layer) for layer in module.pipeline_layers()]  # type: ignore[operator]
@@ -118,6 +119,15 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         layers = [spec.module for spec in specs]
         p, v = self.layout.pipeline_parallel_size, self.layout.virtual_pipeline_stages
         n = p * v
+        if len(layers) < n and is_overridden("configure_model", module):
+            raise LayoutError(
+                f"{type(module).__name__}.pipeline_layers() returns {len(layers)} layers before its "
+                f"configure_model() has run, and {self.strategy_name} cuts the layers into {n} stages before any rank "
+                "starts (each rank keeps only its stage's), so they must exist when the module is made. Fix: build "
+                "the layers in __init__ -- for a model too large for one host, under `with torch.device('meta'):` "
+                "with an init_weights() that fills the present layers in place (each rank then materializes its own "
+                "stage only; see the library's GPT)."
+            )
         if len(layers) < n:
             raise LayoutError(
                 f"parallel.pipeline_parallel_size={p} x virtual_pipeline_stages={v} = {n} stages, but "
@@ -144,12 +154,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                             "GPT: tie_embeddings=False), or put both layers in one stage with "
                             "parallel.pipeline_stage_layers."
                         )
-        if needs_init_weights(module) and not callable(getattr(module, "init_weights", None)):
-            raise LayoutError(
-                f"{type(module).__name__} was built on the meta device but has no init_weights(): the pipeline "
-                "stages could not fill their layers. Fix: implement init_weights() (re-initialize every present "
-                "parameter in place, as the library's GPT does), or build the module on a real device."
-            )
 
     def check_data(self, launch_args: tuple[Any, ...], probe: Any = None) -> None:
         """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches
@@ -319,6 +323,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
+        self.buffers_before_forward(training=True)
         window = self.step_tokens.take() if self.step_tokens is not None else None  # one per training batch
         log_scale = self._count_tokens(batch, micro_batches=self.runner.m, window=window)
         if batch_idx % self.accumulate_grad_batches == 0:
@@ -351,6 +356,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     def _eval(self, batch: Any, name: str, prog_bar: bool) -> Tensor:
         assert self.runner is not None and self.lightning_module is not None
+        self.buffers_before_forward(training=False)
         inputs, target = self._inputs(self.context_batch(batch))
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")

@@ -50,6 +50,63 @@ def _no_reduction(grad_scale_factor: int) -> None:
     """A stage's ``perform_reduce_grad`` during a forward-only step: nothing to reduce."""
 
 
+def _inference_leaves_no_trace(stage: Any) -> Any:
+    """``stage`` with torch's shape inference made side-effect free. A schedule's first step (and the first after a
+    switch between training and evaluation) infers each stage's input and output shapes by running the stage once
+    before the real micro-batches -- forward, then (training) backward: the first stage on its real micro-batch,
+    the others on scratch tensors made with ``torch.empty``. That extra forward updated the module's buffers -- a
+    BatchNorm's running statistics from uninitialised memory (``inf``, 1e32), one more ``num_batches_tracked``, a
+    user's counter -- and under ``detect_anomaly`` the backward on such memory raised "returned nan values". Here
+    the scratch tensors are zeros, and every buffer of the stage is put back (the same tensor object, its values
+    restored) once the inference is over: after its backward where one follows (autograd may have saved a buffer
+    for it: a BatchNorm's running statistics), else after its forward. Nothing is patched on a torch without these
+    methods."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    infer_backward = getattr(stage, "_backward_metadata_inference", None)
+    to_tensor = getattr(stage, "_to_tensor", None)
+    pending: list[list[tuple[nn.Module, str, Tensor, Tensor]]] = []
+
+    def restore() -> None:
+        with torch.no_grad():
+            while pending:
+                for module, name, buffer, value in pending.pop():
+                    module._buffers[name] = buffer  # a buffer the forward replaced by another tensor
+                    buffer.copy_(value)
+
+    if callable(infer) and callable(infer_backward):
+        def forward_inference(*args: Any, **kwargs: Any) -> Any:
+            restore()  # an inference whose backward never ran
+            pending.append([(module, name, buffer, buffer.detach().clone()) for module in stage.submod.modules()
+                            for name, buffer in module._buffers.items() if buffer is not None])
+            try:
+                out = infer(*args, **kwargs)
+            except BaseException:
+                restore()
+                raise
+            if not kwargs.get("has_backward", args[2] if len(args) > 2 else False):
+                restore()
+            return out
+
+        def backward_inference(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return infer_backward(*args, **kwargs)
+            finally:
+                restore()
+
+        stage._forward_metadata_inference = forward_inference
+        stage._backward_metadata_inference = backward_inference
+    if callable(to_tensor):
+        def zeros(arg: Any) -> Any:
+            out = to_tensor(arg)
+            if not isinstance(arg, Tensor):  # made from metadata: uninitialised memory
+                with torch.no_grad():
+                    (out.to_local() if hasattr(out, "to_local") else out).zero_()
+            return out
+
+        stage._to_tensor = zeros
+    return stage
+
+
 def largest_divisor_at_most(n: int, limit: int) -> int:
     """The largest ``d <= limit`` that divides ``n`` (at least 1)."""
     for d in range(min(n, limit), 0, -1):
@@ -101,7 +158,8 @@ class PipelineRunner:
     def _stages(self) -> list[Any]:
         from torch.distributed.pipelining import PipelineStage
 
-        return [PipelineStage(module, s, self.num_stages, self.device, group=self.group) for s, module in self.chunks]
+        return [_inference_leaves_no_trace(PipelineStage(module, s, self.num_stages, self.device, group=self.group))
+                for s, module in self.chunks]
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)

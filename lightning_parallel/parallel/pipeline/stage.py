@@ -283,9 +283,9 @@ def materialize(module: nn.Module, device: torch.device, *, seed: int) -> None:
     the same seed holds, when ``init_weights`` walks the whole model's draws (as the library's GPT does)."""
     init = getattr(module, "init_weights", None)
     if not callable(init):
-        raise ValueError(f"{type(module).__name__} was built on the meta device but has no init_weights(): a pipeline "
-                         "stage cannot fill its layers. Fix: implement init_weights() (see the library's GPT), or "
-                         "build the module on a real device.")
+        raise ValueError(f"{type(module).__name__} was built on the meta device but has no init_weights(): its "
+                         "tensors cannot be filled once given memory. Fix: implement init_weights() (see the "
+                         "library's GPT), or build the module on a real device.")
     module.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
