@@ -446,7 +446,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if fitting:  # again in the rank: a module's configure_callbacks() adds its callbacks after the launch
             check_callbacks(self, trainer)
         if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+            self.model = self.apply_layer_sync(self.model)
         self.precision_plugin.convert_module(self.model)
         assert trainer.state.fn is not None
         self.model = self.parallelize(self.model, trainer_fn=trainer.state.fn)
@@ -460,6 +460,21 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             self._fit_patches = contextlib.ExitStack()
             for patch in self.fit_patches():
                 self._fit_patches.enter_context(patch)
+
+    def apply_layer_sync(self, model: nn.Module) -> nn.Module:
+        """``Trainer(sync_batchnorm=True)``: Lightning's plugin converts every BatchNorm to torch's ``SyncBatchNorm``
+        over the whole world; where the world holds tensor- or pipeline-parallel peers of each replica, the layers
+        normalise over the replicas' group instead (``dp``, ``dp x cp``: the ranks that see different samples of
+        the global batch, each with the same layers) -- over the world, a pipeline stage's statistics collective
+        would wait on ranks of other stages that never call it. (GPUs only: ``SyncBatchNorm`` refuses CPU tensors,
+        and the flag is refused on CPU before launch.)"""
+        from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+        assert self._layer_sync is not None
+        if self.world_size == self.dims.replicas or type(self._layer_sync) is not TorchSyncBatchNorm:
+            return self._layer_sync.apply(model)  # the whole world, or a plugin of the user's own
+        group = self.mesh.get_group(self.dims.replica_axis)
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
 
     @override
     def on_predict_start(self) -> None:

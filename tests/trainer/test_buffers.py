@@ -168,3 +168,42 @@ def test_pipeline_shape_inference_leaves_buffers_and_anomaly_mode_alone(tmp_path
           f"val_loss {loss:.6f} / {reference_loss:.6f}")
     assert difference <= 1e-6
     assert loss == pytest.approx(reference_loss, abs=1e-6)
+
+
+class _GroupsOfSyncBatchNorm(_BatchNormNet):
+    """Writes, at the fit's start, the global ranks each of its SyncBatchNorm layers normalises over."""
+
+    def on_fit_start(self) -> None:
+        import torch.distributed as dist
+
+        groups = [dist.get_process_group_ranks(m.process_group or dist.group.WORLD) for m in self.modules()
+                  if isinstance(m, nn.SyncBatchNorm)]
+        torch.save(groups, os.path.join(self.out, f"groups{self.global_rank}.pt"))
+
+
+def test_sync_batchnorm_normalises_over_the_replicas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sync_batchnorm=True`` under dp2 x pp2 and dp2 x tp2: each SyncBatchNorm layer's group is its replicas (the
+    two ranks at its pipeline stage / tp coordinate), where Lightning's conversion gave the whole world -- on GPUs a
+    pipeline stage's statistics collective then waited on the other stage's ranks. (SyncBatchNorm runs on GPUs only:
+    the CPU refusal is lifted here and no step is taken; the conversion is what is checked.)"""
+    from lightning_parallel.strategies import layout
+
+    monkeypatch.setattr(layout, "check_layer_sync", lambda strategy: None)
+    for name, strategy in (
+            ("dp2xpp2", LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2}, start_method="fork")),
+            ("dp2xtp2", LPTensorStrategy({"tensor_parallel_size": 2}, start_method="fork"))):
+        out = tmp_path / name
+        out.mkdir()
+        trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=0, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             use_distributed_sampler=False, num_sanity_val_steps=0, sync_batchnorm=True)
+        torch.manual_seed(0)
+        trainer.fit(_GroupsOfSyncBatchNorm(str(out)), datamodule=_Data(2))
+        seen = {r: torch.load(out / f"groups{r}.pt") for r in range(4)}
+        held = {r: groups for r, groups in seen.items() if groups}
+        assert held, name
+        for rank, groups in held.items():
+            replicas = [r for r in range(4) if all(strategy.dims.coord(r, a) == strategy.dims.coord(rank, a)
+                                                   for a in ("pp", "tp"))]
+            assert groups == [replicas], (name, rank, groups, replicas)
+        print(f"\n{name}: SyncBatchNorm groups by rank {held}")
