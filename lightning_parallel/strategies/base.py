@@ -74,6 +74,7 @@ from .layout import (
     LayoutMixin,
     _methods_replaced,
     check_callbacks,
+    check_pipeline_monitors,
     clip_by_norm_replaced,
     clip_by_value_on_local_tensors,
     toggles_by_model_parameters,
@@ -453,6 +454,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         self.metrics_over_replicas()
         if fitting:
             self.setup_optimizers(trainer)
+            check_pipeline_monitors(self, trainer)  # the LR schedulers' monitors, now that they exist
         self.setup_precision_plugin()
         if fitting:
             self.agree_loss_scaler()

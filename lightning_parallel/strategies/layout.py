@@ -40,6 +40,7 @@ __all__ = [
     "LayoutMixin",
     "RanksPreempted",
     "TrainingDataProbe",
+    "check_batch_size_finder",
     "check_callbacks",
     "check_ckpt_path",
     "check_context_labels",
@@ -52,6 +53,7 @@ __all__ = [
     "check_nonfinite_guard",
     "check_output_dirs",
     "check_overfit_batches",
+    "check_pipeline_monitors",
     "check_weight_averaging_callbacks",
     "clip_by_norm_replaced",
     "clip_by_value_on_local_tensors",
@@ -987,10 +989,96 @@ def _callbacks_of(trainer: pl.Trainer | None, kinds: type | tuple[type, ...]) ->
 
 def check_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
     """The callbacks the layout cannot run (:func:`check_finetuning_callbacks`,
-    :func:`check_weight_averaging_callbacks`): before spawning, and again in the rank, where a module's
-    ``configure_callbacks()`` has added its own."""
+    :func:`check_weight_averaging_callbacks`, :func:`check_batch_size_finder`, :func:`check_pipeline_monitors`):
+    before spawning, and again in the rank, where a module's ``configure_callbacks()`` has added its own."""
     check_finetuning_callbacks(strategy, trainer)
     check_weight_averaging_callbacks(strategy, trainer)
+    check_batch_size_finder(strategy, trainer)
+    check_pipeline_monitors(strategy, trainer)
+
+
+def check_batch_size_finder(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Before spawning: Lightning's ``BatchSizeFinder`` callback runs in one process only -- on a world of several
+    ranks each rank raised "The Batch size finder is not supported with distributed strategies" once started
+    (``Tuner.scale_batch_size`` is refused by Lightning before the launch already)."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    world = getattr(strategy, "world_size", 1) or 1
+    if not _callbacks_of(trainer, BatchSizeFinder) or world <= 1:
+        return
+    raise LayoutError(
+        f"BatchSizeFinder searches the batch size in one process, and this run has {world} ranks (Lightning raises "
+        "'not supported with distributed strategies' in each of them once started). Fix: find the batch size on "
+        "one device (Trainer(devices=1) with the callback, or Tuner(trainer).scale_batch_size), then set the "
+        "DataLoader's batch_size -- per data-parallel rank, so the global batch is batch_size x dp x "
+        "accumulate_grad_batches.")
+
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step")
+_PIPELINE_LOGS = ("train_loss", "val_loss", "test_loss")
+_DECLARING_METHODS = ("configure_optimizers", "configure_callbacks")  # where a monitor is named, not logged
+
+
+def _logged_only_in_steps(module: Any, key: str) -> list[str]:
+    """The step methods of ``module``'s own classes (not Lightning's or torch's) whose source names ``key`` as a
+    string, when no other method of those classes does (but the ones that name monitors: ``configure_optimizers``,
+    ``configure_callbacks``) -- a value logged only in steps a pipeline never calls.
+    Empty where the source cannot be read or the key is built at run time (nothing is refused then)."""
+    import inspect
+
+    quoted = (f'"{key}"', f"'{key}'")
+    steps: list[str] = []
+    for cls in type(module).__mro__:
+        if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "builtins"):
+            continue
+        for name, member in vars(cls).items():
+            function = getattr(member, "__func__", member)
+            if not inspect.isfunction(function):
+                continue
+            try:
+                source = inspect.getsource(function)
+            except (OSError, TypeError):
+                continue
+            if any(q in source for q in quoted) and name not in _DECLARING_METHODS:
+                if name not in _STEP_METHODS:
+                    return []
+                if name not in steps:
+                    steps.append(name)
+    return steps
+
+
+def check_pipeline_monitors(strategy: Any, trainer: pl.Trainer | None) -> None:
+    """Under a pipeline strategy (``lp_pipeline``, ``lp_hybrid``): the schedule runs the layers in place of the
+    module's ``training_step`` / ``validation_step`` / ``test_step`` and logs ``train_loss``, ``val_loss`` and
+    ``test_loss`` itself, so a value the module logs only in those methods does not exist. A callback
+    (``EarlyStopping``, ``ModelCheckpoint``) or an LR scheduler (``ReduceLROnPlateau``'s ``monitor``, once the
+    optimizers exist) that monitors such a value failed after the launch (``strict=True``) or skipped every update
+    without a word (``strict=False``: the LR never fell). Refused before spawning -- and in the rank for the
+    schedulers -- where the module's source shows the key logged only in those steps
+    (:func:`_logged_only_in_steps`)."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    if not getattr(strategy, "pipelined", False) or module is None:
+        return
+    watchers = [(f"{type(c).__name__}(monitor={c.monitor!r})", c.monitor)
+                for c in _callbacks_of(trainer, (EarlyStopping, ModelCheckpoint)) if getattr(c, "monitor", None)]
+    watchers += [(f"the LR scheduler {type(config.scheduler).__name__} (monitor={config.monitor!r})", config.monitor)
+                 for config in getattr(strategy, "lr_scheduler_configs", None) or [] if config.monitor]
+    for who, key in watchers:
+        if key in _PIPELINE_LOGS:
+            continue
+        steps = _logged_only_in_steps(module, key)
+        if steps:
+            name = getattr(strategy, "strategy_name", type(strategy).__name__)
+            raise LayoutError(
+                f"{who} watches '{key}', which {type(module).__name__} logs only in {' and '.join(steps)}; under "
+                f"{name} the pipeline schedule runs the layers in place of the module's training_step, "
+                "validation_step and test_step, so that value is never logged (Lightning would fail after the "
+                "launch, or with strict=False skip every update silently). The strategy logs train_loss, val_loss "
+                f"and test_loss, one device's values. Fix: monitor one of those, log '{key}' from a hook the "
+                "pipeline runs (on_train_batch_end gets the step's loss; on_validation_epoch_end), or use a strategy "
+                "that runs the module's steps as written (lp_ddp, lp_sharded, lp_tensor).")
 
 
 def check_finetuning_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
