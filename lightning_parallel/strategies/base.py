@@ -372,21 +372,26 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     def buffers_before_forward(self, *, training: bool) -> None:
         """torch DDP's rule for the module's buffers, for the layouts DDP does not wrap (ZeRO-1/2/3, tensor and
-        pipeline parallelism over dp): before a forward that follows a training forward whose gradients were
-        synchronised (the first forward of a fit, of each optimizer step, and the first validation forward after
-        training), the buffers of the first replica are copied to the others
+        pipeline parallelism over dp) and for manual optimization under every layout: before the first forward of
+        a fit and the first forward after a backward whose gradients were synchronised over the replicas (the first
+        forward of each optimizer step, the first validation forward after training), the buffers of the first
+        replica are copied to the others
         (:meth:`~lightning_parallel.parallel.step.TrainStep.broadcast_buffers`), so that every replica validates,
         saves and trains on the same running statistics, as under ``lp_ddp``. During a fit only (a test or predict
         run starts from the same module on every rank, and its ranks may run different numbers of batches)."""
         step, module = self._train_step, self.lightning_module
         if step is None or module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._buffers_due:
+        # torch DDP's own forward copies them under automatic optimization; under manual optimization Lightning's
+        # forward redirection turns that off after the first forward
+        if self._buffers_due and not (step.plan.wraps_module and module.automatic_optimization):
             assert self.model is not None
             step.broadcast_buffers(self.model)
-        self._buffers_due = training and not step.accumulating
+        self._buffers_due = False
 
     _buffers_due = True
+    """A buffer copy is due before the next forward: at a fit's start, and after each backward whose gradients were
+    synchronised over the replicas (:meth:`post_backward`)."""
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -583,8 +588,14 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     def data_parallel_plan(self) -> DataParallelPlan:
         """How the dp replicas are wrapped and synced for this layout (subclasses add their options: DDP's
-        buckets, the fairscale backend)."""
-        return data_parallel_plan(self.layout, self.dims)
+        buckets, the fairscale backend). A pipeline of one stage over dp (``pipeline_parallel_size=1``) all-reduces
+        its gradients after the step's last backward instead of wrapping the module in torch DDP: the schedule calls
+        the stage modules, never the wrapper's forward, so DDP's reducer averaged nothing (each replica trained on
+        its own gradient)."""
+        plan = data_parallel_plan(self.layout, self.dims)
+        if self.pipelined and plan.wraps_module:
+            return dataclasses.replace(plan, sync="allreduce", ddp_options={})
+        return plan
 
     def precision_plan(self, plan: DataParallelPlan) -> DataParallelPlan:
         """The data-parallel plan with the run's precision: under ``bf16-mixed``, FSDP2 (``sync="fsdp"``) takes
@@ -742,6 +753,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         super().post_backward(closure_loss)
         assert self.model is not None
         self.train_step.sync_gradients(self.model, self.optimizers)
+        if not self.train_step.accumulating:
+            self._buffers_due = True  # (buffers_before_forward)
 
     @property
     def accumulate_grad_batches(self) -> int:

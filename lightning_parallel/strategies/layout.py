@@ -352,7 +352,14 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             raise RanksPreempted(worker_output.step)
         module = trainer.lightning_module
         if worker_output.weights_path is not None and module is not None and is_overridden("configure_model", module):
-            module.configure_model()  # Lightning's contract: the hook is idempotent (a second call builds nothing)
+            try:  # Lightning's contract: the hook is idempotent (a second call builds nothing)
+                with trainer.precision_plugin.module_init_context():  # bf16-true: the layers in bf16, as in the ranks
+                    module.configure_model()
+            except Exception as err:  # the fit succeeded: its checkpoints hold the weights
+                rank_zero_warn(
+                    f"{type(module).__name__}.configure_model() failed in the calling process after the fit "
+                    f"({type(err).__name__}: {err}); the trained weights go only where the module already has "
+                    "layers. The run's checkpoints hold them all.")
         if (worker_output.weights_path is None or module is None
                 or not any(t.is_meta for t in (*module.parameters(), *module.buffers()))):
             super()._recover_results_in_main_process(worker_output, trainer)
@@ -1019,31 +1026,78 @@ _PIPELINE_LOGS = ("train_loss", "val_loss", "test_loss")
 _DECLARING_METHODS = ("configure_optimizers", "configure_callbacks")  # where a monitor is named, not logged
 
 
-def _logged_only_in_steps(module: Any, key: str) -> list[str]:
-    """The step methods of ``module``'s own classes (not Lightning's or torch's) whose source names ``key`` as a
-    string, when no other method of those classes does (but the ones that name monitors: ``configure_optimizers``,
-    ``configure_callbacks``) -- a value logged only in steps a pipeline never calls.
-    Empty where the source cannot be read or the key is built at run time (nothing is refused then)."""
+_NOT_LOGGERS = ("torch", "math", "np", "numpy", "F", "cmath")  # receivers of a .log() that is a logarithm
+
+
+def _log_calls(function: Any) -> tuple[set[str], bool]:
+    """The names ``function`` logs under as literals (``self.log("k", ...)``, ``pl_module.log_dict({"k": ...})``), and
+    whether it logs anything under a name computed at run time (or its source cannot be read: then unknown)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return set(), True
+    keys: set[str] = set()
+    dynamic = False
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("log", "log_dict")):
+            continue
+        if isinstance(node.func.value, ast.Name) and node.func.value.id in _NOT_LOGGERS:
+            continue
+        first = node.args[0] if node.args else next(
+            (k.value for k in node.keywords if k.arg in ("name", "dictionary")), None)
+        if node.func.attr == "log" and isinstance(first, ast.Constant) and isinstance(first.value, str):
+            keys.add(first.value)
+        elif (node.func.attr == "log_dict" and isinstance(first, ast.Dict)
+              and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in first.keys)):
+            keys.update(k.value for k in first.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+        else:
+            dynamic = True
+    return keys, dynamic
+
+
+def _own_functions(cls: type) -> list[tuple[str, Any]]:
+    """``(name, function)`` of the methods defined by ``cls`` and its bases that are not Lightning's, torch's or the
+    library's."""
     import inspect
 
-    quoted = (f'"{key}"', f"'{key}'")
-    steps: list[str] = []
-    for cls in type(module).__mro__:
-        if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "builtins"):
+    found: list[tuple[str, Any]] = []
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "builtins",
+                                              "lightning_parallel"):
             continue
-        for name, member in vars(cls).items():
+        for name, member in vars(klass).items():
             function = getattr(member, "__func__", member)
-            if not inspect.isfunction(function):
-                continue
-            try:
-                source = inspect.getsource(function)
-            except (OSError, TypeError):
-                continue
-            if any(q in source for q in quoted) and name not in _DECLARING_METHODS:
-                if name not in _STEP_METHODS:
-                    return []
-                if name not in steps:
-                    steps.append(name)
+            if inspect.isfunction(function):
+                found.append((name, function))
+    return found
+
+
+def _logged_only_in_steps(module: Any, key: str, callbacks: list[Any]) -> list[str]:
+    """The step methods (``training_step``, ``validation_step``, ``test_step``) of ``module``'s own classes that log
+    ``key`` by name, when nothing else the run holds can log it: no other method of those classes (but
+    ``configure_optimizers`` and ``configure_callbacks``, which name monitors) and no method of the user's own
+    callbacks logs it by name or logs any name computed at run time. Empty otherwise (nothing is refused)."""
+    steps: list[str] = []
+    elsewhere: list[tuple[str, Any]] = []
+    for name, function in _own_functions(type(module)):
+        if name in _STEP_METHODS:
+            if key in _log_calls(function)[0] and name not in steps:
+                steps.append(name)
+        elif name not in _DECLARING_METHODS:
+            elsewhere.append((name, function))
+    if not steps:
+        return []
+    for callback in callbacks:
+        elsewhere.extend(_own_functions(type(callback)))
+    for _, function in elsewhere:
+        keys, dynamic = _log_calls(function)
+        if dynamic or key in keys:
+            return []
     return steps
 
 
@@ -1068,7 +1122,7 @@ def check_pipeline_monitors(strategy: Any, trainer: pl.Trainer | None) -> None:
     for who, key in watchers:
         if key in _PIPELINE_LOGS:
             continue
-        steps = _logged_only_in_steps(module, key)
+        steps = _logged_only_in_steps(module, key, getattr(trainer, "callbacks", None) or [])
         if steps:
             name = getattr(strategy, "strategy_name", type(strategy).__name__)
             raise LayoutError(

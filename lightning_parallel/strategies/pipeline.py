@@ -119,7 +119,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         layers = [spec.module for spec in specs]
         p, v = self.layout.pipeline_parallel_size, self.layout.virtual_pipeline_stages
         n = p * v
-        if len(layers) < n and is_overridden("configure_model", module):
+        if not layers and is_overridden("configure_model", module):
             raise LayoutError(
                 f"{type(module).__name__}.pipeline_layers() returns {len(layers)} layers before its "
                 f"configure_model() has run, and {self.strategy_name} cuts the layers into {n} stages before any rank "
