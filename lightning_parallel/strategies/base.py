@@ -484,28 +484,84 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
 
     @override
+    def on_validation_start(self) -> None:
+        """The dp ranks' validation batch counts must agree where a validation batch runs a collective over them
+        (:meth:`_check_even_eval_batches`)."""
+        super().on_validation_start()
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+            self._check_even_eval_batches("validation", counts, "validate" if not self._fitting(trainer) else "fit")
+
+    @override
+    def on_test_start(self) -> None:
+        """As :meth:`on_validation_start`, for the test batches."""
+        super().on_test_start()
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_even_eval_batches("test", trainer.num_test_batches, "test")
+
+    @override
     def on_predict_start(self) -> None:
         """Under FSDP2 over ``dp`` (ZeRO-3; ZeRO-2 in a pipeline; HSDP) every forward all-gathers over the dp ranks,
         so they must run the same number of batches; Lightning's predict sampler splits a dataset without padding
         (9 samples in batches of 2 over 2 ranks: 3 batches and 2), and the ranks' gathers then mismatch (gloo:
         "Received data size doesn't match expected size"; NCCL: a hang). Refused here, on every rank alike, with the
-        counts and the fix (one all-reduce of two numbers)."""
+        counts and the fix (:meth:`_check_even_eval_batches`)."""
         super().on_predict_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or self.dims.dp == 1 or self._train_step is None or self.train_step.plan.sync != "fsdp":
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_even_eval_batches("predict", trainer.num_predict_batches, "predict", fsdp_only=True)
+
+    def _trainer_or_none(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return module.trainer if module is not None and module._trainer is not None else None
+
+    @staticmethod
+    def _fitting(trainer: pl.Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.FITTING
+
+    def _check_even_eval_batches(self, stage: str, counts: list[int | float], fn: str, *,
+                                 fsdp_only: bool = False) -> None:
+        """Every dp rank must run as many ``stage`` batches of each dataloader as the others where each batch runs a
+        collective over them: FSDP2's all-gathers in every forward (ZeRO-3; ZeRO-2 in a pipeline; HSDP), and --
+        validation and test, where the module names its token labels (or with context parallelism) -- the sum of
+        the batch's counted tokens over the replicas that weighs its loss. A rank with a batch more than another
+        waited in that collective until the collective timeout (Lightning's validation and test samplers pad a
+        dataset to equal counts; a sampler of the user's, or Lightning's predict sampler, may not). Refused on
+        every rank alike, with the counts and the fix: one all-reduce of two numbers per dataloader. Counts not
+        known ahead (an iterable dataset) are not checked."""
+        if self.dims.dp == 1 or self._train_step is None:
             return
-        total = sum(trainer.num_predict_batches)
-        local = int(total) if math.isfinite(total) else -1  # an iterable dataset: not known ahead
-        counts = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mesh.get_group(self.dims.fsdp_axes[-1]))
-        most, fewest = int(counts[0]), -int(counts[1])
-        if fewest >= 0 and most != fewest:  # (the FSDP2 shard group's ranks gather from one another)
-            raise LayoutError(
-                f"trainer.predict under {self.describe()}: the data-parallel ranks would run "
-                f"{fewest} to {most} predict batches (Lightning splits the dataset over dp={self.dims.dp} ranks "
-                "without padding), and FSDP2's all-gathers in every forward need the same number on each. Fix: a "
-                f"dataset whose length splits into the same number of batches on each of the {self.dims.dp} ranks, "
-                "or predict under lp_ddp / zero_stage 1 or 2 (whole parameters on each rank), or on one device.")
+        fsdp = self.train_step.plan.sync == "fsdp"
+        weighed = not fsdp_only and (self.dims.cp > 1 or self.loss_labels is not None)
+        if not (fsdp or weighed):
+            return
+        local = [int(c) if math.isfinite(c) else -1 for c in counts]
+        if not local:
+            return
+        both = torch.tensor(local + [-c for c in local], dtype=torch.int64, device=self.root_device)
+        group = self.mesh.get_group(self.dims.replica_axis if weighed else self.dims.fsdp_axes[-1])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        n = len(local)
+        most, fewest = both[:n].tolist(), [-v for v in both[n:].tolist()]
+        uneven = [(i, low, high) for i, (low, high) in enumerate(zip(fewest, most, strict=True))
+                  if low >= 0 and low != high]
+        if not uneven:
+            return
+        i, low, high = uneven[0]
+        where = f" (dataloader {i})" if n > 1 else ""
+        why = ("FSDP2 all-gathers the parameters in every forward" if fsdp else
+               "each batch's loss is weighed by its share of the counted tokens, summed over the ranks in every "
+               "batch (the module names its token labels)")
+        fix = ("predict under lp_ddp / zero_stage 1 or 2 (whole parameters on each rank), or on one device" if
+               stage == "predict" else
+               "use_distributed_sampler=True (Lightning's sampler pads the set to equal counts), or evaluate on one "
+               "device")
+        raise LayoutError(
+            f"trainer.{fn} under {self.describe()}: the data-parallel ranks would run {low} to {high} {stage} "
+            f"batches{where}, and {why}, so a rank with a batch more would wait on the others. Fix: a dataset whose "
+            f"length splits into the same number of batches on each of the {self.dims.dp} ranks, or {fix}.")
 
     def metrics_over_replicas(self) -> None:
         """torchmetrics ``Metric`` modules of the LightningModule sync their states over the whole world unless given a

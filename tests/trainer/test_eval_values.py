@@ -13,7 +13,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.models import GPT
-from lightning_parallel.strategies import LPShardedStrategy, LPTensorStrategy
+from lightning_parallel.strategies import LPDDPStrategy, LPShardedStrategy, LPTensorStrategy
 
 
 class _Counting(GPT):
@@ -80,3 +80,37 @@ def test_a_predict_fsdp2_cannot_run_is_refused_with_the_counts() -> None:
                          strategy=LPShardedStrategy({"zero_stage": 3}, start_method="fork"))
     with pytest.raises(Exception, match="would run 2 to 3 predict batches"):
         trainer.predict(_model(), dataloaders=_data(9))
+
+
+class _Unpadded(pl.LightningDataModule):
+    """Validation and test sets of ``samples`` split over the ranks without padding (batches of 2)."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__()
+        self.samples = samples
+
+    def _loader(self) -> DataLoader:
+        from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+        data = _data(self.samples).dataset
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        return DataLoader(data, batch_size=2, sampler=UnrepeatedDistributedSampler(data, shuffle=False, **kwargs))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+def test_validation_and_test_batches_a_collective_needs_even_are_checked() -> None:
+    """The GPT names its token labels, so each validation or test batch sums its counted tokens over the dp ranks.
+    With a sampler that does not pad (9 samples in batches of 2 over 2 ranks: 3 batches and 2) the rank with the
+    third batch waited in that sum until the collective timeout (lp_ddp, ZeRO-3; Lightning's own ddp finishes, with
+    a value that is not one device's). Refused on every rank with the counts; an even split runs."""
+    for strategy in (LPDDPStrategy(start_method="fork"), LPShardedStrategy({"zero_stage": 3}, start_method="fork")):
+        with pytest.raises(Exception, match="would run 2 to 3 validation batches"):
+            _trainer(strategy, 2).validate(_model(), datamodule=_Unpadded(9))
+    with pytest.raises(Exception, match="would run 2 to 3 test batches"):
+        _trainer(LPDDPStrategy(start_method="fork"), 2).test(_model(), datamodule=_Unpadded(9))
+    _trainer(LPDDPStrategy(start_method="fork"), 2).validate(_model(), datamodule=_Unpadded(8))  # 2 batches each
