@@ -36,7 +36,6 @@ and gradient accumulation work as usual. Checkpoints are DCP folders, one shard 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -90,8 +89,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         super().__init__(parallel, **kwargs)
         self.runner: Any = None
         self.stage_plan: Any = None
-        self._grads_fresh = False
-        self._zero_grads: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ the layout and the module
     @property
@@ -268,30 +265,41 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
 
     @override
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
-        """While fitting: clip by the norm of the whole model's gradient (all stages); the loop's zero_grad between
-        :meth:`training_step` (which already ran the backward) and :meth:`backward` is skipped."""
-        return [*super().fit_patches(), self._zero_grad_after_schedule_skipped()]
+        """While fitting: clip by the norm of the whole model's gradient (all stages); the loop's zero_grad moved
+        before :meth:`training_step` (:meth:`_zero_grad_before_schedule`)."""
+        return [*super().fit_patches(), self._zero_grad_before_schedule()]
 
     @contextlib.contextmanager
-    def _zero_grad_after_schedule_skipped(self) -> Generator[None, None, None]:
-        originals = [opt.zero_grad for opt in self.optimizers]
-        self._zero_grads = [functools.partial(zero_grad, set_to_none=False) for zero_grad in originals]
+    def _zero_grad_before_schedule(self) -> Generator[None, None, None]:
+        """Lightning zeroes the gradients between ``training_step`` and ``backward`` (on each accumulation window's
+        first batch: ``on_before_zero_grad``, then the module's ``optimizer_zero_grad``); here ``training_step`` runs
+        the schedule's backward too, so the loop's zero-grad call is moved in front of it -- the same hooks, the
+        same progress counters, the module's own ``optimizer_zero_grad`` honoured (a module that zeroes only every
+        other batch keeps its gradients, as on one device; the strategy zeroed every window itself before)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
+        make = getattr(loop, "_make_closure", None)
+        if loop is None or not callable(make):
+            yield None
+            return
 
-        def guarded(original: Callable[..., None]) -> Callable[..., None]:
-            def zero_grad(*args: Any, **kwargs: Any) -> None:
-                if not self._grads_fresh:
-                    original(*args, **kwargs)
-            return zero_grad
+        def make_closure(*args: Any, **kwargs: Any) -> Any:
+            closure = make(*args, **kwargs)
+            zero, step = getattr(closure, "_zero_grad_fn", None), getattr(closure, "_step_fn", None)
+            if zero is not None and step is not None:
+                def zero_then_step() -> Any:
+                    zero()
+                    return step()
 
-        for opt, original in zip(self.optimizers, originals, strict=True):
-            opt.zero_grad = guarded(original)  # type: ignore[method-assign]
+                closure._zero_grad_fn, closure._step_fn = None, zero_then_step
+            return closure
+
+        loop._make_closure = make_closure
         try:
             yield None
         finally:
-            for opt in self.optimizers:
-                if "zero_grad" in vars(opt):
-                    del opt.zero_grad
-            self._zero_grads = []
+            if vars(loop).get("_make_closure") is make_closure:
+                del loop._make_closure
 
     @override
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
@@ -319,19 +327,12 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         gradients are already in ``.grad``: :meth:`backward` runs no autograd)."""
         assert self.runner is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         inputs, target = self._inputs(self.context_batch(batch))  # with cp: this rank's tokens
         if target is None:
             raise ValueError("lp_pipeline: pipeline_batch(batch) returned no target for a training batch.")
         self.buffers_before_forward(training=True)
         window = self.step_tokens.take() if self.step_tokens is not None else None  # one per training batch
         log_scale = self._count_tokens(batch, micro_batches=self.runner.m, window=window)
-        if batch_idx % self.accumulate_grad_batches == 0:
-            # Lightning zeroes the gradients between training_step and backward; the schedule runs both here, so
-            # the zeroing happens now and the loop's own zero_grad of this batch is skipped (see fit_patches)
-            for zero_grad in self._zero_grads:
-                zero_grad()
-            self._grads_fresh = True
         guard = self._agreeing_guard()
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: the loss scaled before each backward
         with self.precision_plugin.train_step_context(), self._tp_loss():
@@ -427,7 +428,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         """The schedule ran the backward in :meth:`training_step`: only the hooks (``on_before_backward``,
         ``on_after_backward``) and, on the step's last batch, the dp gradient sync."""
         assert self.lightning_module is not None
-        self._grads_fresh = False
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
