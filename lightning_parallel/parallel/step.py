@@ -102,6 +102,35 @@ class TrainStep:
             return [oss], model
         return optimizers, model
 
+    def check_optimizers(self, optimizers: Iterable[Any], *, describe: str) -> None:
+        """Refuse, before any step, an optimizer the plan would silently change or that fails on DTensors: under the
+        flat ZeRO-1/2 shards (one 1-D tensor per param group) an optimizer whose update reads a parameter's shape or
+        the whole tensor (:data:`_PER_TENSOR`: Adafactor's factored moments, LAMB's and LARS's trust ratios, ...)
+        computes something else (torch's Adafactor: 4.3e-02 from one device after 4 steps, silently); on DTensor
+        parameters (ZeRO-3 / FSDP2, tensor parallelism) torch's Adafactor and Rprop fail at their first step with an
+        in-place operation DTensor cannot place (:data:`_DTENSOR_FAILS`)."""
+        from lightning_parallel.config import LayoutError
+
+        flat = self.plan.sync == "zero"
+        dtensors = self.plan.sync == "fsdp" or self.dims.tp > 1
+        for opt in optimizers:
+            raw = getattr(opt, "_optimizer", opt)
+            name = type(raw).__name__
+            if flat and name in _PER_TENSOR:
+                raise LayoutError(
+                    f"{name} under {describe}: ZeRO-{self.plan.zero_stage} (flat) flattens each param group into one "
+                    f"1-D shard per rank, and {name}'s update uses {_PER_TENSOR[name]}, so it would compute another "
+                    "update without an error. Fix: lp_ddp (or zero_stage=0), or an optimizer whose update is element "
+                    "by element (SGD, Adam, AdamW, Adagrad, RMSprop, ...)"
+                    + ("; zero_stage=3 keeps each parameter's shape." if name not in _DTENSOR_FAILS else "."))
+            if dtensors and name in _DTENSOR_FAILS:
+                raise LayoutError(
+                    f"{name} under {describe}: the parameters are DTensors (ZeRO-3's FSDP2 shards or tensor-parallel "
+                    f"shards), and torch's {name} runs {_DTENSOR_FAILS[name]} at its first step, which DTensor cannot "
+                    "run. Fix: lp_ddp, "
+                    + ("" if name in _PER_TENSOR else "lp_sharded with zero_stage 1 or 2, ")
+                    + "or another optimizer (Adam, AdamW, SGD, ...).")
+
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self, model: Any) -> Generator[None, None, None]:
@@ -239,6 +268,21 @@ class TrainStep:
         return reduce_logged_batch(values, group=None, size=self.dims.replicas,
                                    copies=self.dims.world_size // self.dims.replicas, extra=extra)
 
+
+_PER_TENSOR = {
+    "Adafactor": "second moments factored by each matrix's rows and columns",
+    "LAMB": "a trust ratio per parameter tensor", "Lamb": "a trust ratio per parameter tensor",
+    "FusedLAMB": "a trust ratio per parameter tensor", "LARS": "a trust ratio per parameter tensor",
+    "Lars": "a trust ratio per parameter tensor", "Shampoo": "preconditioners per matrix dimension",
+    "DistributedShampoo": "preconditioners per matrix dimension", "SOAP": "preconditioners per matrix dimension",
+    "Muon": "an orthogonalised update of each matrix", "LBFGS": "curvature pairs over the whole parameter vector",
+}
+"""Optimizers whose update is not element by element: the flat ZeRO-1/2 shard would change it."""
+_DTENSOR_FAILS = {
+    "Adafactor": "an in-place power on a partial-norm placement (aten.pow_)",
+    "Rprop": "an indexed in-place write that would change a placement (aten.index_put_)",
+}
+"""torch optimizers whose first step fails on DTensor parameters (measured with torch 2.13)."""
 
 _OPS = {"mean": "mean", "sum": "sum", "add": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min"}
 

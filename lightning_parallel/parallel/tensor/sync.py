@@ -143,6 +143,10 @@ class LocalShardZeroOptimizer(ZeroOptimizer):
                     local = local_tensor(p)
                     self.dtensor_params.append((p, local))
                     locals_.append(local)
+                    made = optimizer.state.pop(p, None)  # state an optimizer makes in its constructor (Adagrad)
+                    if made:
+                        optimizer.state[local] = {k: local_tensor(v) if isinstance(v, DTensor) else v
+                                                  for k, v in made.items()}
                 else:
                     locals_.append(p)
                 flags.append(is_tp_sharded(p))

@@ -61,18 +61,20 @@ class ZeroOptimizer(Optimizer):
             raise ValueError(f"ZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}; stage 3 is apply_zero3().")
         if isinstance(optimizer, ZeroOptimizer):
             raise ValueError("the optimizer is already a ZeroOptimizer.")
-        if any(len(s) for s in optimizer.state.values()):
-            raise ValueError("ZeroOptimizer needs an optimizer without state; wrap it before the first step.")
+        if not all(_never_stepped(s) for s in optimizer.state.values()):
+            raise ValueError("ZeroOptimizer needs an optimizer that has not stepped yet; wrap it before the first "
+                             "step.")
         # Optimizer.__init__ is not called on purpose: the wrapper owns no param groups of its own.
         self.optim = optimizer
         self.stage, self.group = stage, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shards: list[FlatShard] = []
         for pg in optimizer.param_groups:
-            shard = FlatShard(list(pg["params"]), world_size=self.world_size, rank=self.rank,
-                              keep_full_grad=(stage == 1))
+            params = list(pg["params"])
+            shard = FlatShard(params, world_size=self.world_size, rank=self.rank, keep_full_grad=(stage == 1))
             pg["params"] = [shard.shard_param]
             self.shards.append(shard)
+            _flatten_initial_state(optimizer, params, shard)
         # stage 2: the chunks of the gradient reduced during an armed backward (overlap_backward)
         self._chunked = ChunkedReduce(self.shards, group) if stage == 2 and self.world_size > 1 else None
         # which parameters received a gradient since the last step (autograd's hooks), and where each lies in this
@@ -413,3 +415,42 @@ def _spans_in_shard(shard: FlatShard) -> list[tuple[int, int, int]]:
 
 def _is_flat_state(value: Any, shard: FlatShard) -> bool:
     return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == shard.shard_numel
+
+
+def _never_stepped(state: dict[str, Any]) -> bool:
+    """True for a parameter's optimizer state made at construction (Adagrad's accumulator and a step count of 0), or
+    none at all."""
+    step = state.get("step", 0)
+    return not state or float(step) == 0.0
+
+
+def _flatten_initial_state(optimizer: Optimizer, params: list[Any], shard: FlatShard) -> None:
+    """The state an optimizer made for ``params`` in its constructor (``torch.optim.Adagrad``: ``sum`` filled with
+    ``initial_accumulator_value``, ``step`` 0), as the flat shard's: each per-element tensor laid out like the flat
+    buffer (padding zero) and this rank's slice kept, each scalar shared by the parameters kept once. Nothing for an
+    optimizer that makes its state at its first step (Adam, SGD)."""
+    states = [optimizer.state.pop(p, None) or {} for p in params]
+    if not any(states):
+        return
+    flat: dict[str, Any] = {}
+    for key in dict.fromkeys(k for state in states for k in state):
+        values = [state.get(key) for state in states]
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        if len(tensors) == len(params) and all(v.shape == p.shape for v, p in zip(tensors, params, strict=True)) \
+                and any(v.dim() > 0 for v in tensors):
+            full = torch.zeros(shard.padded_numel, dtype=tensors[0].dtype, device=tensors[0].device)
+            offset = 0
+            for value in tensors:
+                full[offset:offset + value.numel()].copy_(value.reshape(-1))
+                offset += value.numel()
+            flat[key] = shard.shard_of(full).clone()
+        elif all(isinstance(v, Tensor) and v.dim() == 0 and torch.equal(v, tensors[0]) for v in values) \
+                or all(not isinstance(v, Tensor) and v == values[0] for v in values):
+            flat[key] = values[0].clone() if isinstance(values[0], Tensor) else values[0]
+        else:
+            raise ValueError(
+                f"{type(optimizer).__name__} made state {key!r} in its constructor that is neither one value per "
+                "element of each parameter nor one value shared by them; the flat ZeRO-1/2 shard cannot hold it. Fix: "
+                "zero_stage=3 (each parameter keeps its own state) or lp_ddp.")
+    optimizer.state[shard.shard_param] = flat
+
