@@ -112,10 +112,12 @@ class TrainStep:
         from lightning_parallel.config import LayoutError
 
         flat = self.plan.sync == "zero"
-        dtensors = self.plan.sync == "fsdp" or self.dims.tp > 1
+        # (tp ZeRO-1 hands the optimizer the DTensors' local tensors: plain ones)
+        dtensors = self.plan.sync == "fsdp" or (self.dims.tp > 1 and self.plan.sync != "zero")
         for opt in optimizers:
             raw = getattr(opt, "_optimizer", opt)
-            name = type(raw).__name__
+            names = [klass.__name__ for klass in type(raw).__mro__]  # a subclass of a listed optimizer is listed
+            name = next((n for n in names if n in _PER_TENSOR or n in _DTENSOR_FAILS), type(raw).__name__)
             if flat and name in _PER_TENSOR:
                 raise LayoutError(
                     f"{name} under {describe}: ZeRO-{self.plan.zero_stage} (flat) flattens each param group into one "
@@ -276,6 +278,11 @@ _PER_TENSOR = {
     "Lars": "a trust ratio per parameter tensor", "Shampoo": "preconditioners per matrix dimension",
     "DistributedShampoo": "preconditioners per matrix dimension", "SOAP": "preconditioners per matrix dimension",
     "Muon": "an orthogonalised update of each matrix", "LBFGS": "curvature pairs over the whole parameter vector",
+    "Prodigy": "a step size estimated from sums over every parameter",
+    "DAdaptAdam": "a step size estimated from sums over every parameter",
+    "DAdaptSGD": "a step size estimated from sums over every parameter",
+    "DAdaptAdaGrad": "a step size estimated from sums over every parameter",
+    "DAdaptLion": "a step size estimated from sums over every parameter",
 }
 """Optimizers whose update is not element by element: the flat ZeRO-1/2 shard would change it."""
 _DTENSOR_FAILS = {

@@ -489,9 +489,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         (:meth:`_check_even_eval_batches`)."""
         super().on_validation_start()
         trainer = self._trainer_or_none()
-        if trainer is not None:
-            counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-            self._check_even_eval_batches("validation", counts, "validate" if not self._fitting(trainer) else "fit")
+        if trainer is not None:  # (in a fit's sanity check already: its counts are the whole validation's)
+            self._check_even_eval_batches("validation", trainer.num_val_batches,
+                                          "validate" if not self._fitting(trainer) else "fit")
 
     @override
     def on_test_start(self) -> None:
@@ -785,7 +785,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
         leaves: list[Tensor] = []
         apply_to_collection(batch, Tensor, leaves.append)
-        mine = [(tuple(t.shape), str(t.dtype), *_fingerprint(t)) for t in leaves]
+        mine = [(tuple(t.shape), str(t.dtype), _fingerprint(t)) for t in leaves]
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)
         dims = self.dims
@@ -799,9 +799,10 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                     "tensor-parallel peers compute one layer together, a pipeline's last stage scores the first "
                     "stage's inputs with its own labels. A dataset that splits itself by the global rank (an "
                     "IterableDataset reading torch.distributed.get_rank()) or random augmentation seeded per process "
+                    "(Lightning's seed_everything(workers=True) seeds each DataLoader worker from the global rank) "
                     "does this. Fix: split by the data-parallel coordinates, "
                     "trainer.strategy.distributed_sampler_kwargs (num_replicas, rank), and seed any randomness of "
-                    "the data by them.")
+                    "the data by them (a worker_init_fn that seeds from that rank and the worker id).")
         firsts = [every[dims.rank_of((d, 0, 0))] for d in range(dims.dp)]
         if dims.dp > 1 and all(f == firsts[0] for f in firsts) and any(t for t in firsts[0]):
             rank_zero_warn(
@@ -1045,14 +1046,17 @@ def _destroy_process_group_at_exit() -> None:
         dist.destroy_process_group()
 
 
-def _fingerprint(t: Tensor) -> tuple[float, float, int]:
-    """Numbers that tell two batches apart: the sum and the sum weighted by position (order matters) of the finite
-    values, and the count of the others (NaN is not equal to itself: two equal batches holding NaN must compare
-    equal)."""
-    t = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
-    flat = t.reshape(-1).to("cpu", torch.float64)
-    finite = torch.isfinite(flat)
-    values = torch.where(finite, flat, torch.zeros((), dtype=torch.float64))
-    weighted = (values * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()
-    return float(values.sum()), float(weighted), int((~finite).sum())
+def _fingerprint(t: Tensor) -> str:
+    """A digest of the tensor's bytes (exact: equal tensors, NaN included, give equal digests); a sparse tensor by its
+    coalesced indices and values; a tensor whose bytes cannot be read this way (nested, quantized) by its layout
+    only."""
+    import hashlib
 
+    t = t.detach()
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        return _fingerprint(t.indices()) + _fingerprint(t.values())
+    if t.layout != torch.strided or t.is_nested or t.is_quantized:
+        return str(t.layout)
+    data = t.contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()

@@ -73,3 +73,14 @@ def test_peers_of_a_replica_must_read_the_same_batch(tmp_path: Path, monkeypatch
     warned.unlink()
     _fit(LPDDPStrategy(start_method="fork"), 2, "dp", 2)
     assert not warned.exists() or "the same on all" not in warned.read_text()
+
+
+def test_the_fingerprint_is_exact() -> None:
+    """Equal tensors give equal fingerprints -- NaN (not equal to itself), values whose sums overflow, sparse
+    tensors -- and a changed element another."""
+    from lightning_parallel.strategies.base import _fingerprint
+
+    for t in (torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1e308, 1e308, -1e308, -1e308], dtype=torch.float64),
+              torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,)), torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)):
+        assert _fingerprint(t) == _fingerprint(t.clone()), t
+    assert _fingerprint(torch.tensor([1.0, 2.0])) != _fingerprint(torch.tensor([2.0, 1.0]))

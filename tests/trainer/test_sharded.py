@@ -380,11 +380,18 @@ def test_optimizers_with_state_from_their_constructor_or_another_shape() -> None
         worst[name] = _diff(fit(strategy, devices, 2, model=_with(adagrad))[0], reference)
     print("\nAdagrad, max |w - w_1dev|:", worst)
     assert all(v < 1e-6 for v in worst.values()), worst
+    class MyAdafactor(torch.optim.Adafactor):
+        pass
+
     for stage, make, expected in ((1, lambda p: torch.optim.Adafactor(p, lr=1e-2), "flattens each param group"),
+                                  (2, lambda p: MyAdafactor(p, lr=1e-2), "flattens each param group"),
                                   (3, lambda p: torch.optim.Adafactor(p, lr=1e-2), "the parameters are DTensors"),
                                   (3, lambda p: torch.optim.Rprop(p, lr=1e-3), "the parameters are DTensors")):
         with pytest.raises(Exception, match=expected):
             _fit(LPShardedStrategy({"zero_stage": stage}, start_method="fork"), 2, model=_with(make))
+    rprop = fit(LPTensorStrategy({"tensor_parallel_size": 2, "zero_stage": 1}, start_method="fork"), 4, 2,
+                model=_with(lambda p: torch.optim.Rprop(p, lr=1e-3)))[0]  # local tensors there: it runs
+    assert _diff(rprop, fit("auto", 1, 1, model=_with(lambda p: torch.optim.Rprop(p, lr=1e-3)))[0]) < 1e-6
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

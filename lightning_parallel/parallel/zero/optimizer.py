@@ -436,8 +436,9 @@ def _flatten_initial_state(optimizer: Optimizer, params: list[Any], shard: FlatS
     for key in dict.fromkeys(k for state in states for k in state):
         values = [state.get(key) for state in states]
         tensors = [v for v in values if isinstance(v, Tensor)]
+        # one value per element: each parameter's shape (a group of 0-dim parameters too, but for its step count)
         if len(tensors) == len(params) and all(v.shape == p.shape for v, p in zip(tensors, params, strict=True)) \
-                and any(v.dim() > 0 for v in tensors):
+                and (any(v.dim() > 0 for v in tensors) or key != "step"):
             full = torch.zeros(shard.padded_numel, dtype=tensors[0].dtype, device=tensors[0].device)
             offset = 0
             for value in tensors:
