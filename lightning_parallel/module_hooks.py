@@ -161,9 +161,11 @@ class ParallelModuleMixin:
             return batch, None
         if isinstance(batch, (list, tuple)) and 1 <= len(batch) <= 2:
             return batch[0], batch[1] if len(batch) == 2 else None
+        entries = f" of {len(batch)} entries" if isinstance(batch, (list, tuple)) else ""
         raise TypeError(
-            f"pipeline_batch cannot split a {type(batch).__name__} batch into (input, target). Fix: override "
-            "pipeline_batch(self, batch) on the module (e.g. return batch['x'], batch['y'])."
+            f"pipeline_batch cannot split a {type(batch).__name__} batch{entries} into (input, target): the default "
+            "takes a tensor, (input,) or (input, target). Fix: override pipeline_batch(self, batch) on the module "
+            "(e.g. return batch['x'], batch['y'], or batch[0], batch[1] for (x, y, index) batches)."
         )
 
     def tensor_parallel_plan(self) -> dict[str, Any]:

@@ -842,9 +842,11 @@ class TrainingDataProbe:
     batch, for the checks before any rank starts. Anything that cannot be built here (a data module that needs the
     running Trainer) is left to the ranks: :attr:`loader` is None."""
 
-    def __init__(self, args: tuple[Any, ...], *, module: Any = None) -> None:
+    def __init__(self, args: tuple[Any, ...], *, module: Any = None, trainer: pl.Trainer | None = None) -> None:
         self._args = args
         self._module = module
+        self.trainer = trainer
+        """The Trainer of the launch (its ``max_steps``, ``limit_train_batches``), when known."""
         self._loader: Any = None
         self._built = False
         self._batch: Any = None
@@ -1246,7 +1248,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     # A rank a launcher started after these checks passed in the launching process (Lightning's popen launcher
     # re-runs the script with LOCAL_RANK > 0) skips what reads the data and the checkpoint: done once per node.
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
-    probe = TrainingDataProbe(args if first else (), module=module)
+    probe = TrainingDataProbe(args if first else (), module=module, trainer=trainer)
     check_data = getattr(strategy, "check_data", None)
     if callable(check_data):
         check_data(args, probe=probe)  # the arguments of trainer.fit (model, dataloaders, datamodule, ckpt_path)

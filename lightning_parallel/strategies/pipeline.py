@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -101,6 +102,16 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         ``pipeline_stage_layers`` against the layers (a module that builds them in ``configure_model()`` is refused
         with the meta-device way), and no parameter shared across stages."""
         super().check_module(module)
+        own = sorted({name for klass in type(module).__mro__
+                      if klass.__module__.split(".")[0] not in ("lightning", "pytorch_lightning", "lightning_parallel")
+                      for name in ("training_step", "validation_step", "test_step", "predict_step")
+                      if name in vars(klass)})
+        if own:
+            rank_zero_warn(
+                f"{self.strategy_name} runs {type(module).__name__}'s layers through its pipeline schedule and does "
+                f"not call its {', '.join(own)}: it logs train_loss, val_loss and test_loss itself (one device's "
+                "values) and predicts the last stage's output; anything else those methods compute or log is not "
+                "computed here (hooks such as on_validation_epoch_end still run).")
         for hook in ("pipeline_layers", "pipeline_loss"):
             try:
                 require_hook(module, hook, strategy=self.strategy_name)
@@ -178,6 +189,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                     f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
                     f"num_micro_batches a divisor of {batch_size}."
                 )
+        if probe is not None:
+            self._check_last_training_batch(probe, module)
         batch = probe.first_batch() if probe is not None else None
         if module is None or batch is None:
             return
@@ -201,6 +214,40 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         strict = self.layout.context_parallel_size > 1
         if strict or loss_labels(module) is not None:  # the last stage weighs each micro-batch by its tokens
             check_context_labels(module, probe, target, strict=strict)
+
+    def _check_last_training_batch(self, probe: Any, module: Any) -> None:
+        """Before spawning: with ``drop_last=False`` an epoch whose samples per dp rank (``ceil(N / dp)``: the
+        distributed sampler pads) are not a multiple of ``batch_size`` ends on a shorter batch, which must split into
+        ``num_micro_batches`` too -- found only when it arrived (after a whole epoch of training) before. Not refused
+        when the run never reaches it (``max_steps`` or ``limit_train_batches`` end the epoch first)."""
+        loader = probe.loader
+        if loader is None or getattr(loader, "drop_last", False) or not getattr(loader, "batch_size", None):
+            return
+        try:
+            samples = len(loader.dataset)
+        except TypeError:
+            return
+        m, dp, size = self.layout.micro_batches, self.dims.dp, int(loader.batch_size)
+        per_rank = -(-samples // dp)
+        last = per_rank % size
+        if last == 0 or last % m == 0:
+            return
+        batches = -(-per_rank // size)
+        trainer = probe.trainer
+        if trainer is None:  # (the run's length unknown: it may end before the short batch)
+            return
+        limit = trainer.limit_train_batches
+        used = batches if limit is None else (min(batches, int(limit)) if isinstance(limit, int)
+                                              else int(batches * float(limit)))
+        steps, accumulate = trainer.max_steps, trainer.accumulate_grad_batches or 1
+        if used < batches or (steps not in (-1, None) and steps * accumulate < batches):
+            return
+        raise LayoutError(
+            f"{probe.source}: {samples:,} samples over dp={dp} ranks are {per_rank:,} per rank, so with "
+            f"batch_size={size} and drop_last=False each epoch ends on a batch of {last} samples, which does not split "
+            f"into parallel.num_micro_batches={m} equal micro-batches ({last} % {m} = {last % m}); the run would "
+            "stop there, after the epoch's other batches. Fix: drop_last=True on the training DataLoader (the short "
+            f"batch is skipped), or a dataset of a multiple of {dp * size} samples.")
 
     @staticmethod
     def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:

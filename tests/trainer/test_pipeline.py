@@ -254,6 +254,25 @@ def test_refusals_before_spawn() -> None:
     _pp(pipeline_parallel_size=2, num_micro_batches=2).check_data((_gpt(), loader(tokens, 4), loader(tokens, 3)))
     with pytest.raises(LayoutError, match=r"the training DataLoader's batch_size=3 .* 3 % 2 = 1"):
         _pp(pipeline_parallel_size=2, num_micro_batches=2).check_data((_gpt(), loader(tokens, 3), loader(tokens, 4)))
+    # drop_last=False: 25 samples in batches of 4 end each epoch on a batch of 1, which 2 micro-batches cannot split;
+    # it stopped the run only when it arrived, after the epoch's other batches -- refused unless the run ends first
+    pairs = torch.utils.data.TensorDataset(torch.zeros(25, T, dtype=torch.long), torch.zeros(25, T, dtype=torch.long))
+    with pytest.raises(LayoutError, match=r"25 samples over dp=1 ranks .* batch of 1 samples.*drop_last=True"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=_pp(pipeline_parallel_size=2, num_micro_batches=2),
+                   logger=False, max_epochs=1).fit(_gpt(), loader(pairs, 4))
+    short = pl.Trainer(accelerator="cpu", devices=2, strategy=_pp(pipeline_parallel_size=2, num_micro_batches=2),
+                       logger=False, max_steps=2)
+    from lightning_parallel.strategies.layout import TrainingDataProbe
+
+    short.strategy.check_data((_gpt(), loader(pairs, 4)),  # 2 steps of 7 batches: the short one is never reached
+                              probe=TrainingDataProbe((_gpt(), loader(pairs, 4)), trainer=short))
+    class OwnValidation(GPT):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("accuracy", 1.0)
+
+    with pytest.warns(UserWarning, match=r"does not call its validation_step: it logs train_loss, val_loss"):
+        _pp(pipeline_parallel_size=2, num_micro_batches=2).check_module(
+            OwnValidation(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64))
     manual = _gpt()
     manual.automatic_optimization = False
     _pp(pipeline_parallel_size=2, num_micro_batches=2).check_module(manual)  # validate/test/predict take it
