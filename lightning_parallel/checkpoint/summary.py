@@ -62,6 +62,9 @@ class SavedSummary:
     optimizers: list[OptimizerSummary] | None = None
     schedulers: list[frozenset[str]] | None = None
     """Each saved LR scheduler's state keys (they tell the kind: ``lr_lambdas``, ``step_size``/``gamma``, ...)."""
+    weights_only: bool = False
+    """Saved without any training state (``ModelCheckpoint(save_weights_only=True)``: no optimizer, LR scheduler or
+    loop state)."""
 
 
 def _group_keys(group: Mapping[str, Any]) -> frozenset[str]:
@@ -134,6 +137,11 @@ def _summarize(path: str | Path, *, trusted: bool) -> SavedSummary:
         summary.shapes = _shapes(content.get("state_dict") or {})
         summary.whole = True
         summary.optimizers = _from_states(content.get("optimizer_states"))
+        # Lightning's weights-only save leaves out the optimizer, scheduler and loop states
+        summary.weights_only = "state_dict" in content and not any(
+            k in content for k in ("optimizer_states", "lr_schedulers", "loops"))
+        if summary.weights_only:
+            summary.optimizers, summary.schedulers = [], []
     elif info.format == "lp_sharded":
         _sharded(summary, content, trusted=trusted)
     elif info.format in ("lp_tensor", "lp_pipeline", "lp_hybrid"):
@@ -335,6 +343,12 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
         return None
     weights_fix = (" Fix: resume with the optimizer and LR schedulers it was saved with, or start from its weights "
                    "only with --resume_weights_only (a fresh optimizer, LR schedulers and step count).")
+    if optimizers is not None and summary.optimizers == [] and live_optimizers(optimizers):
+        return (f"{where} holds the weights only (ModelCheckpoint(save_weights_only=True): no optimizer, LR scheduler "
+                "or loop state), so it cannot resume a fit. Fix: start from its weights -- "
+                f"{type(module).__name__}.load_from_checkpoint(path) (a consolidated file for a folder: "
+                "lightning-parallel consolidate), then trainer.fit without ckpt_path; on the command line "
+                "--resume_weights_only -- or resume from a checkpoint saved with its training state.")
     if optimizers is not None and summary.optimizers is not None:
         mine_opt = live_optimizers(optimizers)
         if len(mine_opt) != len(summary.optimizers):

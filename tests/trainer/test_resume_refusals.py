@@ -102,3 +102,60 @@ def test_every_mismatch_is_refused_before_any_rank_starts(saved: dict[str, Path]
     assert all(torch.equal(v, full[k]) for k, v in sgd.state_dict().items())
     with pytest.raises(ResumeError, match=r"n_embd: configured 16, saved 32"):
         load_weights_only(_model(n_embd=16), str(path))
+
+
+def test_a_weights_only_checkpoint_is_refused_before_launch_with_the_way_to_start_from_it(
+        saved: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelCheckpoint(save_weights_only=True) keeps no optimizer, scheduler or loop state. A file of that kind went
+    through the check unread (each rank then raised Lightning's KeyError after the launch); a folder was refused as
+    "holds 0 optimizer state(s)", with a CLI-only fix. Both are refused before launch as weights-only, naming
+    load_from_checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole = torch.load(saved["file"], weights_only=False)
+    kept = ("epoch", "global_step", "pytorch-lightning_version", "state_dict", "hyper_parameters", "hparams_name")
+    weights = tmp_path / "weights.ckpt"
+    torch.save({k: whole[k] for k in kept if k in whole}, weights)  # what Lightning writes for save_weights_only
+    folder_run = tmp_path / "folder"
+    pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
+               strategy=LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2}, start_method="fork"),
+               callbacks=[ModelCheckpoint(dirpath=folder_run, save_weights_only=True, every_n_train_steps=2)]
+               ).fit(_model(), datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2))
+    folder = next(folder_run.glob("*.ckpt"))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: (_ for _ in ()).throw(_Launched("a rank would have been started")))
+    for path, strategy in ((weights, LPDDPStrategy(start_method="fork")),
+                           (folder, LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
+                                                       start_method="fork"))):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             limit_val_batches=0, use_distributed_sampler=False)
+        with pytest.raises(ResumeError, match=r"holds the weights only .*load_from_checkpoint\(path\)"):
+            trainer.fit(_model(), datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(path))
+
+
+def test_a_hook_editing_the_weights_of_a_checkpoint_folder_is_told_they_are_read_later(
+        saved: dict[str, Path]) -> None:
+    """A DCP folder's weights go from the files into each rank's shards after on_load_checkpoint, whose
+    checkpoint["state_dict"] is empty: a hook's key migration was ignored without a word (one device and a file
+    apply it). Writing into it is refused when the weights load; reading an entry raises a KeyError that says why."""
+    class Migrating(OptimizerChoiceGPT):
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["state_dict"]["embed.pos.weight"] = torch.zeros(rm.T, 32)
+
+    class Reading(OptimizerChoiceGPT):
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["state_dict"]["embed.pos.weight"].mul_(2)
+
+    for kind, expect in ((Migrating, r"on_load_checkpoint wrote 1 entry \('embed.pos.weight'\) .* would be ignored"),
+                         (Reading, r"holds no tensors -- each rank reads its shards from the folder")):
+        torch.manual_seed(0)
+        model = kind(n_layer=2, n_head=2, n_embd=32, block_size=rm.T, vocab_size=rm.VOCAB, warmup_steps=2, bias=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=6, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                             use_distributed_sampler=False,
+                             strategy=LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
+                                                         start_method="fork"))
+        with pytest.raises(Exception, match=expect):
+            trainer.fit(model, datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(saved["DCP folder"]))

@@ -62,6 +62,7 @@ from .common import (
 
 __all__ = [
     "FORMATS",
+    "WeightsInFolder",
     "detect",
     "is_dcp_folder",
     "load",
@@ -70,6 +71,7 @@ __all__ = [
     "looks_like_dcp_folder",
     "read_full",
     "read_full_checkpoint",
+    "refuse_written_weights",
     "save",
     "saved_layout",
     "saved_strategy",
@@ -206,9 +208,38 @@ def load(strategy: CheckpointStrategy, path: Path, *, layout_key: str,
     rng.restore_rng_states(checkpoint, rank=strategy.global_rank, world_size=strategy.world_size,
                            module=strategy.lightning_module)
     checkpoint[DCP_FOLDER_KEY] = str(path)
-    checkpoint["state_dict"] = {}
+    checkpoint["state_dict"] = WeightsInFolder(str(path))
     checkpoint["optimizer_states"] = [{} for _ in checkpoint.get(OPTIMIZER_GROUPS_KEY, [])]
     return checkpoint
+
+
+class WeightsInFolder(dict):  # type: ignore[type-arg]
+    """``checkpoint["state_dict"]`` of a DCP folder read shard by shard: it holds no tensors -- each rank reads its
+    shards from the folder after the module's ``on_load_checkpoint`` (:func:`load_model`). Reading an entry raises a
+    ``KeyError`` that says so; an entry a hook writes (a key migration) is refused by :func:`refuse_written_weights`
+    when the weights are loaded, since it would be ignored (before: silently)."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(
+            f"{key!r}: checkpoint['state_dict'] of the checkpoint folder {self.folder} holds no tensors -- each rank "
+            "reads its shards from the folder after on_load_checkpoint. To change weights when resuming, change the "
+            "module's in on_train_start (it holds them then), or resume from a consolidated file (lightning-parallel "
+            "consolidate).")
+
+
+def refuse_written_weights(state: Any) -> None:
+    """Raise where a module's ``on_load_checkpoint`` wrote into the :class:`WeightsInFolder` of a DCP folder."""
+    if isinstance(state, WeightsInFolder) and len(state):
+        raise ValueError(
+            f"on_load_checkpoint wrote {len(state)} entr{'y' if len(state) == 1 else 'ies'} "
+            f"({', '.join(map(repr, list(state)[:3]))}) into checkpoint['state_dict'] of the checkpoint folder "
+            f"{state.folder}, whose weights each rank reads from the folder into its shards: the change would be "
+            "ignored. Fix: change the module's weights in on_train_start (the module holds the resumed ones then), or "
+            "resume from a consolidated file (lightning-parallel consolidate), whose state_dict the hook can edit.")
 
 
 def load_model(folder: str | Path, model: nn.Module) -> None:

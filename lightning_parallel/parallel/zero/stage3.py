@@ -221,7 +221,10 @@ def zero3_load_local_state(model: nn.Module, optimizer: Optimizer | None, state:
         if saved.shape != local.shape:
             raise ValueError(
                 f"sharded checkpoint: {name} has local shape {tuple(saved.shape)} on this rank, but the model's shard "
-                f"is {tuple(local.shape)}. Fix: resume on the same layout, or use a consolidated checkpoint."
+                f"is {tuple(local.shape)}. Each entry of the folder's checkpoint['state_dict'] is this rank's dim-0 "
+                "shard (a module's on_load_checkpoint that put a whole tensor there does this). Fix: resume on the "
+                "layout it was saved with, change whole weights in on_train_start instead of on_load_checkpoint, or "
+                "use a consolidated checkpoint (lightning-parallel consolidate)."
             )
         local.copy_(saved)
     if optimizer is None or "optim" not in state:
