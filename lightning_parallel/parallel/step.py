@@ -198,8 +198,9 @@ class TrainStep:
         each rank evaluates with statistics of its own. One broadcast per dtype (the buffers' concatenation) over
         the replicas' group; nothing on one replica or for a module without buffers. Persistent buffers only (those
         the checkpoint saves): a non-persistent one is a constant the module derives (a causal mask, rotary
-        frequencies; Hugging Face's GPT-2 keeps a 1024 x 1024 mask), which torch DDP would copy at every step. Where the buffers live is read
-        once per model (a buffer replaced since is read as it is now). When to call it is the strategy's
+        frequencies; Hugging Face's GPT-2 keeps a 1024 x 1024 mask), which torch DDP would copy at every step.
+        Where the buffers live is read once per model (a buffer replaced since is read as it is now). When to call
+        it is the strategy's
         (:meth:`~lightning_parallel.strategies.base.LayoutStrategy.buffers_before_forward`)."""
         if self.dims.replicas == 1:
             return

@@ -1121,12 +1121,21 @@ def check_pipeline_monitors(strategy: Any, trainer: pl.Trainer | None) -> None:
                 for c in _callbacks_of(trainer, (EarlyStopping, ModelCheckpoint)) if getattr(c, "monitor", None)]
     watchers += [(f"the LR scheduler {type(config.scheduler).__name__} (monitor={config.monitor!r})", config.monitor)
                  for config in getattr(strategy, "lr_scheduler_configs", None) or [] if config.monitor]
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    callbacks = getattr(trainer, "callbacks", None) or []
     for who, key in watchers:
         if key in _PIPELINE_LOGS:
             continue
-        steps = _logged_only_in_steps(module, key, getattr(trainer, "callbacks", None) or [])
+        # self.log(k, on_step=True, on_epoch=True) logs k_step and k_epoch
+        base = key[:-len("_step")] if key.endswith("_step") else key[:-len("_epoch")] if key.endswith("_epoch") else key
+        if base in _PIPELINE_LOGS:
+            raise LayoutError(
+                f"{who} watches '{key}', but under {name} the strategy logs '{base}' itself, under that name only "
+                f"(train_loss on each step, val_loss and test_loss per epoch), so '{key}' never exists (Lightning "
+                f"would skip the callback's saves or updates with a warning). Fix: monitor '{base}'.")
+        steps = _logged_only_in_steps(module, key, callbacks) or (
+            _logged_only_in_steps(module, base, callbacks) if base != key else [])
         if steps:
-            name = getattr(strategy, "strategy_name", type(strategy).__name__)
             raise LayoutError(
                 f"{who} watches '{key}', which {type(module).__name__} logs only in {' and '.join(steps)}; under "
                 f"{name} the pipeline schedule runs the layers in place of the module's training_step, "

@@ -80,6 +80,10 @@ def test_a_monitor_of_a_value_the_pipeline_never_logs_is_refused() -> None:
     usual."""
     with pytest.raises(LayoutError, match=r"EarlyStopping\(monitor='tm'\) watches 'tm'.*only in training_step"):
         fit(_pp(), 2, 1, model=_LogsInStep(**_SIZES), steps=2, callbacks=[EarlyStopping(monitor="tm")])
+    with pytest.raises(LayoutError, match=r"monitor='train_loss_epoch'\) watches 'train_loss_epoch', but .* logs "
+                                          r"'train_loss' itself"):  # (Lightning: no checkpoint saved, a warning)
+        fit(_pp(), 2, 1, model=GPT(**_SIZES), steps=2,
+            callbacks=[EarlyStopping(monitor="train_loss_epoch")])
     with pytest.raises(Exception, match=r"LayoutError: the LR scheduler ReduceLROnPlateau \(monitor='tm'\)"):
         fit(_pp(), 2, 1, model=_PlateauOnStepValue(**_SIZES), steps=2)
     _, trainer = fit(_pp(), 2, 1, model=_LogsInEpochHook(**_SIZES), steps=2, limit_val_batches=1,
