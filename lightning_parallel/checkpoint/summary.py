@@ -137,9 +137,9 @@ def _summarize(path: str | Path, *, trusted: bool) -> SavedSummary:
         summary.shapes = _shapes(content.get("state_dict") or {})
         summary.whole = True
         summary.optimizers = _from_states(content.get("optimizer_states"))
-        # Lightning's weights-only save leaves out the optimizer, scheduler and loop states
-        summary.weights_only = "state_dict" in content and not any(
-            k in content for k in ("optimizer_states", "lr_schedulers", "loops"))
+        # Lightning's weights-only save leaves out the optimizer and scheduler states (it keeps "loops"); so does
+        # `lightning-parallel consolidate` without --resumable. (A module without an optimizer saves [{}].)
+        summary.weights_only = "state_dict" in content and "optimizer_states" not in content
         if summary.weights_only:
             summary.optimizers, summary.schedulers = [], []
     elif info.format == "lp_sharded":
@@ -344,8 +344,9 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
     weights_fix = (" Fix: resume with the optimizer and LR schedulers it was saved with, or start from its weights "
                    "only with --resume_weights_only (a fresh optimizer, LR schedulers and step count).")
     if optimizers is not None and summary.optimizers == [] and live_optimizers(optimizers):
-        return (f"{where} holds the weights only (ModelCheckpoint(save_weights_only=True): no optimizer, LR scheduler "
-                "or loop state), so it cannot resume a fit. Fix: start from its weights -- "
+        return (f"{where} holds no optimizer or LR scheduler state (a weights-only checkpoint: "
+                "ModelCheckpoint(save_weights_only=True), or lightning-parallel consolidate without --resumable), so "
+                "it cannot resume a fit. Fix: start from its weights -- "
                 f"{type(module).__name__}.load_from_checkpoint(path) (a consolidated file for a folder: "
                 "lightning-parallel consolidate), then trainer.fit without ckpt_path; on the command line "
                 "--resume_weights_only -- or resume from a checkpoint saved with its training state.")

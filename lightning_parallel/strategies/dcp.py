@@ -143,7 +143,7 @@ class DCPCheckpointMixin:
         assert module is not None
         folder = checkpoint.get(DCP_FOLDER_KEY)
         if folder is not None:
-            dcp_format.refuse_written_weights(checkpoint.get("state_dict"))
+            dcp_format.refuse_written_weights(checkpoint.get("state_dict"), str(folder))
             dcp_format.load_model(folder, module)
         else:  # a one-device file: place each whole tensor as this rank holds it
             place_model_state(module, checkpoint["state_dict"], strict=strict)

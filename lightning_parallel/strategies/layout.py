@@ -1264,6 +1264,9 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     from lightning_parallel.callbacks.global_batch import apply_global_batch
 
     apply_global_batch(strategy, trainer, args)  # parallel.global_batch_size -> accumulate_grad_batches (every rank)
+    check_last = getattr(strategy, "check_last_training_batch", None)
+    if callable(check_last):  # (a pipeline's: the accumulation known now)
+        check_last(probe)
     check_data_modules(strategy, trainer, args, probe=probe)
     check_output_dirs(trainer)
     if first:

@@ -189,8 +189,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                     f"Fix: batch_size a multiple of {m} (e.g. {max(m, batch_size - batch_size % m)}), or "
                     f"num_micro_batches a divisor of {batch_size}."
                 )
-        if probe is not None:
-            self._check_last_training_batch(probe, module)
         batch = probe.first_batch() if probe is not None else None
         if module is None or batch is None:
             return
@@ -215,39 +213,48 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         if strict or loss_labels(module) is not None:  # the last stage weighs each micro-batch by its tokens
             check_context_labels(module, probe, target, strict=strict)
 
-    def _check_last_training_batch(self, probe: Any, module: Any) -> None:
-        """Before spawning: with ``drop_last=False`` an epoch whose samples per dp rank (``ceil(N / dp)``: the
-        distributed sampler pads) are not a multiple of ``batch_size`` ends on a shorter batch, which must split into
-        ``num_micro_batches`` too -- found only when it arrived (after a whole epoch of training) before. Not refused
-        when the run never reaches it (``max_steps`` or ``limit_train_batches`` end the epoch first)."""
-        loader = probe.loader
-        if loader is None or getattr(loader, "drop_last", False) or not getattr(loader, "batch_size", None):
+    def check_last_training_batch(self, probe: Any) -> None:
+        """Before spawning (after ``parallel.global_batch_size`` has set the accumulation): with ``drop_last=False`` an
+        epoch whose samples per dp rank are not a multiple of ``batch_size`` ends on a shorter batch, which must split
+        into ``num_micro_batches`` too -- found only when it arrived (after a whole epoch of training) before. The
+        samples per rank are what the loader's sampler yields: split over dp where Lightning will put its
+        ``DistributedSampler`` over it (``use_distributed_sampler`` and a sampler that is not one already), as they
+        are otherwise. Not checked for an iterable dataset, a batch sampler of the user's, or when the run never
+        reaches the short batch (``max_steps`` or ``limit_train_batches`` end the epoch first)."""
+        from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
+
+        loader, trainer = probe.loader, probe.trainer
+        if loader is None or trainer is None or getattr(loader, "drop_last", False) \
+                or not getattr(loader, "batch_size", None) or isinstance(loader.dataset, IterableDataset) \
+                or type(loader.batch_sampler) is not BatchSampler:
             return
         try:
-            samples = len(loader.dataset)
+            samples = len(loader.sampler)
         except TypeError:
             return
         m, dp, size = self.layout.micro_batches, self.dims.dp, int(loader.batch_size)
-        per_rank = -(-samples // dp)
+        connector = getattr(trainer, "_accelerator_connector", None)
+        split = bool(getattr(connector, "use_distributed_sampler", True)) and not isinstance(loader.sampler,
+                                                                                             DistributedSampler)
+        per_rank = -(-samples // dp) if split else samples
         last = per_rank % size
         if last == 0 or last % m == 0:
             return
         batches = -(-per_rank // size)
-        trainer = probe.trainer
-        if trainer is None:  # (the run's length unknown: it may end before the short batch)
-            return
         limit = trainer.limit_train_batches
         used = batches if limit is None else (min(batches, int(limit)) if isinstance(limit, int)
                                               else int(batches * float(limit)))
         steps, accumulate = trainer.max_steps, trainer.accumulate_grad_batches or 1
         if used < batches or (steps not in (-1, None) and steps * accumulate < batches):
             return
+        spread = f"{samples:,} samples over dp={dp} ranks are {per_rank:,} per rank" if split else \
+            f"the sampler yields {per_rank:,} samples on each rank"
         raise LayoutError(
-            f"{probe.source}: {samples:,} samples over dp={dp} ranks are {per_rank:,} per rank, so with "
-            f"batch_size={size} and drop_last=False each epoch ends on a batch of {last} samples, which does not split "
-            f"into parallel.num_micro_batches={m} equal micro-batches ({last} % {m} = {last % m}); the run would "
-            "stop there, after the epoch's other batches. Fix: drop_last=True on the training DataLoader (the short "
-            f"batch is skipped), or a dataset of a multiple of {dp * size} samples.")
+            f"{probe.source}: {spread}, so with batch_size={size} and drop_last=False each epoch ends on a batch of "
+            f"{last} samples, which does not split into parallel.num_micro_batches={m} equal micro-batches ({last} % "
+            f"{m} = {last % m}); the run would stop there, after the epoch's other batches. Fix: drop_last=True on "
+            f"the training DataLoader (the short batch is skipped), or {per_rank - last:,} or "
+            f"{per_rank - last + size:,} samples per rank.")
 
     @staticmethod
     def _split_batch(module: Any, batch: Any) -> tuple[Any, Any]:

@@ -260,12 +260,14 @@ def test_refusals_before_spawn() -> None:
     with pytest.raises(LayoutError, match=r"25 samples over dp=1 ranks .* batch of 1 samples.*drop_last=True"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=_pp(pipeline_parallel_size=2, num_micro_batches=2),
                    logger=False, max_epochs=1).fit(_gpt(), loader(pairs, 4))
-    short = pl.Trainer(accelerator="cpu", devices=2, strategy=_pp(pipeline_parallel_size=2, num_micro_batches=2),
-                       logger=False, max_steps=2)
     from lightning_parallel.strategies.layout import TrainingDataProbe
 
-    short.strategy.check_data((_gpt(), loader(pairs, 4)),  # 2 steps of 7 batches: the short one is never reached
-                              probe=TrainingDataProbe((_gpt(), loader(pairs, 4)), trainer=short))
+    for steps, given in ((2, loader(pairs, 4)),  # 2 steps of 7 batches: the short one is never reached
+                         (-1, loader(pairs, 4, sampler=torch.utils.data.SubsetRandomSampler(range(24)))),  # 24 yielded
+                         (-1, loader(pairs, 4, drop_last=True))):
+        run = pl.Trainer(accelerator="cpu", devices=2, logger=False, max_steps=steps, max_epochs=1,
+                         strategy=_pp(pipeline_parallel_size=2, num_micro_batches=2))
+        run.strategy.check_last_training_batch(TrainingDataProbe((_gpt(), given), trainer=run))
     class OwnValidation(GPT):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.log("accuracy", 1.0)

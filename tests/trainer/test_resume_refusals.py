@@ -106,16 +106,22 @@ def test_every_mismatch_is_refused_before_any_rank_starts(saved: dict[str, Path]
 
 def test_a_weights_only_checkpoint_is_refused_before_launch_with_the_way_to_start_from_it(
         saved: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ModelCheckpoint(save_weights_only=True) keeps no optimizer, scheduler or loop state. A file of that kind went
-    through the check unread (each rank then raised Lightning's KeyError after the launch); a folder was refused as
-    "holds 0 optimizer state(s)", with a CLI-only fix. Both are refused before launch as weights-only, naming
-    load_from_checkpoint."""
+    """ModelCheckpoint(save_weights_only=True) keeps no optimizer or scheduler state (Lightning keeps the loops). A
+    file of that kind went through the check unread (each rank then raised Lightning's KeyError after the launch); a
+    folder was refused as "holds 0 optimizer state(s)", with a CLI-only fix. Refused before launch as weights-only,
+    naming load_from_checkpoint -- also a file `lightning-parallel consolidate` wrote without --resumable."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    whole = torch.load(saved["file"], weights_only=False)
-    kept = ("epoch", "global_step", "pytorch-lightning_version", "state_dict", "hyper_parameters", "hparams_name")
-    weights = tmp_path / "weights.ckpt"
-    torch.save({k: whole[k] for k in kept if k in whole}, weights)  # what Lightning writes for save_weights_only
+    from lightning_parallel.cli import main as cli
+
+    file_run = tmp_path / "file"
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, limit_val_batches=0,
+               callbacks=[ModelCheckpoint(dirpath=file_run, save_weights_only=True, every_n_train_steps=2)]
+               ).fit(_model(), datamodule=rm._Tokens(rm.GLOBAL_BATCH))
+    weights = next(file_run.glob("*.ckpt"))
+    consolidated = tmp_path / "consolidated.ckpt"
+    assert cli(["consolidate", str(saved["DCP folder"]), str(consolidated)]) == 0
     folder_run = tmp_path / "folder"
     pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
                enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
@@ -126,12 +132,14 @@ def test_a_weights_only_checkpoint_is_refused_before_launch_with_the_way_to_star
     monkeypatch.setattr(torch.distributed, "init_process_group",
                         lambda *a, **k: (_ for _ in ()).throw(_Launched("a rank would have been started")))
     for path, strategy in ((weights, LPDDPStrategy(start_method="fork")),
+                           (consolidated, LPDDPStrategy(start_method="fork")),
                            (folder, LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
                                                        start_method="fork"))):
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                              limit_val_batches=0, use_distributed_sampler=False)
-        with pytest.raises(ResumeError, match=r"holds the weights only .*load_from_checkpoint\(path\)"):
+        with pytest.raises(ResumeError, match=r"holds no optimizer or LR scheduler state \(a weights-only .*"
+                                              r"load_from_checkpoint\(path\)"):
             trainer.fit(_model(), datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(path))
 
 
@@ -148,7 +156,12 @@ def test_a_hook_editing_the_weights_of_a_checkpoint_folder_is_told_they_are_read
         def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             checkpoint["state_dict"]["embed.pos.weight"].mul_(2)
 
+    class Replacing(OptimizerChoiceGPT):
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["state_dict"] = {"embed.pos.weight": torch.zeros(rm.T, 32)}
+
     for kind, expect in ((Migrating, r"on_load_checkpoint wrote 1 entry \('embed.pos.weight'\) .* would be ignored"),
+                         (Replacing, r"on_load_checkpoint wrote 1 entry .* would be ignored"),
                          (Reading, r"holds no tensors -- each rank reads its shards from the folder")):
         torch.manual_seed(0)
         model = kind(n_layer=2, n_head=2, n_embd=32, block_size=rm.T, vocab_size=rm.VOCAB, warmup_steps=2, bias=False)

@@ -24,7 +24,7 @@ the one-device Lightning checkpoint with its optimizer state -- and :func:`read_
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -231,13 +231,16 @@ class WeightsInFolder(dict):  # type: ignore[type-arg]
             "consolidate).")
 
 
-def refuse_written_weights(state: Any) -> None:
-    """Raise where a module's ``on_load_checkpoint`` wrote into the :class:`WeightsInFolder` of a DCP folder."""
-    if isinstance(state, WeightsInFolder) and len(state):
+def refuse_written_weights(state: Any, folder: str) -> None:
+    """Raise where a module's ``on_load_checkpoint`` wrote into the :class:`WeightsInFolder` of a DCP folder, or put
+    a ``state_dict`` of its own in its place."""
+    if not isinstance(state, WeightsInFolder) or len(state):
+        n = len(state) if isinstance(state, Mapping) else 0
         raise ValueError(
-            f"on_load_checkpoint wrote {len(state)} entr{'y' if len(state) == 1 else 'ies'} "
-            f"({', '.join(map(repr, list(state)[:3]))}) into checkpoint['state_dict'] of the checkpoint folder "
-            f"{state.folder}, whose weights each rank reads from the folder into its shards: the change would be "
+            f"on_load_checkpoint wrote {n} entr{'y' if n == 1 else 'ies'} "
+            f"({', '.join(map(repr, list(state)[:3])) if n else 'a new dict'}) into checkpoint['state_dict'] of the "
+            f"checkpoint folder {folder}, whose weights each rank reads from the folder into its shards: the change "
+            "would be "
             "ignored. Fix: change the module's weights in on_train_start (the module holds the resumed ones then), or "
             "resume from a consolidated file (lightning-parallel consolidate), whose state_dict the hook can edit.")
 
