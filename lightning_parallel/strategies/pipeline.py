@@ -333,9 +333,11 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
         make = getattr(loop, "_make_closure", None)
-        if loop is None or not callable(make):
-            yield None
-            return
+        if loop is None or not callable(make):  # the loop's zero-grad would erase the schedule's gradients
+            raise RuntimeError(
+                f"{self.strategy_name}: this Lightning's training loop has no _AutomaticOptimization._make_closure "
+                "(lightning 2.4-2.6 have it), so the loop's zero-grad cannot be moved in front of the pipeline "
+                "schedule, and after it would erase the gradients the schedule made. Fix: lightning>=2.4,<2.7.")
 
         def make_closure(*args: Any, **kwargs: Any) -> Any:
             closure = make(*args, **kwargs)
