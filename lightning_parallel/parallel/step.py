@@ -207,25 +207,11 @@ class TrainStep:
         if self._buffer_places is None or self._buffer_places[0] is not model:
             self._buffer_places = (model, [(module, name) for module in model.modules()
                                            for name, b in module._buffers.items() if b is not None])
-        if not self._buffer_places[1]:
-            return
-        from torch.distributed.tensor import DTensor
+        from lightning_parallel.parallel.zero.comm import broadcast_coalesced, local_data
 
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for module, name in self._buffer_places[1]:
-            buffer = module._buffers.get(name)
-            if buffer is not None:
-                local = buffer.to_local() if isinstance(buffer, DTensor) else buffer  # (the same on each replica)
-                by_dtype.setdefault(local.dtype, []).append(local)
-        src = dist.get_global_rank(self.dp_group, 0)
-        with torch.no_grad():
-            for tensors in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in tensors])
-                dist.broadcast(flat, src=src, group=self.dp_group)
-                offset = 0
-                for t in tensors:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        buffers = [local_data(b) for module, name in self._buffer_places[1]
+                   if (b := module._buffers.get(name)) is not None]  # (a DTensor's local shard: alike on replicas)
+        broadcast_coalesced(buffers, src_rank=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:

@@ -491,7 +491,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         trainer = self._trainer_or_none()
         if trainer is not None:  # (in a fit's sanity check already: its counts are the whole validation's)
             self._check_even_eval_batches("validation", trainer.num_val_batches,
-                                          "validate" if not self._fitting(trainer) else "fit")
+                                          "fit" if trainer.state.fn == TrainerFn.FITTING else "validate")
 
     @override
     def on_test_start(self) -> None:
@@ -516,10 +516,6 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def _trainer_or_none(self) -> pl.Trainer | None:
         module = self.lightning_module
         return module.trainer if module is not None and module._trainer is not None else None
-
-    @staticmethod
-    def _fitting(trainer: pl.Trainer) -> bool:
-        return trainer.state.fn == TrainerFn.FITTING
 
     def _check_even_eval_batches(self, stage: str, counts: list[int | float], fn: str, *,
                                  fsdp_only: bool = False) -> None:
@@ -772,7 +768,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
 
     def check_first_batch(self, batch: Any) -> None:
         """Once per fit, at the first training batch: every rank's batch described by a fingerprint (each tensor's
-        shape, dtype and two weighted sums), gathered over the world (one ``all_gather_object``). The ranks of one
+        shape, dtype and a digest of its bytes), gathered over the world (one ``all_gather_object``). The ranks of one
         model replica (its tensor-, pipeline- and context-parallel peers) must hold the same batch: a dataset that
         splits itself by the global rank (an ``IterableDataset`` reading ``torch.distributed.get_rank()``), or random
         augmentation seeded per process, gave tp peers different inputs and a pipeline's last stage another rank's
@@ -791,7 +787,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         dims = self.dims
         for rank, seen in enumerate(every):
             replica = dims.coord(rank, "dp")
-            first = next(r for r in range(self.world_size) if dims.coord(r, "dp") == replica)
+            first = dims.rank_of((replica, 0, 0))  # the replica's first rank
             if seen != every[first]:
                 raise LayoutError(
                     f"{self.describe()}: the first training batch differs between global ranks {first} and {rank}, "
@@ -804,7 +800,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                     "trainer.strategy.distributed_sampler_kwargs (num_replicas, rank), and seed any randomness of "
                     "the data by them (a worker_init_fn that seeds from that rank and the worker id).")
         firsts = [every[dims.rank_of((d, 0, 0))] for d in range(dims.dp)]
-        if dims.dp > 1 and all(f == firsts[0] for f in firsts) and any(t for t in firsts[0]):
+        if dims.dp > 1 and firsts[0] and all(f == firsts[0] for f in firsts):
             rank_zero_warn(
                 f"{self.describe()}: the first training batch is the same on all {dims.dp} data-parallel replicas, so "
                 "each would train on the same samples (a dataset that does not split itself -- an IterableDataset --, "

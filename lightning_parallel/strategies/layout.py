@@ -61,6 +61,7 @@ __all__ = [
     "data_parallel_size",
     "launch_environment_refusal",
     "oversubscription_warning",
+    "own_functions",
     "preflight",
     "report_interrupted_saves",
     "toggles_by_model_parameters",
@@ -998,12 +999,12 @@ def _callbacks_of(trainer: pl.Trainer | None, kinds: type | tuple[type, ...]) ->
 
 def check_callbacks(strategy: Any, trainer: pl.Trainer | None) -> None:
     """The callbacks the layout cannot run (:func:`check_finetuning_callbacks`,
-    :func:`check_weight_averaging_callbacks`, :func:`check_batch_size_finder`, :func:`check_pipeline_monitors`):
-    before spawning, and again in the rank, where a module's ``configure_callbacks()`` has added its own."""
+    :func:`check_weight_averaging_callbacks`, :func:`check_batch_size_finder`): before spawning, and again in the
+    rank, where a module's ``configure_callbacks()`` has added its own. (The monitors a pipeline cannot serve,
+    :func:`check_pipeline_monitors`: before spawning, and in the rank once its optimizers exist.)"""
     check_finetuning_callbacks(strategy, trainer)
     check_weight_averaging_callbacks(strategy, trainer)
     check_batch_size_finder(strategy, trainer)
-    check_pipeline_monitors(strategy, trainer)
 
 
 def check_batch_size_finder(strategy: Any, trainer: pl.Trainer | None) -> None:
@@ -1062,7 +1063,7 @@ def _log_calls(function: Any) -> tuple[set[str], bool]:
     return keys, dynamic
 
 
-def _own_functions(cls: type) -> list[tuple[str, Any]]:
+def own_functions(cls: type) -> list[tuple[str, Any]]:
     """``(name, function)`` of the methods defined by ``cls`` and its bases that are not Lightning's, torch's or the
     library's."""
     import inspect
@@ -1086,7 +1087,7 @@ def _logged_only_in_steps(module: Any, key: str, callbacks: list[Any]) -> list[s
     callbacks logs it by name or logs any name computed at run time. Empty otherwise (nothing is refused)."""
     steps: list[str] = []
     elsewhere: list[tuple[str, Any]] = []
-    for name, function in _own_functions(type(module)):
+    for name, function in own_functions(type(module)):
         if name in _STEP_METHODS:
             if key in _log_calls(function)[0] and name not in steps:
                 steps.append(name)
@@ -1095,7 +1096,7 @@ def _logged_only_in_steps(module: Any, key: str, callbacks: list[Any]) -> list[s
     if not steps:
         return []
     for callback in callbacks:
-        elsewhere.extend(_own_functions(type(callback)))
+        elsewhere.extend(own_functions(type(callback)))
     for _, function in elsewhere:
         keys, dynamic = _log_calls(function)
         if dynamic or key in keys:
@@ -1251,6 +1252,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
         return
     check_nonfinite_guard(strategy, trainer)
     check_callbacks(strategy, trainer)
+    check_pipeline_monitors(strategy, trainer)
     check_overfit_batches(strategy, trainer)
     check_layer_sync(strategy)
     check_detect_anomaly(strategy, trainer)

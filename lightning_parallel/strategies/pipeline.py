@@ -57,7 +57,7 @@ from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 from .base import LayoutStrategy
 from .dcp import DCPCheckpointMixin
-from .layout import check_context_labels
+from .layout import check_context_labels, own_functions
 
 __all__ = ["LPPipelineStrategy"]
 
@@ -102,10 +102,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         ``pipeline_stage_layers`` against the layers (a module that builds them in ``configure_model()`` is refused
         with the meta-device way), and no parameter shared across stages."""
         super().check_module(module)
-        own = sorted({name for klass in type(module).__mro__
-                      if klass.__module__.split(".")[0] not in ("lightning", "pytorch_lightning", "lightning_parallel")
-                      for name in ("training_step", "validation_step", "test_step", "predict_step")
-                      if name in vars(klass)})
+        own = sorted({name for name, _ in own_functions(type(module))
+                      if name in ("training_step", "validation_step", "test_step", "predict_step")})
         if own:
             rank_zero_warn(
                 f"{self.strategy_name} runs {type(module).__name__}'s layers through its pipeline schedule and does "

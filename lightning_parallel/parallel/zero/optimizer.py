@@ -440,10 +440,8 @@ def _flatten_initial_state(optimizer: Optimizer, params: list[Any], shard: FlatS
         if len(tensors) == len(params) and all(v.shape == p.shape for v, p in zip(tensors, params, strict=True)) \
                 and (any(v.dim() > 0 for v in tensors) or key != "step"):
             full = torch.zeros(shard.padded_numel, dtype=tensors[0].dtype, device=tensors[0].device)
-            offset = 0
-            for value in tensors:
-                full[offset:offset + value.numel()].copy_(value.reshape(-1))
-                offset += value.numel()
+            for view, value in zip(shard._views(full), tensors, strict=True):  # laid out as the parameters are
+                view.copy_(value)
             flat[key] = shard.shard_of(full).clone()
         elif all(isinstance(v, Tensor) and v.dim() == 0 and torch.equal(v, tensors[0]) for v in values) \
                 or all(not isinstance(v, Tensor) and v == values[0] for v in values):
