@@ -78,6 +78,7 @@ from .layout import (
     clip_by_norm_replaced,
     clip_by_value_on_local_tensors,
     toggles_by_model_parameters,
+    zero_grad_before_training_step,
 )
 from .logged import TokenWeights, log_options, training_step_agreed, weighed_when_logged
 from .resumable import ResumableDataMixin
@@ -581,7 +582,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Context managers held open from the end of ``setup`` (fitting) to ``teardown``: by default, Lightning's
         ``gradient_clip_val`` (by norm) clips by the norm of the whole model's gradient
-        (:meth:`~lightning_parallel.parallel.step.TrainStep.clip_grad_norm_`)."""
+        (:meth:`~lightning_parallel.parallel.step.TrainStep.clip_grad_norm_`); under a pipeline and where FSDP2 shards
+        the module, the loop's zero-grad runs in front of ``training_step``
+        (:func:`~lightning_parallel.strategies.layout.zero_grad_before_training_step`)."""
         original = self.precision_plugin.clip_grad_by_norm
 
         def clip(optimizer: Optimizer, clip_val: float) -> None:
@@ -593,6 +596,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         module = self.lightning_module
         if module is not None and any(callable(getattr(o, "model_parameters", None)) for o in self.optimizers):
             patches.append(toggles_by_model_parameters(module, lambda: self.optimizers))
+        if module is not None and (self.pipelined or self.layout.runs_fsdp2):
+            patches.append(zero_grad_before_training_step(module.trainer,
+                                                          required=self.strategy_name if self.pipelined else None))
         if self._comm_counter is not None:
             self._comm_counter.dims, self._comm_counter.rank = self.dims, self.global_rank
             patches.append(self._comm_counter.counting())

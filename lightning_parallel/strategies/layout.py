@@ -65,6 +65,7 @@ __all__ = [
     "preflight",
     "report_interrupted_saves",
     "toggles_by_model_parameters",
+    "zero_grad_before_training_step",
 ]
 
 
@@ -449,6 +450,52 @@ def clip_by_value_on_local_tensors(precision: Any) -> Generator[None, None, None
 
     with _methods_replaced(precision, clip_grad_by_value=clip_grad_by_value):
         yield None
+
+
+@contextlib.contextmanager
+def zero_grad_before_training_step(trainer: Any, *, required: str | None = None) -> Generator[None, None, None]:
+    """While the context is open, Lightning's automatic optimization zeroes the gradients in front of
+    ``training_step`` instead of between it and ``backward`` -- the same call (``on_before_zero_grad``, then the
+    module's ``optimizer_zero_grad``, on each accumulation window's first batch), the same progress counters, moved.
+
+    Needed where the module's parameters are not the optimizer's between the forward and the backward: FSDP2 keeps
+    the units it does not reshard after their forward (the root, ZeRO-3's head, every unit under ZeRO-2 over FSDP2)
+    gathered into plain unsharded parameters until their backward, so a module's ``optimizer_zero_grad`` that zeroes
+    ``self.parameters()`` itself would reach those copies and leave the sharded gradients of the last step to be
+    added to (3.0e-03 from one device after 4 steps at ZeRO-3, 4.8e-03 under HSDP ZeRO-2). Before the forward every
+    parameter is the optimizer's. A pipeline's ``training_step`` runs the schedule's backward itself, so the loop's
+    zero-grad after it would erase the gradients the schedule made.
+
+    ``required``: the strategy's name where the move is needed for correctness whatever the module does (a
+    pipeline): a Lightning without the loop's ``_make_closure`` is then refused; otherwise nothing is moved there."""
+    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
+    make = getattr(loop, "_make_closure", None)
+    if loop is None or not callable(make):
+        if required is not None:
+            raise RuntimeError(
+                f"{required}: this Lightning's training loop has no _AutomaticOptimization._make_closure "
+                "(lightning 2.4-2.6 have it), so the loop's zero-grad cannot be moved in front of the pipeline "
+                "schedule, and after it would erase the gradients the schedule made. Fix: lightning>=2.4,<2.7.")
+        yield None
+        return
+
+    def make_closure(*args: Any, **kwargs: Any) -> Any:
+        closure = make(*args, **kwargs)
+        zero, step = getattr(closure, "_zero_grad_fn", None), getattr(closure, "_step_fn", None)
+        if zero is not None and step is not None:
+            def zero_then_step() -> Any:
+                zero()
+                return step()
+
+            closure._zero_grad_fn, closure._step_fn = None, zero_then_step
+        return closure
+
+    loop._make_closure = make_closure
+    try:
+        yield None
+    finally:
+        if vars(loop).get("_make_closure") is make_closure:
+            del loop._make_closure
 
 
 @contextlib.contextmanager

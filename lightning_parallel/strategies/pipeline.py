@@ -36,7 +36,7 @@ and gradient accumulation work as usual. Checkpoints are DCP folders, one shard 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -314,46 +314,6 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
             group=self.mesh.get_group("pp"), group_ranks=self.dims.group_ranks("pp", self.global_rank),
             device=self.root_device, loss_fn=loss_fn, plan=self.stage_plan)
         return model
-
-    @override
-    def fit_patches(self) -> list[contextlib.AbstractContextManager[Any]]:
-        """While fitting: clip by the norm of the whole model's gradient (all stages); the loop's zero_grad moved
-        before :meth:`training_step` (:meth:`_zero_grad_before_schedule`)."""
-        return [*super().fit_patches(), self._zero_grad_before_schedule()]
-
-    @contextlib.contextmanager
-    def _zero_grad_before_schedule(self) -> Generator[None, None, None]:
-        """Lightning zeroes the gradients between ``training_step`` and ``backward`` (on each accumulation window's
-        first batch: ``on_before_zero_grad``, then the module's ``optimizer_zero_grad``); here ``training_step`` runs
-        the schedule's backward too, so the loop's zero-grad call is moved in front of it -- the same hooks, the
-        same progress counters, the module's own ``optimizer_zero_grad`` honoured (a module that zeroes only every
-        other batch keeps its gradients, as on one device; the strategy zeroed every window itself before)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
-        make = getattr(loop, "_make_closure", None)
-        if loop is None or not callable(make):  # the loop's zero-grad would erase the schedule's gradients
-            raise RuntimeError(
-                f"{self.strategy_name}: this Lightning's training loop has no _AutomaticOptimization._make_closure "
-                "(lightning 2.4-2.6 have it), so the loop's zero-grad cannot be moved in front of the pipeline "
-                "schedule, and after it would erase the gradients the schedule made. Fix: lightning>=2.4,<2.7.")
-
-        def make_closure(*args: Any, **kwargs: Any) -> Any:
-            closure = make(*args, **kwargs)
-            zero, step = getattr(closure, "_zero_grad_fn", None), getattr(closure, "_step_fn", None)
-            if zero is not None and step is not None:
-                def zero_then_step() -> Any:
-                    zero()
-                    return step()
-
-                closure._zero_grad_fn, closure._step_fn = None, zero_then_step
-            return closure
-
-        loop._make_closure = make_closure
-        try:
-            yield None
-        finally:
-            if vars(loop).get("_make_closure") is make_closure:
-                del loop._make_closure
 
     @override
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:

@@ -120,6 +120,35 @@ def test_fsdp_layouts_equal_one_device_and_hold_the_formula(reference: GPT, cls:
     assert m["rs_per_unit_min"] == m["rs_per_unit_max"] == 1.0
 
 
+class _ZeroesItsOwnParameters(GPT):
+    """Zeroes the gradients by walking its own parameters, not through the optimizer."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+
+@pytest.mark.parametrize(("layout", "devices"), [
+    pytest.param({"zero_stage": 3}, 2, id="zero3-dp2"),
+    pytest.param({"zero_stage": 2, "data_parallel_shard_size": 2}, 4, id="hsdp2x2-zero2"),
+])
+def test_a_module_zeroing_its_own_parameters_trains_as_one_device(reference: GPT, layout: dict[str, Any],
+                                                                  devices: int) -> None:
+    """Lightning zeroes between training_step and backward, where FSDP2 holds the units it keeps gathered after their
+    forward (the root, ZeRO-3's head, every unit of ZeRO-2 over FSDP2) as unsharded copies: a module's own
+    optimizer_zero_grad walking self.parameters() reached the copies and the last step's sharded gradients were added
+    to (6.1e-03 at ZeRO-3, 1.5e-02 under HSDP ZeRO-2 from one device). The strategy moves the zero-grad call in front
+    of training_step. (One device's p.grad = None is the optimizer's zero_grad: the plain GPT's reference.)"""
+    torch.manual_seed(0)
+    model = _ZeroesItsOwnParameters(n_layer=6, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3,
+                                    bias=False)
+    strategy = LPShardedStrategy(layout, start_method="fork")
+    fit(strategy, devices, devices, model=model)
+    diff = weight_diff(model, reference)
+    print(f"{strategy.describe()}, the module's own p.grad = None: max |w - w_1dev| = {diff:.2e}")
+    assert diff < 2e-5
+
+
 def test_hsdp_groups_and_the_cross_node_warning() -> None:
     """The dp axis splits into shard groups of consecutive dp coordinates and replicate groups across them; on several
     nodes a shard group that crosses a node is warned about (FSDP2's collectives would run between nodes)."""
