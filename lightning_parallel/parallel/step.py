@@ -163,7 +163,7 @@ class TrainStep:
         if self.dims.tp > 1:
             from lightning_parallel.parallel.tensor.sync import settle_gradients
 
-            settle_gradients(self._distributed_parameters(model))  # sequence-parallel partial gradients over tp
+            settle_gradients(self._tp_parameters(model))  # sequence-parallel partial gradients over tp
         if self.plan.sync == "allreduce" and self.dims.replicas > 1:
             from lightning_parallel.parallel.tensor.sync import allreduce_gradients
 
@@ -179,15 +179,13 @@ class TrainStep:
         for opt in _zero_optimizers(optimizers):
             opt.overlap_backward()
 
-    def _distributed_parameters(self, model: nn.Module) -> list[Tensor]:
-        """``model``'s DTensor parameters, read each step from where the first step of this model found them
-        (walking the module tree every step cost a few hundred Python calls); a parameter replaced since is read
-        as it is now."""
-        from torch.distributed.tensor import DTensor
-
+    def _tp_parameters(self, model: nn.Module) -> list[Tensor]:
+        """``model``'s parameters (DTensors, and plain ones a DTensor may give a gradient), read each step
+        from where the first step of this model found them (walking the module tree every step cost a few hundred
+        Python calls); a parameter replaced since is read as it is now."""
         if self._dtensor_params is None or self._dtensor_params[0] is not model:
             self._dtensor_params = (model, [(module, name) for module in model.modules()
-                                            for name, p in module._parameters.items() if isinstance(p, DTensor)])
+                                            for name, p in module._parameters.items() if p is not None])
         return [p for module, name in self._dtensor_params[1] if (p := module._parameters.get(name)) is not None]
 
     # ------------------------------------------------------------------ buffers

@@ -184,6 +184,12 @@ class LayoutMixin:
             check_context_plan(module)
             if "n_head" in shape:
                 check_context_compat(self.layout, n_head=shape["n_head"])
+        if self.layout.runs_fsdp2:
+            from lightning_parallel.parallel.zero import fsdp2_parameter_refusal
+
+            why = fsdp2_parameter_refusal(module, f"zero_stage={self.layout.zero}")
+            if why is not None:
+                raise LayoutError(why)
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 

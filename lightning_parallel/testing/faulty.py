@@ -5,6 +5,8 @@ run. Not for training.
 * :class:`NaNLossGPT` -- the reference GPT whose training loss is NaN from a given step on (every rank);
 * :class:`OptimizerChoiceGPT` -- the reference GPT with another optimizer (``sgd``) or an extra LR scheduler
   (``StepLR``): a checkpoint of the plain GPT does not resume into it;
+* :class:`ScalarGainGPT` -- the reference GPT with a 0-d (scalar) parameter scaling its logits, which FSDP2
+  (ZeRO-3) cannot shard;
 * :class:`DictBatchTextData` -- :class:`~lightning_parallel.data.TextDataModule` whose batches are dicts
   (``input_ids``, ``labels``), which the default ``pipeline_batch`` cannot split.
 """
@@ -20,7 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_parallel.data import TextDataModule
 from lightning_parallel.models import GPT
 
-__all__ = ["DictBatchTextData", "NaNLossGPT", "OptimizerChoiceGPT"]
+__all__ = ["DictBatchTextData", "NaNLossGPT", "OptimizerChoiceGPT", "ScalarGainGPT"]
 
 
 class NaNLossGPT(GPT):
@@ -36,6 +38,17 @@ class NaNLossGPT(GPT):
         if trainer is not None and trainer.training and trainer.global_step >= self.nan_from_step:
             loss = loss * float("nan")
         return loss
+
+
+class ScalarGainGPT(GPT):
+    """The GPT whose logits are scaled by a 0-d parameter ``gain`` on the module itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gain = torch.nn.Parameter(torch.tensor(1.0))
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return super().pipeline_loss(output * self.gain, target)
 
 
 class OptimizerChoiceGPT(GPT):

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_parallel.config import LayoutError
 from lightning_parallel.models import GPT
-from lightning_parallel.strategies import LPDDPStrategy, LPPipelineStrategy, LPShardedStrategy
+from lightning_parallel.strategies import LPDDPStrategy, LPPipelineStrategy, LPShardedStrategy, LPTensorStrategy
 from tests.trainer.token_data import T, fit
 
 _SIZES = dict(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=64, warmup_steps=2, bias=False)
@@ -85,3 +85,44 @@ def test_modules_a_layout_cannot_build_are_refused_before_launch() -> None:
         model = _MetaMLP()
     with pytest.raises(LayoutError, match=r"built on the meta device .* no init_weights\(\)"):
         fit(LPDDPStrategy(start_method="fork"), 2, 2, model=model, steps=1)
+
+
+class _OwnParameters(GPT):
+    """Parameters outside every layer: a temperature on the LightningModule itself scaling the logits in the loss
+    (after the forward), and a non-contiguous mixing matrix (a transposed view) on the hidden state."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        n = kwargs["n_embd"]
+        self.log_temp = nn.Parameter(torch.tensor([0.3]))
+        self.mix = nn.Parameter((torch.eye(n) + 0.05 * torch.randn(n, n)).t())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        *layers, head = self.pipeline_layers()
+        x = idx
+        for layer in layers:
+            x = layer(x)
+        return head(x @ self.mix)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().pipeline_loss(output * self.log_temp.exp(), target)
+
+
+def test_parameters_outside_every_layer_train_as_one_device() -> None:
+    """ZeRO-3 resharded the root after its forward, so the loss met the temperature as a sharded DTensor ("got mixed
+    torch.Tensor and DTensor"), and FSDP2 refused the non-contiguous matrix in every rank; under tensor parallelism
+    the temperature's gradient through the vocab-parallel logits is a DTensor on a plain parameter, and the first
+    AdamW step failed (a bare AssertionError in DTensor's dispatch)."""
+    torch.manual_seed(0)
+    reference, _ = fit("auto", 1, 1, model=_OwnParameters(**_SIZES), steps=3)
+    expected = reference.state_dict()
+    worst = {}
+    for name, strategy, dp in (("zero3", LPShardedStrategy({"zero_stage": 3}, start_method="fork"), 2),
+                               ("tp2", LPTensorStrategy({"tensor_parallel_size": 2}, start_method="fork"), 1)):
+        torch.manual_seed(0)
+        model, _ = fit(strategy, 2, dp, model=_OwnParameters(**_SIZES), steps=3)
+        got = model.state_dict()
+        worst[name] = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    moved = float((expected["log_temp"] - 0.3).abs().max())
+    print(f"\nparameters outside every layer, max |w - w_1dev|: {worst}; the temperature moved {moved:.2e}")
+    assert moved > 1e-4 and all(v <= 1e-5 for v in worst.values()), worst

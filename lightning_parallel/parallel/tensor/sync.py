@@ -54,12 +54,20 @@ def settle_gradients(params: Iterable[Tensor]) -> int:
 
     Under sequence parallelism a norm's replicated weight gets a ``Partial`` gradient (each tp rank summed over its
     own positions only); it is all-reduced over ``tp`` here, once per step (Megatron all-reduces the gradients of its
-    sequence-parallel parameters the same way). Call at the step boundary, before the dp sync and clipping.
+    sequence-parallel parameters the same way). A plain parameter the plan leaves whole that meets a DTensor in the
+    forward (a temperature scaling the vocab-parallel logits) gets a DTensor gradient (``Partial``: each tp rank's
+    share of the vocabulary): it becomes the whole plain gradient (``full_tensor``: an all-reduce over ``tp``),
+    where torch's optimizers failed on the mix. Call at the step boundary, before the dp sync and clipping.
     """
     changed = 0
     for p in params:
         g = p.grad
-        if isinstance(p, DTensor) and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        if not isinstance(g, DTensor):
+            continue
+        if not isinstance(p, DTensor):
+            p.grad = g.full_tensor()
+            changed += 1
+        elif tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
             changed += 1
     return changed

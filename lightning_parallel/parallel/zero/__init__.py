@@ -15,6 +15,7 @@ from .optimizer import ZeroOptimizer
 from .overlap import ChunkedReduce
 from .stage3 import (
     apply_zero3,
+    fsdp2_parameter_refusal,
     last_in_forward,
     zero3_full_model_state,
     zero3_full_optimizer_state,
@@ -35,6 +36,7 @@ __all__ = [
     "broadcast_module_states",
     "exact_oss",
     "fairscale_sharded_ddp",
+    "fsdp2_parameter_refusal",
     "last_in_forward",
     "measure_model_state",
     "reduce_scatter_mean",

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "apply_zero3",
+    "fsdp2_parameter_refusal",
     "last_in_forward",
     "zero3_full_model_state",
     "zero3_full_optimizer_state",
@@ -34,8 +35,8 @@ def _units(model: nn.Module) -> list[nn.Module]:
     """The units sharded one by one: the members of every ``nn.ModuleList``/``nn.ModuleDict`` (transformer blocks,
     kept in a dict keyed by layer index so that names survive a pipeline split), then every other
     direct child of the root that holds parameters (embedding, head). Left with no parameters of its own, the root
-    does not keep anything gathered from forward to backward (FSDP2 never reshards the root after forward), so a
-    step moves exactly ``3 Psi``."""
+    keeps nothing gathered from forward to backward (it is never resharded after its forward), so a step moves
+    exactly ``3 Psi``."""
     units: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
@@ -96,6 +97,21 @@ def last_in_forward(model: nn.Module) -> nn.Module | None:
     return after[-1] if len(alone) == 1 else None
 
 
+def fsdp2_parameter_refusal(model: nn.Module, key: str = "zero_stage=3") -> str | None:
+    """Why FSDP2 cannot shard ``model`` (``key``: the layout setting that asks for it), or None: FSDP2 refuses a 0-d
+    (scalar) parameter, which has no dimension to shard. (A non-contiguous parameter, which it refuses too, is made
+    contiguous in place by :func:`apply_zero3`: the same values.)"""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if not scalars:
+        return None
+    shown = ", ".join(repr(n) for n in scalars[:5]) + (f" and {len(scalars) - 5} more" if len(scalars) > 5 else "")
+    return (f"{key}: FSDP2 shards every parameter along its first dimension, and {shown} "
+            f"{'is a 0-d (scalar) parameter' if len(scalars) == 1 else 'are 0-d (scalar) parameters'} with none "
+            "to shard (torch's fully_shard refuses them in every rank). Fix: make each 1-D with one element "
+            "(nn.Parameter(torch.tensor([value])), which broadcasts as the scalar did), or use zero_stage=1 (whole "
+            "parameters, the optimizer state sharded).")
+
+
 def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
                 keep_last_gathered: bool = False, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None) -> nn.Module:
@@ -118,12 +134,23 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
+    why = fsdp2_parameter_refusal(model)
+    if why is not None:  # where the module is only complete in the ranks (configure_model)
+        from lightning_parallel.config import LayoutError
+
+        raise LayoutError(why)
+    for p in model.parameters():
+        if not p.is_contiguous():  # a transposed view (w.t()): fully_shard refuses it; the same values, contiguous
+            p.data = p.data.contiguous()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kept = last_in_forward(model) if reshard_after_forward and keep_last_gathered else None
     for group in _groups(_units(model)):
         fully_shard(group[0] if len(group) == 1 else group, mesh=mesh,  # type: ignore[arg-type]
                     reshard_after_forward=reshard_after_forward and group[0] is not kept, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # the root's own parameters (one on the LightningModule itself, outside every unit) stay gathered after its
+    # forward, as torch's default for a root does: the backward gathers them first anyway, and a training_step that
+    # reads one after the forward (a temperature scaling the loss) would meet a sharded DTensor
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     return model
 
 
