@@ -158,7 +158,11 @@ class NonFiniteLossGuard(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.detach()
         asked = trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
-        if self.action != "off" and asked and trainer.global_step == 0 and not trainer.should_stop:
+        # global_step counts the steps taken through Lightning's optimizer wrappers only: a module stepping its
+        # own optimizer objects under manual optimization trains with global_step 0, so the batches run count too
+        batches = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        if (self.action != "off" and asked and trainer.global_step == 0 and batches == 0
+                and not trainer.should_stop):
             raise NoTrainingStepError(
                 "fit ended after 0 training steps: the training DataLoader gave no batch (an empty or too small "
                 "dataset, or an iterable one that ended at once). Fix: check the data; `lightning-parallel check "

@@ -295,7 +295,10 @@ class GPT(ParallelModuleMixin, pl.LightningModule):
         return layers if head is None else [*layers, head]
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))
+        logits = output.reshape(-1, output.size(-1))
+        if logits.dtype in (torch.float16, torch.bfloat16):  # half-precision logits: the loss in fp32 (not fp64's)
+            logits = logits.float()
+        return F.cross_entropy(logits, target.reshape(-1))
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Megatron's split: q/k/v and ``fc_in`` column, ``out_proj`` and ``fc_out`` row, the token embedding and

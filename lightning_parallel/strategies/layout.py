@@ -368,6 +368,10 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
                     f"{type(module).__name__}.configure_model() failed in the calling process after the fit "
                     f"({type(err).__name__}: {err}); the trained weights go only where the module already has "
                     "layers. The run's checkpoints hold them all.")
+        if worker_output.weights_path is not None and module is not None:
+            # bf16-true / 64-true: the ranks trained the module in that dtype; cast this process's module alike, or
+            # the trained weights would be rounded into its fp32 tensors (Lightning's own ddp_fork does that)
+            trainer.precision_plugin.convert_module(module)
         if (worker_output.weights_path is None or module is None
                 or not any(t.is_meta for t in (*module.parameters(), *module.buffers()))):
             super()._recover_results_in_main_process(worker_output, trainer)

@@ -376,18 +376,28 @@ class LPZeroOffloadStrategy(LayoutMixin, ResumableDataMixin, DeepSpeedStrategy):
         """Refuse, before any process starts, a precision DeepSpeed would not honour: ``bf16-true``/``16-true`` --
         DeepSpeed's ZeRO keeps fp32 master weights and optimizer state and casts the half-precision model from them
         (its ``bf16``/``fp16`` mode), which is mixed-precision training, not the pure half-precision training the
-        name asks for (that ran silently as ``bf16-mixed`` before)."""
+        name asks for (that ran silently as ``bf16-mixed`` before); and fp16 on CPUs, where DeepSpeed has no fp16
+        (Lightning turns ``16-mixed`` into ``bf16-mixed`` on a CPU for its other strategies, not for DeepSpeed's
+        precision: the ranks failed in ``deepspeed.initialize`` with "Type fp16 is not supported on your device")."""
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        if precision not in ("bf16-true", "16-true"):
+        if precision not in ("bf16-true", "16-true", "16-mixed"):
+            return
+        half = "bf16" if precision.startswith("bf16") else "fp16"
+        if half == "fp16" and self._on_cpu():
+            raise LayoutError(
+                f"precision={precision!r} on CPUs under {self.strategy_name}: DeepSpeed runs no fp16 on a CPU (its "
+                "engine would fail in every rank: 'Type fp16 is not supported on your device'). Fix: "
+                "precision='bf16-mixed' (bf16 forward and backward, fp32 optimizer step), or fp16 on GPUs.")
+        if precision == "16-mixed":
             return
         mixed = precision.replace("-true", "-mixed")
         raise LayoutError(
             f"precision={precision!r} cannot run under {self.strategy_name}: DeepSpeed's ZeRO keeps fp32 master "
-            f"weights and optimizer state (on the host with offload) and casts the model to "
-            f"{precision.split('-')[0]} from them -- that is {mixed!r} training, not the pure half-precision "
-            f"training {precision!r} means (half-precision weights and optimizer state, as one device runs it). "
-            f"Fix: precision={mixed!r} (what DeepSpeed runs: {precision.split('-')[0]} forward and backward, fp32 "
-            f"optimizer step), or {precision!r} under lp_ddp, lp_sharded, lp_tensor, lp_pipeline or lp_hybrid."
+            f"weights and optimizer state (on the host with offload) and casts the model to {half} from them -- "
+            f"that is {mixed!r} training, not the pure half-precision training {precision!r} means (half-precision "
+            f"weights and optimizer state, as one device runs it). Fix: precision={mixed!r} (what DeepSpeed runs: "
+            f"{half} forward and backward, fp32 optimizer step), or {precision!r} under lp_ddp, lp_sharded, "
+            "lp_tensor, lp_pipeline or lp_hybrid."
         )
 
     def before_launch(self) -> None:

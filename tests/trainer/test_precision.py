@@ -206,13 +206,19 @@ def test_every_precision_under_the_strategy_matches_one_device(name: str, refere
         assert mixed["dp:reduce_scatter"] == pytest.approx(full["dp:reduce_scatter"], rel=0.01)  # fp32 reduce
 
 
-def test_bf16_true_under_deepspeed_offload_is_refused_before_any_process_starts() -> None:
+def test_precisions_deepspeed_cannot_honour_are_refused_before_any_process_starts() -> None:
     if "lp_zero_offload x2" not in STRATEGIES:
         pytest.skip("DeepSpeed or its CPU ops are missing")
     from lightning_parallel.strategies.zero_offload import LPZeroOffloadStrategy
 
-    for precision in ("bf16-true", "16-true"):
-        with pytest.raises(LayoutError, match=rf"precision='{precision}' cannot run under lp_zero_offload"):
+    with pytest.raises(LayoutError, match=r"precision='bf16-true' cannot run under lp_zero_offload.*"
+                                          r"Fix: precision='bf16-mixed' \(what DeepSpeed runs: bf16 forward"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=LPZeroOffloadStrategy(**FORK), precision="bf16-true",
+                   logger=False)
+    # fp16 on CPUs: DeepSpeed has none (16-mixed failed in every rank's deepspeed.initialize)
+    for precision in ("16-true", "16-mixed"):
+        with pytest.raises(LayoutError, match=rf"precision='{precision}' on CPUs under lp_zero_offload.*"
+                                              r"Fix: precision='bf16-mixed'"):
             pl.Trainer(accelerator="cpu", devices=2, strategy=LPZeroOffloadStrategy(**FORK), precision=precision,
                        logger=False)
     pl.Trainer(accelerator="cpu", devices=2, strategy=LPZeroOffloadStrategy(**FORK), precision="bf16-mixed",
@@ -228,6 +234,26 @@ def test_zz_the_table() -> None:
         rows.append(f"| {name} | " + " | ".join(TABLE.get((name, p), "not run") for p in PRECISIONS) + " |")
     print("\nmax |w - w_one_device| at the same precision (largest per-tensor relative difference, parameter dtype):\n"
           + "\n".join(rows))
+
+
+def test_64_true_trains_and_returns_float64_weights() -> None:
+    """Under ``64-true`` the GPT's loss stayed fp32 (its logits cast down by ``.float()``), and a fork-started fit
+    handed the float64 weights back into the calling process's fp32 module, rounding them (Lightning's ``ddp_fork``
+    does the same)."""
+    from lightning_parallel.models import GPT
+
+    def gpt() -> GPT:
+        torch.manual_seed(0)
+        return GPT(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, warmup_steps=2, bias=False)
+
+    logits = torch.randn(2, 16, 64, dtype=torch.float64)
+    assert gpt().pipeline_loss(logits, torch.zeros(2, 16, dtype=torch.long)).dtype == torch.float64
+    reference, _ = fit("auto", 1, 1, model=gpt(), steps=3, precision="64-true")
+    model, _ = fit(LPDDPStrategy(start_method="fork"), 2, 2, model=gpt(), steps=3, precision="64-true")
+    dtypes = {p.dtype for p in model.parameters()}
+    diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    print(f"64-true under lp_ddp x2: the calling process's module {dtypes}, max |w - w_1dev| = {diff:.1e}")
+    assert dtypes == {torch.float64} and diff < 1e-12
 
 
 @pytest.mark.gpu

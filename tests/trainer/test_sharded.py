@@ -244,6 +244,58 @@ def test_manual_optimization_with_two_toggled_optimizers_equals_one_device(layou
     assert diff < 1e-6
 
 
+class _RawOptimizers(_TwoOptimizers):
+    """Steps what ``self.optimizers(use_pl_optimizer=False)`` returns (the strategy's optimizers, not Lightning's
+    wrappers), so Lightning's ``global_step`` stays 0 however many steps it takes."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        idx, targets = batch
+        for optimizer in self.optimizers(use_pl_optimizer=False):  # type: ignore[union-attr]
+            optimizer.zero_grad()
+            self.manual_backward(self._loss(idx, targets))
+            optimizer.step()
+
+
+class _StepsItsOwnObject(_TwoOptimizers):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.second_sgd.zero_grad()
+        self.manual_backward(self._loss(*batch))
+        self.second_sgd.step()
+
+
+class _AddsAGroup(pl.Callback):
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            trainer.optimizers[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.1})
+
+
+def test_manual_optimization_past_lightnings_wrappers_under_zero1() -> None:
+    """Raw optimizers (``use_pl_optimizer=False``): the fit trained as one device, then failed with "fit ended after
+    0 training steps: the training DataLoader gave no batch" (Lightning counts steps through its wrappers only). The
+    optimizer object the module made, stepped by itself: a bare AssertionError in the ranks. A param group added
+    during the fit: trained silently wrong, the replicas drifting apart (3.2e-01 from one device)."""
+    kwargs: dict[str, Any] = dict(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                                  enable_checkpointing=False, use_distributed_sampler=False)
+    reference = _RawOptimizers()
+    pl.Trainer(devices=1, **kwargs).fit(reference, datamodule=_Data(4, samples=24))
+    model = _RawOptimizers()
+    pl.Trainer(strategy=LPShardedStrategy({"zero_stage": 1}, start_method="fork"), devices=2,
+               **kwargs).fit(model, datamodule=_Data(2, samples=24))
+    diff = _diff(model, reference)
+    print(f"manual optimization on the raw optimizers, ZeRO-1: max |w - w_1dev| = {diff:.2e}")
+    assert _diff(_RawOptimizers(), reference) > 1e-2 and diff < 1e-6
+    with pytest.raises(Exception, match=r"was zeroed \(or stepped\) by itself.*Fix: under manual optimization call "
+                                         r"zero_grad\(\) and step\(\) on what self.optimizers\(\) returns"):
+        pl.Trainer(strategy=LPShardedStrategy({"zero_stage": 1}, start_method="fork"), devices=2,
+                   **kwargs).fit(_StepsItsOwnObject(), datamodule=_Data(2, samples=24))
+    with pytest.raises(Exception, match=r"add_param_group\(\{'params': \.\.\., 'lr'\}\) on a ZeRO-2 optimizer.*"
+                                         r"Fix: give configure_optimizers every parameter from the start"):
+        pl.Trainer(strategy=LPShardedStrategy({"zero_stage": 2}, start_method="fork"), devices=2,
+                   callbacks=[_AddsAGroup()], **{**kwargs, "max_epochs": 2}).fit(_RawOptimizers(),
+                                                                               datamodule=_Data(2, samples=24))
+
+
 class _LearningRateNames(pl.Callback):
     """Writes the learning-rate keys and values ``LearningRateMonitor`` put in ``callback_metrics`` (this rank's)."""
 

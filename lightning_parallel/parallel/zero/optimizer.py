@@ -47,6 +47,14 @@ __all__ = ["ZeroOptimizer"]
 _SHARDED_FORMAT = "lightning_parallel.zero.sharded.v1"
 
 
+_SHARD_GRADIENT_CLEARED = (
+    "the ZeRO-1/2 shard's gradient is gone: the optimizer object configure_optimizers made was zeroed (or stepped) "
+    "by itself. Under ZeRO-1/2 that object is the inner optimizer over this rank's flat shard; its zero_grad() "
+    "drops the shard's gradient and its step() skips the reduction over the data-parallel ranks. Fix: under "
+    "manual optimization call zero_grad() and step() on what self.optimizers() returns (Lightning's wrapper of the "
+    "ZeRO optimizer), as under automatic optimization.")
+
+
 class ZeroOptimizer(Optimizer):
     """Shard ``optimizer`` (and, at stage 2, the gradients) over ``group``.
 
@@ -81,6 +89,21 @@ class ZeroOptimizer(Optimizer):
         # rank's shard: a parameter without one is left as it was by the step (see _hold_unused)
         self._usage = _Usage(self.shards)
         self._spans = [_spans_in_shard(shard) for shard in self.shards]
+        optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]  # the user's object too
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: each param group is one flat buffer sharded over dp, made when the wrapper is built. torch's
+        ``add_param_group`` appended the group's whole parameters to the inner optimizer, which then stepped them
+        with each rank's own local gradient: silently not one device's training, and the replicas drifted apart
+        (a backbone unfrozen in ``on_train_epoch_start``: 3.2e-01 from one device, the two ranks 3.4e-01 apart)."""
+        names = sorted({k for k in param_group if k != "params"})
+        raise RuntimeError(
+            f"add_param_group({{'params': ..., {', '.join(repr(n) for n in names)}}}) on a ZeRO-{self.stage} "
+            "optimizer: its param groups are flat buffers sharded over the data-parallel ranks, made once when "
+            "the fit starts, so a group added later would be stepped with each rank's own gradient (not the "
+            "average) and the replicas would drift apart. Fix: give configure_optimizers every parameter from the "
+            "start -- the layers to unfreeze later in a group of their own with their requires_grad=False (or lr 0 "
+            "until then) -- or use zero_stage=3 or lp_ddp, which take groups added during the fit.")
 
     @property
     def _grads_reduced(self) -> bool:
@@ -180,7 +203,8 @@ class ZeroOptimizer(Optimizer):
             for i in shard.params_with_own_grad():  # set by hand, not by autograd: no hook ran (see _Usage)
                 self._usage.used[k][i] = True
             grad = shard.shard_param.grad
-            assert grad is not None
+            if grad is None:
+                raise RuntimeError(_SHARD_GRADIENT_CLEARED)
             # a further reduction in the same step (manual optimization, several backwards) adds to the first
             earlier = shard.reduced
             if chunks is not None:
