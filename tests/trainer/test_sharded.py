@@ -170,6 +170,11 @@ def test_a_used_parameter_with_a_zero_gradient_is_stepped_as_one_device_steps_it
     assert diff < 1e-5
 
 
+_QUIET: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                              num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+                              use_distributed_sampler=False)
+
+
 class _TwoOptimizers(lightning_parallel.ParallelModuleMixin, pl.LightningModule):
     """Manual optimization as a GAN-like module does it: two optimizers (the embedding and first layer; the second
     layer and the head), each toggled (Lightning's ``toggle_optimizer``: the other's layers frozen; the second by the
@@ -231,9 +236,7 @@ def test_manual_optimization_with_two_toggled_optimizers_equals_one_device(layou
         devices, dp = 4, 2
     else:
         strategy, devices, dp = LPShardedStrategy({"zero_stage": int(layout[-1])}, start_method="fork"), 2, 2
-    kwargs: dict[str, Any] = dict(accelerator="cpu", max_steps=12, logger=False, enable_progress_bar=False,
-                                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                                  enable_checkpointing=False, use_distributed_sampler=False)
+    kwargs: dict[str, Any] = {**_QUIET, "max_steps": 12}
     reference = _TwoOptimizers()
     pl.Trainer(devices=1, **kwargs).fit(reference, datamodule=_Data(4, samples=24))
     model = _TwoOptimizers()
@@ -274,9 +277,7 @@ def test_manual_optimization_past_lightnings_wrappers_under_zero1() -> None:
     0 training steps: the training DataLoader gave no batch" (Lightning counts steps through its wrappers only). The
     optimizer object the module made, stepped by itself: a bare AssertionError in the ranks. A param group added
     during the fit: trained silently wrong, the replicas drifting apart (3.2e-01 from one device)."""
-    kwargs: dict[str, Any] = dict(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
-                                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                                  enable_checkpointing=False, use_distributed_sampler=False)
+    kwargs: dict[str, Any] = {**_QUIET, "max_epochs": 1}
     reference = _RawOptimizers()
     pl.Trainer(devices=1, **kwargs).fit(reference, datamodule=_Data(4, samples=24))
     model = _RawOptimizers()
