@@ -46,6 +46,7 @@ __all__ = [
     "check_context_labels",
     "check_data_modules",
     "check_detect_anomaly",
+    "check_evaluation_ckpt",
     "check_evaluation_data",
     "check_finetuning_callbacks",
     "check_layer_sync",
@@ -790,6 +791,30 @@ def check_evaluation_data(trainer: pl.Trainer | None, module: Any, args: tuple[A
         f"{hook}() on the data module.")
 
 
+def check_evaluation_ckpt(strategy: Any, trainer: pl.Trainer | None, module: Any, args: tuple[Any, ...]) -> None:
+    """Before spawning ``validate``, ``test`` or ``predict`` with a ``ckpt_path`` given as a path: it must exist and be
+    readable by the strategy (:func:`check_ckpt_path`), and its weights must fit the module -- names and shapes, any
+    format (:func:`~lightning_parallel.checkpoint.summary.resume_refusal` on the weights only), as ``fit`` checks a
+    checkpoint it resumes. A model configured otherwise than the saved one failed inside the ranks, under a DCP
+    folder with torch's "Size mismatch" only in the ranks' output."""
+    fn = str(trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else "")
+    position = {"validate": 2, "test": 2, "predict": 4}.get(fn)  # (model, dataloaders, ckpt_path | datamodule, ...)
+    path = args[position] if position is not None and len(args) > position else None
+    if not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc") or "://" in str(path):
+        return
+    check_ckpt_path(strategy, path)
+    if module is None or not getattr(strategy, "resumes_dataloaders", False):  # Lightning's own: its own formats
+        return
+    from lightning_parallel.checkpoint.errors import ResumeError
+    from lightning_parallel.checkpoint.resume import TRUST_ENV
+    from lightning_parallel.checkpoint.summary import resume_refusal, summarize
+
+    why = resume_refusal(summarize(str(path), trusted=os.environ.get(TRUST_ENV, "") == "1"), module=module,
+                         weights_only=True)
+    if why:
+        raise ResumeError(f"trainer.{fn}(ckpt_path=...): {why}")
+
+
 def check_layer_sync(strategy: Any) -> None:
     """Before spawning: ``Trainer(sync_batchnorm=True)`` on CPU is refused -- it converts every BatchNorm layer to
     torch's ``SyncBatchNorm``, whose forward runs on GPUs only (it failed inside the ranks at the first batch)."""
@@ -1306,6 +1331,7 @@ def preflight(strategy: Any, trainer: pl.Trainer | None, args: tuple[Any, ...] =
     fitting = trainer is None or trainer.state.fn == "fit"
     if not fitting:
         check_evaluation_data(trainer, module, args)
+        check_evaluation_ckpt(strategy, trainer, module, args)
         return
     check_nonfinite_guard(strategy, trainer)
     check_callbacks(strategy, trainer)

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
+from torch.utils.data import DataLoader
 
 from lightning_parallel.checkpoint import full_state_dict
 from lightning_parallel.checkpoint.errors import ResumeError
@@ -89,6 +90,15 @@ def test_every_mismatch_is_refused_before_any_rank_starts(saved: dict[str, Path]
         lines.append(f"{fmt} x {change}: {str(refused.value)[:260]}")
     print("\n" + "\n".join(lines))
     assert not started
+    # evaluating a checkpoint reads its weights: another shape is refused before launch (it failed in the ranks,
+    # under a DCP folder with torch's "Size mismatch" only in their output); another optimizer is no matter
+    loader = DataLoader(rm._Tokens(2).dataset, batch_size=2)
+    for fn in ("validate", "test", "predict"):
+        for args, refused_as in (({"n_embd": 16}, r"n_embd: configured 16, saved 32"), ({"optimizer": "sgd"}, None)):
+            trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(), logger=False,
+                                 enable_progress_bar=False, enable_model_summary=False)
+            with pytest.raises(ResumeError if refused_as else _Launched, match=refused_as):
+                getattr(trainer, fn)(_model(**args), dataloaders=loader, ckpt_path=str(path))
     # the unchanged model is not refused: it gets as far as starting the ranks (trapped here)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(), max_steps=6, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -77,8 +77,10 @@ def install(trainer: Any, request_stop: Callable[[], None] | None = None) -> Non
             except Exception:
                 pass
         if getattr(trainer, "is_global_zero", False):
-            print("lightning-parallel: SIGTERM: a save in progress finishes, then every rank stops at the next step "
-                  "boundary and saves a checkpoint (with PreemptionCheckpoint)", file=sys.stderr, flush=True)
+            # the launcher of forked/spawned ranks sends SIGTERM to the others when one rank fails: say both causes
+            print("lightning-parallel: SIGTERM (a preemption, or the launcher ending the ranks after one failed: its "
+                  "error follows): a save in progress finishes, then every rank stops at the next step boundary and "
+                  "saves a checkpoint (with PreemptionCheckpoint)", file=sys.stderr, flush=True)
 
     _PREVIOUS = signal.getsignal(signal.SIGINT)
     _PREVIOUS_TERM = signal.getsignal(signal.SIGTERM)
