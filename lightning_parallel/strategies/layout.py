@@ -185,12 +185,7 @@ class LayoutMixin:
             check_context_plan(module)
             if "n_head" in shape:
                 check_context_compat(self.layout, n_head=shape["n_head"])
-        if self.layout.runs_fsdp2:
-            from lightning_parallel.parallel.zero import fsdp2_parameter_refusal
-
-            why = fsdp2_parameter_refusal(module, f"zero_stage={self.layout.zero}")
-            if why is not None:
-                raise LayoutError(why)
+        self._check_dtypes(module)
         if self.layout.activation_checkpointing != "none":
             from lightning_parallel.parallel.activation_checkpointing import activation_checkpointing_targets
 
@@ -198,6 +193,28 @@ class LayoutMixin:
         if self.layout.compile:
             check_backend(self.layout.compile)
             compile_targets(module)
+
+    def _check_dtypes(self, module: pl.LightningModule) -> None:
+        """Before spawning, what the sharding engines cannot flatten: under FSDP2 a 0-d parameter, and parameters of
+        several dtypes in one unit; under the flat ZeRO-1/2 several dtypes in one param group of
+        ``configure_optimizers``. Not where the precision casts the whole module in the ranks (``*-true``)."""
+        from lightning_parallel.parallel.zero import flat_group_refusal, fsdp2_dtype_refusal, fsdp2_parameter_refusal
+
+        key = f"zero_stage={self.layout.zero}"
+        precision = str(getattr(getattr(self, "precision_plugin", None), "precision", "32-true"))
+        casts_all = precision in ("bf16-true", "16-true", "64-true")
+        why = None
+        if self.layout.runs_fsdp2:
+            why = fsdp2_parameter_refusal(module, key) or (None if casts_all else fsdp2_dtype_refusal(module, key))
+        elif (self.layout.zero in (1, 2) and self.layout.offload_device == "none" and not casts_all
+              and len({p.dtype for p in module.parameters()}) > 1):  # configure_optimizers called only then
+            configured = configured_optimizers(module)
+            for optimizer in configured[0] if configured else []:
+                for i, group in enumerate(getattr(optimizer, "param_groups", [])):
+                    why = why or flat_group_refusal(list(group["params"]), i)
+            why = f"{key}: {why}" if why else None
+        if why is not None:
+            raise LayoutError(why)
 
     def full_state_for_main_process(self, module: nn.Module) -> dict[str, Any] | None:
         """The whole weights a spawn/fork launcher hands back to the main process when the ranks hold shards (called

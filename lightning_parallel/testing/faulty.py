@@ -7,6 +7,8 @@ run. Not for training.
   (``StepLR``): a checkpoint of the plain GPT does not resume into it;
 * :class:`ScalarGainGPT` -- the reference GPT with a 0-d (scalar) parameter scaling its logits, which FSDP2
   (ZeRO-3) cannot shard;
+* :class:`HalfHeadGPT` -- the reference GPT with its output projection alone in bf16: one param group (one FSDP2
+  unit) of two dtypes, which the flat ZeRO-1/2 and FSDP2 cannot flatten;
 * :class:`DictBatchTextData` -- :class:`~lightning_parallel.data.TextDataModule` whose batches are dicts
   (``input_ids``, ``labels``), which the default ``pipeline_batch`` cannot split.
 """
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_parallel.data import TextDataModule
 from lightning_parallel.models import GPT
 
-__all__ = ["DictBatchTextData", "NaNLossGPT", "OptimizerChoiceGPT", "ScalarGainGPT"]
+__all__ = ["DictBatchTextData", "HalfHeadGPT", "NaNLossGPT", "OptimizerChoiceGPT", "ScalarGainGPT"]
 
 
 class NaNLossGPT(GPT):
@@ -49,6 +51,14 @@ class ScalarGainGPT(GPT):
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return super().pipeline_loss(output * self.gain, target)
+
+
+class HalfHeadGPT(GPT):
+    """The GPT whose ``head.lm_head`` is cast to bf16, the rest fp32."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head.lm_head.to(torch.bfloat16)
 
 
 class OptimizerChoiceGPT(GPT):

@@ -9,12 +9,13 @@ rank, and moves ``2 Psi`` (1, 2) or ``3 Psi`` (3) elements x ``(N-1)/N`` per ran
 
 from .comm import all_gather_into, broadcast_module_states, reduce_scatter_mean
 from .fairscale_backend import FairscaleUnavailableError, exact_oss, fairscale_sharded_ddp, require_fairscale
-from .flat import FlatShard
+from .flat import FlatShard, flat_group_refusal
 from .memory import ModelStateBytes, measure_model_state, zero_comm_theory, zero_memory_formula
 from .optimizer import ZeroOptimizer
 from .overlap import ChunkedReduce
 from .stage3 import (
     apply_zero3,
+    fsdp2_dtype_refusal,
     fsdp2_parameter_refusal,
     last_in_forward,
     zero3_full_model_state,
@@ -36,6 +37,8 @@ __all__ = [
     "broadcast_module_states",
     "exact_oss",
     "fairscale_sharded_ddp",
+    "flat_group_refusal",
+    "fsdp2_dtype_refusal",
     "fsdp2_parameter_refusal",
     "last_in_forward",
     "measure_model_state",

@@ -12,14 +12,27 @@ No Lightning import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FlatShard", "hook_trainable"]
+__all__ = ["FlatShard", "flat_group_refusal", "hook_trainable"]
+
+
+def flat_group_refusal(params: Sequence[Tensor], index: int | None = None) -> str | None:
+    """Why the flat ZeRO-1/2 cannot flatten the param group ``params`` (number ``index`` of its optimizer), or None:
+    the group becomes one buffer, so its parameters must share one dtype and one device."""
+    dtypes = {p.dtype for p in params}
+    devices = {p.device for p in params}
+    if len(dtypes) <= 1 and len(devices) <= 1:
+        return None
+    group = "a param group" if index is None else f"param group {index}"
+    return (f"ZeRO flattens each optimizer param group into one buffer, so a group must have one dtype and one "
+            f"device; {group} has dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}. Fix: "
+            "put parameters of different dtypes in separate param groups in configure_optimizers.")
 
 
 class FlatShard:
@@ -35,14 +48,9 @@ class FlatShard:
     def __init__(self, params: list[nn.Parameter], *, world_size: int, rank: int, keep_full_grad: bool) -> None:
         if not params:
             raise ValueError("a ZeRO param group needs at least one parameter.")
-        dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(
-                f"ZeRO flattens each optimizer param group into one buffer, so a group must have one dtype and one "
-                f"device; got dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}. Fix: put "
-                "parameters of different dtypes in separate param groups in configure_optimizers."
-            )
+        why = flat_group_refusal(params)
+        if why is not None:
+            raise ValueError(why)
         self.params = list(params)
         self.world_size, self.rank = world_size, rank
         self.numels = [p.numel() for p in params]

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "apply_zero3",
+    "fsdp2_dtype_refusal",
     "fsdp2_parameter_refusal",
     "last_in_forward",
     "zero3_full_model_state",
@@ -56,6 +57,11 @@ def _groups(units: list[nn.Module]) -> list[list[nn.Module]]:
     """The units as FSDP2 groups: units that share a parameter they manage (tied input and output embeddings) are
     sharded as one group -- FSDP2 refuses a parameter managed by two groups -- the others one each, in order. A unit
     manages its parameters but those of the units nested in it (a Hugging Face model's body holds its layers)."""
+    return _grouped(units)[0]
+
+
+def _grouped(units: list[nn.Module]) -> tuple[list[list[nn.Module]], list[set[int]]]:
+    """:func:`_groups`, with the ids of the parameters each group manages."""
     def managed(unit: nn.Module) -> set[int]:
         nested = {id(p) for other in units if other is not unit and any(other is m for m in unit.modules())
                   for p in other.parameters()}
@@ -75,7 +81,30 @@ def _groups(units: list[nn.Module]) -> list[list[nn.Module]]:
         owned[first] = set().union(*(owned[i] for i in tied), ids)
         groups = [group for i, group in enumerate(groups) if i not in tied[1:]]
         owned = [group_ids for i, group_ids in enumerate(owned) if i not in tied[1:]]
-    return groups
+    return groups, owned
+
+
+def fsdp2_dtype_refusal(model: nn.Module, key: str = "zero_stage=3") -> str | None:
+    """Why FSDP2 cannot shard ``model`` as :func:`apply_zero3` groups it, or None: each group's parameters (a unit's,
+    and the root's own, those outside every unit) become one flat buffer, so they must share one dtype -- FSDP2
+    failed in every rank on "FSDP expects uniform original parameter dtype" (a module that cast its head alone to
+    bf16)."""
+    params = {id(p): (name, p) for name, p in model.named_parameters()}
+    names = {id(m): name for name, m in model.named_modules()}
+    groups, owned = _grouped(_units(model))
+    covered = set().union(*owned) if owned else set()
+    parts = [(", ".join(names.get(id(m), "?") for m in group), ids) for group, ids in zip(groups, owned, strict=True)]
+    parts.append(("the module itself (parameters outside every unit)", set(params) - covered))
+    for label, ids in parts:
+        mine = [params[i] for i in ids if i in params]
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in mine})
+        if len(dtypes) > 1:
+            shown = ", ".join(f"{name} {str(p.dtype).replace('torch.', '')}" for name, p in mine[:6])
+            return (f"{key}: FSDP2 shards the parameters of each unit as one flat buffer of one dtype, and {label} "
+                    f"holds {' and '.join(dtypes)} ({shown}{', ...' if len(mine) > 6 else ''}). Fix: give the module "
+                    "one dtype (precision='bf16-true' casts all of it; precision='bf16-mixed' keeps fp32 weights and "
+                    "computes in bf16), or use zero_stage=1 with the dtypes in separate param groups.")
+    return None
 
 
 def last_in_forward(model: nn.Module) -> nn.Module | None:
@@ -134,7 +163,7 @@ def apply_zero3(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_zero3 needs the 1-D dp sub-mesh (or the 2-D (replicate, shard) mesh of HSDP), got a "
                          f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}.")
-    why = fsdp2_parameter_refusal(model)
+    why = fsdp2_parameter_refusal(model) or fsdp2_dtype_refusal(model)
     if why is not None:  # where the module is only complete in the ranks (configure_model)
         from lightning_parallel.config import LayoutError
 
