@@ -52,6 +52,11 @@ def _check(*extra: str) -> tuple[str, ...]:
 _FAULTY = "lightning_parallel.testing.faulty."
 
 
+def _sharded(stage: int, model: str) -> tuple[str, ...]:
+    """``fit`` of the quick start under lp_sharded at ``stage`` with the module ``faulty.<model>``."""
+    return _fit("--model", _FAULTY + model, "--trainer.strategy", "lp_sharded", "--parallel.zero_stage", str(stage))
+
+
 CASES: tuple[BadInput, ...] = (
     # --- layout
     BadInput("dp x pp x tp != world size", _fit("--parallel.data_parallel_size", "3"),
@@ -184,16 +189,10 @@ CASES: tuple[BadInput, ...] = (
                                                             "--model.init_args.step_lr", "true",
                                                             "--ckpt_path", "{dir}/dcp"),
              "this run configures 2 (LambdaLR, StepLR)"),
-    BadInput("0-d parameter under ZeRO-3", _fit("--model", _FAULTY + "ScalarGainGPT", "--trainer.strategy",
-                                                "lp_sharded", "--parallel.zero_stage", "3"),
-             "'gain' is a 0-d (scalar) parameter"),
-    BadInput("two dtypes in one param group under ZeRO-1", _fit("--model", _FAULTY + "HalfHeadGPT",
-                                                                 "--trainer.strategy", "lp_sharded",
-                                                                 "--parallel.zero_stage", "1"),
+    BadInput("0-d parameter under ZeRO-3", _sharded(3, "ScalarGainGPT"), "'gain' is a 0-d (scalar) parameter"),
+    BadInput("two dtypes in one param group under ZeRO-1", _sharded(1, "HalfHeadGPT"),
              "param group 0 has dtypes ['torch.bfloat16', 'torch.float32']"),
-    BadInput("two dtypes in one FSDP2 unit under ZeRO-3", _fit("--model", _FAULTY + "HalfHeadGPT",
-                                                               "--trainer.strategy", "lp_sharded",
-                                                               "--parallel.zero_stage", "3"),
+    BadInput("two dtypes in one FSDP2 unit under ZeRO-3", _sharded(3, "HalfHeadGPT"),
              "head holds bfloat16 and float32"),
     BadInput("dict batch under lp_pipeline without pipeline_batch", _pp("--data", _FAULTY + "DictBatchTextData"),
              "cannot split a real training batch"),
