@@ -191,6 +191,20 @@ def _hardware(args: argparse.Namespace, hints: dict[str, Any] | None = None) -> 
 
 
 def _training(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettings:
+    training = _settings(args, hints)
+    g, b = training.global_batch_size, training._replica_batch(1)
+    if g is not None and g % b:
+        source = "--micro-batch-size" if args.micro_batch_size is not None else (
+            "the recipe's data batch" if hints.get("batch_per_replica") else "--micro-batch-size (default 1)")
+        smaller = max(d for d in range(1, b + 1) if g % d == 0)
+        raise ValueError(
+            f"--global-batch-size {g} is not a multiple of the batch each replica reads ({b}, {source}): {g} % {b} = "
+            f"{g % b}, so no layout can train it (every layout needs global = batch x dp x accumulation). Fix: "
+            f"--global-batch-size {g + b - g % b} (a multiple of {b}), or --micro-batch-size {smaller}.")
+    return training
+
+
+def _settings(args: argparse.Namespace, hints: dict[str, Any]) -> TrainingSettings:
     return TrainingSettings(
         precision=args.precision or hints.get("precision", "bf16-mixed"),
         optimizer=args.optimizer,

@@ -270,6 +270,12 @@ def load_recipe(path: str | Path) -> tuple[ModelShape, dict[str, Any]]:
     if trainer.get("accumulate_grad_batches") is not None:
         hints["accumulate_grad_batches"] = int(trainer["accumulate_grad_batches"])
     parallel = data.get("parallel")  # a mapping, or `auto` (lp_auto)
+    if isinstance(parallel, dict):  # its keys' names as fit reads them (the values are the plan's to choose)
+        from lightning_parallel.config import LayoutError, ParallelConfig, unknown_key_message
+
+        unknown = [k for k in parallel if k not in ParallelConfig.field_names()]
+        if unknown:
+            raise LayoutError(unknown_key_message(str(unknown[0])))
     if isinstance(parallel, dict) and parallel.get("global_batch_size") is not None:
         hints["global_batch_size"] = int(parallel["global_batch_size"])
     hints["recipe"] = data  # the whole recipe as fit reads it: a written recipe keeps what the plan does not decide

@@ -58,6 +58,7 @@ class HalfHeadGPT(GPT):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        assert self.head is not None
         self.head.lm_head.to(torch.bfloat16)
 
 

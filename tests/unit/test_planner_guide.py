@@ -372,6 +372,15 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
     assert accumulated[(2, 1)] == 2 and accumulated[(1, 1)] == 4, accumulated
     rec = out["recommendation"]
     assert rec["accumulate_grad_batches"] == 64 // (16 * rec["data_parallel_size"])
+    # a misspelt layout key of the recipe is refused as fit refuses it (the plan ignored it)
+    assert main(["--recipe", recipe("typo.yaml", parallel={"data_paralel_size": 2}), "--hardware", "cpu-2proc"]) == 2
+    assert "unknown layout key 'data_paralel_size'. Did you mean 'data_parallel_size'?" in capsys.readouterr().err
+    # a global batch no number of replicas can make: refused with the arithmetic (it planned "none fits" and offered
+    # more memory, exit 0)
+    assert main(["--model", "gpt3-125m", "--gpu-memory", "80GB", "--gpus-per-node", "8", "--global-batch-size", "3",
+                 "--micro-batch-size", "2"]) == 2
+    assert ("--global-batch-size 3 is not a multiple of the batch each replica reads (2, --micro-batch-size): 3 % 2 "
+            "= 1" in capsys.readouterr().err)
     assert main(["--recipe", fixed_recipe, "--hardware", "cpu-2proc", "--accumulate-grad-batches", "2",
                  "--global-batch-size", "128"]) == 0
     text = capsys.readouterr().out
