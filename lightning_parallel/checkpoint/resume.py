@@ -211,7 +211,7 @@ def check_fits(checkpoint: dict[str, Any], *, module: Any, optimizers: Sequence[
             f"{path}: {name} has shape {got} in the checkpoint but {want} in this model ({len(mismatched)} tensor(s) "
             f"differ){hp}. The checkpoint is from another model shape: resume with the model it was saved with."
         )
-    if whole_module:
+    if whole_module and getattr(module, "strict_loading", True):  # strict_loading=False: what matches, as Lightning
         missing = sorted(set(live) - set(saved))
         extra = sorted(set(saved) - set(live))
         if missing or extra:

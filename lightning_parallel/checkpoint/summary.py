@@ -308,13 +308,16 @@ def shown(value: Any) -> str:
 
 def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[Any] | None = None,
                    schedulers: Sequence[Any] | None = None, weights_only: bool = False,
-                   groups_may_grow: bool = False) -> str | None:
+                   groups_may_grow: bool = False, partial_module: bool = False) -> str | None:
     """Why the checkpoint summarized in ``summary`` cannot resume into ``module`` with the configured ``optimizers``
     and LR ``schedulers`` (None = unknown: not compared), or None. With ``weights_only`` (``--resume_weights_only``)
     only the weights are compared. ``groups_may_grow``: a callback adds param groups during the fit (Lightning's
     ``BaseFinetuning`` unfreezing layers) and adds them again when it restores, so a saved optimizer may hold more
     groups than configured, the configured ones first. The message names the format, what was saved and what is
-    configured, and the fix.
+    configured, and the fix. ``partial_module``: the module builds (some of) its layers in ``configure_model()``,
+    which runs in the ranks: only the shapes of the tensors it already has are compared here (the ranks compare the
+    rest when they load). A module with ``strict_loading = False`` loads what matches, as Lightning does: missing
+    and unexpected tensors are not refused.
     """
     where = f"--ckpt_path {summary.info.path} ({summary.info.describe()})"
     hp = hparam_differences(summary.hyper_parameters, getattr(module, "hparams", None),
@@ -331,7 +334,9 @@ def resume_refusal(summary: SavedSummary, *, module: Any, optimizers: Sequence[A
         head = f"{listing}. " if listing else ""
         return (f"{where} was saved by a model of another shape: {head}{name} has shape {list(saved)} in the "
                 f"checkpoint but {list(mine)} in the configured model ({len(mismatched)} tensor(s) differ).{shape_fix}")
-    if summary.whole:
+    if partial_module:
+        optimizers = None  # configure_optimizers saw the module without the layers configure_model adds
+    if summary.whole and getattr(module, "strict_loading", True) and not partial_module:
         missing = sorted(set(live) - set(summary.shapes))
         extra = sorted(set(summary.shapes) - set(live))
         if missing or extra:

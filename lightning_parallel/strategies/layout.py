@@ -606,8 +606,10 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None, finetu
 
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return
+    from lightning.pytorch.utilities.model_registry import _is_registry
+
     text = str(ckpt_path)
-    if text in ("last", "best", "hpc") or text.startswith("registry"):
+    if text in ("last", "best", "hpc") or _is_registry(text):
         return
     if "://" not in text and not os.path.exists(text):
         raise CheckpointFormatError(f"--ckpt_path {text}: no such file or folder. Fix: give the path of a checkpoint "
@@ -646,9 +648,18 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None, finetu
         for p, flag in flags:
             p.requires_grad_(flag)
     why = resume_refusal(summary, module=module, optimizers=configured[0] if configured else None,
-                         schedulers=configured[1] if configured else None, groups_may_grow=bool(finetuning))
+                         schedulers=configured[1] if configured else None, groups_may_grow=bool(finetuning),
+                         partial_module=_builds_in_ranks(module))
     if why:
         raise ResumeError(why)
+
+
+def _builds_in_ranks(module: Any) -> bool:
+    """Whether ``module`` builds layers in ``configure_model()``, which runs in the ranks: before launch its tensors
+    may be only some of those it trains."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(module, pl.LightningModule) and is_overridden("configure_model", module)
 
 
 def _loads_files_only(strategy: Any) -> bool:
@@ -814,10 +825,13 @@ def check_evaluation_ckpt(strategy: Any, trainer: pl.Trainer | None, module: Any
     format (:func:`~lightning_parallel.checkpoint.summary.resume_refusal` on the weights only), as ``fit`` checks a
     checkpoint it resumes. A model configured otherwise than the saved one failed inside the ranks, under a DCP
     folder with torch's "Size mismatch" only in the ranks' output."""
+    from lightning.pytorch.utilities.model_registry import _is_registry
+
     fn = str(trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else "")
     position = {"validate": 2, "test": 2, "predict": 4}.get(fn)  # (model, dataloaders, ckpt_path | datamodule, ...)
     path = args[position] if position is not None and len(args) > position else None
-    if not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc") or "://" in str(path):
+    if (not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc") or "://" in str(path)
+            or _is_registry(str(path))):  # a model registry's name: Lightning downloads it in the ranks
         return
     check_ckpt_path(strategy, path)
     if module is None or not getattr(strategy, "resumes_dataloaders", False):  # Lightning's own: its own formats
@@ -827,7 +841,7 @@ def check_evaluation_ckpt(strategy: Any, trainer: pl.Trainer | None, module: Any
     from lightning_parallel.checkpoint.summary import resume_refusal, summarize
 
     why = resume_refusal(summarize(str(path), trusted=os.environ.get(TRUST_ENV, "") == "1"), module=module,
-                         weights_only=True)
+                         weights_only=True, partial_module=_builds_in_ranks(module))
     if why:
         raise ResumeError(f"trainer.{fn}(ckpt_path=...): {why}")
 

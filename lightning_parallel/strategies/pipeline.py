@@ -160,6 +160,14 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
                             "GPT: tie_embeddings=False), or put both layers in one stage with "
                             "parallel.pipeline_stage_layers."
                         )
+        outside = [name for name, param in module.named_parameters() if id(param) not in owner]
+        if outside:
+            rank_zero_warn(
+                f"{type(module).__name__} has parameters outside every layer of pipeline_layers() "
+                f"({', '.join(outside[:4])}{' ...' if len(outside) > 4 else ''}): {self.strategy_name} runs the "
+                "layers, never the module's forward, so such a parameter is used only where pipeline_loss uses it "
+                "(on the last stage); one the forward applies between layers is not applied here. Fix: make it part "
+                "of a layer of pipeline_layers().")
 
     def check_data(self, launch_args: tuple[Any, ...], probe: Any = None) -> None:
         """Before spawning: the per-rank training batch must split into ``num_micro_batches`` equal micro-batches

@@ -35,6 +35,22 @@ class _Launched(RuntimeError):
     pass
 
 
+def _trap_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Starting a rank raises :class:`_Launched` (and is recorded in the list returned) instead."""
+    started: list[str] = []
+
+    def trap(*args: Any, **kwargs: Any) -> Any:
+        started.append("rank")
+        raise _Launched("a rank would have been started")
+
+    from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
+
+    monkeypatch.setattr(mp_launcher.mp, "start_processes", trap)
+    monkeypatch.setattr(multiprocessing.get_context("fork"), "Process", trap, raising=False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", trap)
+    return started
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     rm.quiet()
@@ -64,17 +80,7 @@ def test_every_mismatch_is_refused_before_any_rank_starts(saved: dict[str, Path]
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if fmt not in saved:
         pytest.skip("DeepSpeed or its CPU ops are not available here")
-    started: list[str] = []
-
-    def trap(*args: Any, **kwargs: Any) -> Any:
-        started.append("rank")
-        raise _Launched("a rank would have been started")
-
-    from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
-
-    monkeypatch.setattr(mp_launcher.mp, "start_processes", trap)
-    monkeypatch.setattr(multiprocessing.get_context("fork"), "Process", trap, raising=False)
-    monkeypatch.setattr(torch.distributed, "init_process_group", trap)
+    started = _trap_launches(monkeypatch)
     path = saved[fmt]
     # the strategy that resumes: the pipeline for the DCP folder, lp_ddp (any format, via the one-device form) else
     strategy = (lambda: LPPipelineStrategy({"pipeline_parallel_size": 2, "num_micro_batches": 2},
@@ -182,3 +188,49 @@ def test_a_hook_editing_the_weights_of_a_checkpoint_folder_is_told_they_are_read
                                                          start_method="fork"))
         with pytest.raises(Exception, match=expect):
             trainer.fit(model, datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=str(saved["DCP folder"]))
+
+
+class _BuiltInConfigureModel(OptimizerChoiceGPT):
+    """The GPT with its head made in ``configure_model()`` (which runs in the ranks)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.head = None
+
+    def configure_model(self) -> None:
+        if self.head is None:
+            self.head = self._new_layer("head")
+
+
+class _NotStrict(OptimizerChoiceGPT):
+    """The GPT with a layer the checkpoint does not hold, loading what matches (``strict_loading = False``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra = torch.nn.Linear(4, 4)
+        self.strict_loading = False
+
+
+def test_what_the_checks_before_launch_leave_to_the_ranks(saved: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not refused before launch (each reaches the ranks, trapped here), as one device runs them: a module that builds
+    layers in configure_model() (its tensors before launch are only some of them: refused as "does not hold the
+    configured model's tensors", for fit and, once evaluation checked its ckpt_path, for validate), a module with
+    strict_loading = False, and a model registry's name (it failed on the missing file "registry:...")."""
+    started = _trap_launches(monkeypatch)
+    path = str(saved["file"])
+    loader = DataLoader(rm._Tokens(2).dataset, batch_size=2)
+    args: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": rm.T, "vocab_size": rm.VOCAB,
+                            "warmup_steps": 2, "bias": False}
+    for module, call in ((_BuiltInConfigureModel(**args), "fit"), (_BuiltInConfigureModel(**args), "validate"),
+                         (_NotStrict(**args), "validate"), (_model(), "validate:registry:my-gpt")):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LPDDPStrategy(start_method="fork"), max_steps=6,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, limit_val_batches=0, use_distributed_sampler=False)
+        fn, _, ckpt = call.partition(":")
+        with pytest.raises(_Launched):
+            if fn == "fit":
+                trainer.fit(module, datamodule=rm._Tokens(rm.GLOBAL_BATCH // 2), ckpt_path=path)
+            else:
+                trainer.validate(module, dataloaders=loader, ckpt_path=ckpt or path)
+    assert len(started) == 4
