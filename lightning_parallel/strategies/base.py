@@ -68,7 +68,7 @@ from lightning_parallel.parallel.compose import (
 from lightning_parallel.parallel.context_parallel import weigh
 from lightning_parallel.parallel.counters import CommCounter, uncounted_all_reduce
 from lightning_parallel.parallel.faults import interrupts, watchdog
-from lightning_parallel.parallel.step import TrainStep
+from lightning_parallel.parallel.step import TrainStep, logged_reduce_op, reduce_logged
 
 from .layout import (
     LayoutMixin,
@@ -223,15 +223,16 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
     # ------------------------------------------------------------------ context parallelism: this rank's tokens
-    def context_batch(self, batch: Any) -> Any:
+    def context_batch(self, batch: Any, *, complete: bool = True) -> Any:
         """``batch`` as this rank sees it: with cp > 1, the tensors of the module's ``context_parallel_plan()``
-        cut to this rank's head and tail chunks along their sequence dims; otherwise ``batch`` itself."""
+        cut to this rank's head and tail chunks along their sequence dims; otherwise ``batch`` itself. ``complete``
+        False (an evaluation or prediction batch): an entry the plan names may be absent (no labels to predict)."""
         plan = self.composition.context_plan if self.composition is not None else None
         if plan is None:
             return batch
         from lightning_parallel.parallel.context_parallel import split_batch
 
-        return split_batch(batch, plan, self._sequence_shard())
+        return split_batch(batch, plan, self._sequence_shard(), complete=complete)
 
     def context_token_share(self, batch: Any, *, optional: bool = False) -> Tensor | None:
         """With cp > 1 and a plan that names the labels: this rank's share of the whole ``batch``'s counted tokens,
@@ -324,18 +325,20 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         weighed), ``none`` for a prediction."""
         batch = kwargs["batch"] if "batch" in kwargs else args[0] if args else None
         share = self.batch_share(batch, optional=labels == "optional") if labels != "none" else None
-        return *self._local_args(args, kwargs), share
+        return *self._local_args(args, kwargs, complete=labels == "required"), share
 
-    def _local_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _local_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, complete: bool = True
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The step's arguments with this rank's part of the batch (:meth:`context_batch`)."""
         if "batch" in kwargs:
-            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"])}
-        return ((self.context_batch(args[0]), *args[1:]) if args else args), kwargs
+            return args, {**kwargs, "batch": self.context_batch(kwargs["batch"], complete=complete)}
+        return ((self.context_batch(args[0], complete=complete), *args[1:]) if args else args), kwargs
 
     @contextlib.contextmanager
     def context_parallel_logging(self, share: Tensor | None = None) -> Generator[None, None, None]:
         """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
-        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch; with
+        is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch; those logged
+        with ``reduce_fx`` max or min take the maximum or minimum over the ranks instead; with
         ``share``, this rank's :meth:`batch_share`, those logged with a mean are weighed by it first, so the mean
         counts every token once however the ignored labels fall). A collective per logged tensor: every rank logs
         the same names in the same order. With cp = 1 and ``share`` (dp ranks weighing their counted tokens):
@@ -354,10 +357,15 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             if isinstance(value, Tensor) and value.is_floating_point():
                 options = log_options(module, name, value, args, kwargs)
                 if cp > 1:
-                    value = plain(value).detach()  # averaged by a collective here: its graph is not kept
-                    if share is not None and weighed_when_logged(options):
-                        value = weigh(value, share)
-                    value = self.train_step.reduce_mean(value)
+                    value = plain(value).detach()  # combined by a collective here: its graph is not kept
+                    op = logged_reduce_op(options.get("reduce_fx", "mean"))
+                    if op in ("max", "min"):  # the extreme over every token (a mean of the ranks' maxima was not)
+                        value = reduce_logged(value, group=self.train_step.dp_group, size=self.dims.replicas,
+                                              reduce_fx=op)
+                    else:
+                        if share is not None and weighed_when_logged(options):
+                            value = weigh(value, share)
+                        value = self.train_step.reduce_mean(value)
                 elif share is not None and options.get("sync_dist") and weighed_when_logged(options):
                     value = weigh(plain(value).detach(), share)  # Lightning's sync_dist takes the mean over dp
             original(name, value, *args, **kwargs)
@@ -417,10 +425,13 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         along the batch's sequence dim) are gathered back over cp into the whole sequence, in order."""
         if self.dims.cp == 1 or self.composition is None or self.composition.context_plan is None:
             return super().predict_step(*args, **kwargs)
+        from lightning_parallel.parallel.context_parallel import split_length
+
         args, kwargs, _ = self._context_args(args, kwargs, labels="none")
         local = kwargs["batch"] if "batch" in kwargs else args[0]
-        dim = self._context_dim()
-        return self.context_unshard(super().predict_step(*args, **kwargs), local_len=_first_tensor(local).shape[dim])
+        local_len = split_length(local, self.composition.context_plan)  # along an entry the plan split
+        out = super().predict_step(*args, **kwargs)
+        return out if local_len is None else self.context_unshard(out, local_len=local_len)
 
     def _context_dim(self) -> int:
         plan = self.composition.context_plan if self.composition is not None else None
@@ -1031,16 +1042,6 @@ def _is_sum(reduce_op: ReduceOp | str | None) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() == "sum"
     return reduce_op == ReduceOp.SUM
-
-
-def _first_tensor(batch: Any) -> Tensor:
-    if isinstance(batch, Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, dict) else batch
-    for value in values:
-        if isinstance(value, Tensor):
-            return value
-    raise TypeError(f"no tensor in the {type(batch).__name__} batch.")
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -380,7 +380,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     def _eval(self, batch: Any, name: str, prog_bar: bool) -> Tensor:
         assert self.runner is not None and self.lightning_module is not None
         self.buffers_before_forward(training=False)
-        inputs, target = self._inputs(self.context_batch(batch))
+        inputs, target = self._inputs(self.context_batch(batch, complete=False))
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
         self._count_tokens(batch, micro_batches=1)  # the eval loss is the whole batch's
@@ -402,7 +402,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """The last stage's output for the batch, on every rank (a broadcast over ``pp``)."""
         assert self.runner is not None
-        batch = self.context_batch(args[0] if args else kwargs["batch"])
+        batch = self.context_batch(args[0] if args else kwargs["batch"], complete=False)
         inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
         with self.precision_plugin.predict_step_context(), self._tp_loss():
             out = self.runner.forward_only(inputs)

@@ -275,6 +275,49 @@ def test_predict_gathers_the_sequence_back(tmp_path: Path) -> None:
         out = torch.load(tmp_path / f"pred_{rank}.pt")
         assert out.shape == expected.shape  # the whole sequence on every cp rank
         assert (out - expected).abs().max() < 1e-5
+    # dict batches whose labels the plan names but a prediction batch lacks, with a per-sample entry first: the
+    # ranks failed on the missing key ("names 'labels', which the batch ... does not have"), and with the labels on
+    # the per-sample entry's length (IndexError); a validation logging the extremes of its per-token losses took
+    # the mean of the cp ranks' extremes (1.2e-02 and 4.5e-02 from one device)
+    from torch.utils.data import DataLoader
+
+    samples = [{"index": i, "tokens": data.tokens[i]} for i in range(GLOBAL_BATCH)]
+    batches = DataLoader(samples, batch_size=4)
+    (tmp_path / "pred_0.pt").unlink()
+    trainer = pl.Trainer(strategy=LPDDPStrategy(CP2, start_method="fork"), accelerator="cpu", devices=2, logger=False,
+                         enable_progress_bar=False, callbacks=[SavePredictions(tmp_path)])
+    trainer.predict(_DictBatches(), dataloaders=batches, return_predictions=False)
+    assert (torch.load(tmp_path / "pred_0.pt") - expected[:4]).abs().max() < 1e-5
+    labelled = DataLoader([{**sample, "labels": data.dataset[i][1]} for i, sample in enumerate(samples)], batch_size=4)
+    one = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    expected_logs = one.validate(_DictBatches(), dataloaders=labelled, verbose=False)[0]
+    trainer = pl.Trainer(strategy=LPDDPStrategy(CP2, start_method="fork"), accelerator="cpu", devices=2, logger=False,
+                         enable_progress_bar=False)
+    trainer.validate(_DictBatches(), dataloaders=labelled, verbose=False)
+    got = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    print(f"cp2 validation extremes: {got} (one device {expected_logs})")
+    assert all(abs(got[k] - expected_logs[k]) < 1e-5 for k in ("tok_max", "tok_min")), (got, expected_logs)
+
+
+class _DictBatches(GPT):
+    """The test GPT on dict batches (``index`` per sample, ``tokens``, and ``labels`` but when predicting), logging
+    the extremes of its per-token validation losses."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        return {**super().context_parallel_plan(), "batch": {"tokens": 1, "labels": 1}, "labels": "labels"}
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch["tokens"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        logits = self(batch["tokens"])
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        self.log("tok_max", per_token.max(), reduce_fx="max", sync_dist=True)
+        self.log("tok_min", per_token.min(), reduce_fx="min", sync_dist=True)
 
 
 def test_a_module_without_the_hook_is_refused_before_spawn() -> None:

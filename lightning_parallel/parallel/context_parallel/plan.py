@@ -61,7 +61,7 @@ from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
            "context_parallel_modules", "counted_tokens", "describe_labels", "labels_of", "loss_labels", "read_plan",
-           "split_batch", "token_share", "weigh"]
+           "split_batch", "split_length", "token_share", "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
@@ -239,9 +239,11 @@ def apply_context_parallel(module: nn.Module, *, group: Any, shard: SequenceShar
     return plan
 
 
-def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> Any:
+def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard, *, complete: bool = True) -> Any:
     """This rank's part of ``batch``: the tensors the plan names cut to its head and tail chunks along their sequence
-    dim (a tuple/list/dict of the same type; a lone tensor with an int plan); the rest unchanged."""
+    dim (a tuple/list/dict of the same type; a lone tensor with an int plan); the rest unchanged. ``complete``
+    (a training batch): every entry the plan names must be there; otherwise (an evaluation or prediction batch,
+    which may come without its labels) a named entry it lacks is left out."""
     spec = plan.batch
     if isinstance(batch, Tensor):  # a lone tensor: an int plan, or the plan's entry 0 (the input of a tuple batch)
         dim = spec if isinstance(spec, int) else spec.get(0) if isinstance(spec, Mapping) else None
@@ -253,6 +255,8 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> 
         out = dict(batch)
         keys = list(batch) if isinstance(spec, int) else list(spec)
         for key in keys:
+            if key not in batch and not complete:
+                continue
             if key not in batch:
                 raise KeyError(f"context_parallel_plan()['batch'] names {key!r}, which the batch (keys "
                                f"{list(batch)}) does not have.")
@@ -263,6 +267,8 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> 
         items = list(batch)
         indices = range(len(items)) if isinstance(spec, int) else list(spec)
         for i in indices:
+            if isinstance(i, int) and not -len(items) <= i < len(items) and not complete:
+                continue
             if not isinstance(i, int) or not -len(items) <= i < len(items):
                 raise KeyError(f"context_parallel_plan()['batch'] names {i!r}, but the batch is a "
                                f"{type(batch).__name__} of {len(items)}.")
@@ -273,6 +279,23 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard) -> 
         return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)  # a namedtuple keeps its type
     raise TypeError(f"context parallelism cannot split a {type(batch).__name__} batch. Fix: batches of tensors in a "
                     "tuple, list or dict, with context_parallel_plan()['batch'] naming their sequence dims.")
+
+
+def split_length(batch: Any, plan: ContextParallelPlan) -> int | None:
+    """The sequence length of ``batch`` (this rank's part, or the whole) along the first entry the plan splits that
+    the batch holds as a tensor; None when it holds none."""
+    spec = plan.batch
+    if isinstance(batch, Tensor):
+        dim = spec if isinstance(spec, int) else spec.get(0) if isinstance(spec, Mapping) else None
+        return int(batch.shape[dim]) if isinstance(dim, int) and batch.dim() > dim else None
+    keys: Any = list(spec) if isinstance(spec, Mapping) else (
+        list(batch) if isinstance(batch, Mapping) else range(len(batch)) if isinstance(batch, (list, tuple)) else [])
+    for key in keys:
+        value = _entry(batch, key)
+        dim = spec if isinstance(spec, int) else spec[key]
+        if isinstance(value, Tensor) and value.dim() > dim:
+            return int(value.shape[dim])
+    return None
 
 
 def _entry(batch: Any, key: Any) -> Any:
