@@ -223,6 +223,21 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         return {"num_replicas": self.dims.dp, "rank": self.coords.dp}
 
     # ------------------------------------------------------------------ context parallelism: this rank's tokens
+    _attention_checked = False
+
+    def attention_check(self) -> contextlib.AbstractContextManager[Any]:
+        """With cp > 1, around the first step of the run (training, evaluation or prediction): an attention kernel
+        the module calls outside the routed submodules of its plan is refused
+        (:func:`~lightning_parallel.parallel.context_parallel.unrouted_attention_check`); then nothing (the check
+        sees every torch call: once is enough for a module's structure)."""
+        module = self.lightning_module
+        if self.dims.cp == 1 or self._attention_checked or module is None:
+            return contextlib.nullcontext()
+        self._attention_checked = True
+        from lightning_parallel.parallel.context_parallel import unrouted_attention_check
+
+        return unrouted_attention_check(module)  # type: ignore[no-any-return]
+
     def context_batch(self, batch: Any, *, complete: bool = True) -> Any:
         """``batch`` as this rank sees it: with cp > 1, the tensors of the module's ``context_parallel_plan()``
         cut to this rank's head and tail chunks along their sequence dims; otherwise ``batch`` itself. ``complete``
@@ -408,7 +423,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if self.dims.cp == 1 and (self.dims.dp == 1 or self.loss_labels is None):
             return super().validation_step(*args, **kwargs)
         args, kwargs, share = self._context_args(args, kwargs, labels="optional")
-        with self.context_parallel_logging(share):
+        with self.context_parallel_logging(share), self.attention_check():
             return super().validation_step(*args, **kwargs)
 
     @override
@@ -416,7 +431,7 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         if self.dims.cp == 1 and (self.dims.dp == 1 or self.loss_labels is None):
             return super().test_step(*args, **kwargs)
         args, kwargs, share = self._context_args(args, kwargs, labels="optional")
-        with self.context_parallel_logging(share):
+        with self.context_parallel_logging(share), self.attention_check():
             return super().test_step(*args, **kwargs)
 
     @override
@@ -430,7 +445,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         args, kwargs, _ = self._context_args(args, kwargs, labels="none")
         local = kwargs["batch"] if "batch" in kwargs else args[0]
         local_len = split_length(local, self.composition.context_plan)  # along an entry the plan split
-        out = super().predict_step(*args, **kwargs)
+        with self.attention_check():
+            out = super().predict_step(*args, **kwargs)
         return out if local_len is None else self.context_unshard(out, local_len=local_len)
 
     def _context_dim(self) -> int:
@@ -754,8 +770,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
             args, kwargs = self._local_args(args, kwargs)
         self._manual_share = tokens.local if manual and tokens is not None else None  # weighed in backward
         try:
-            return training_step_agreed(module, lambda: super(LayoutStrategy, self).training_step(*args, **kwargs),
-                                        reduce, guard, tokens=tokens)
+            with self.attention_check():
+                return training_step_agreed(module, lambda: super(LayoutStrategy, self).training_step(*args, **kwargs),
+                                            reduce, guard, tokens=tokens)
         finally:
             self._manual_share = None
 

@@ -320,6 +320,21 @@ class _DictBatches(GPT):
         self.log("tok_min", per_token.min(), reduce_fx="min", sync_dist=True)
 
 
+class _OneBlockRouted(GPT):
+    def context_parallel_plan(self) -> dict[str, Any]:
+        return {**super().context_parallel_plan(), "attention": ["blocks.0.attn.core"]}
+
+
+def test_an_attention_the_plan_does_not_name_is_refused_at_the_first_step() -> None:
+    """A plan naming one block's attention of two trained silently, the second block attending over each rank's
+    chunks only (1.2e-02 from one device after 3 steps): the first step refuses it, naming the submodule."""
+    torch.manual_seed(0)
+    model = _OneBlockRouted(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+    with pytest.raises(Exception, match=r"submodule 'blocks.1.attn.core' calls scaled_dot_product_attention outside "
+                                        r"the attention submodules .* names \(blocks.0.attn.core\)"):
+        fit(LPDDPStrategy(CP2, start_method="fork"), 2, 1, model=model, steps=1)
+
+
 def test_a_module_without_the_hook_is_refused_before_spawn() -> None:
     class NoHook(pl.LightningModule):
         def __init__(self) -> None:

@@ -29,6 +29,7 @@ from .plan import (
     split_batch,
     split_length,
     token_share,
+    unrouted_attention_check,
     weigh,
 )
 from .ring import ring_attention
@@ -51,4 +52,5 @@ __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "Seque
            "active", "all_to_all_attention", "apply_context_parallel", "batch_token_share", "check_context_plan",
            "context_parallel_modules", "counted_tokens", "deactivate", "describe_labels", "head_tail_order",
            "labels_of", "loss_labels", "read_plan", "ring_attention", "sequence_length", "sequence_positions",
-           "shard_sequence", "split_batch", "split_length", "token_share", "unshard_sequence", "weigh"]
+           "shard_sequence", "split_batch", "split_length", "token_share", "unrouted_attention_check",
+           "unshard_sequence", "weigh"]

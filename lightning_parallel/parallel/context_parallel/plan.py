@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.config import LayoutError
 
@@ -61,7 +62,7 @@ from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
            "context_parallel_modules", "counted_tokens", "describe_labels", "labels_of", "loss_labels", "read_plan",
-           "split_batch", "split_length", "token_share", "weigh"]
+           "split_batch", "split_length", "token_share", "unrouted_attention_check", "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
@@ -204,9 +205,57 @@ class _Routed(nn.Module):
                 "only: each rank holds a head and a tail chunk of the sequence and the ring skips the blocks the "
                 "causal mask hides. Fix: causal attention without a mask, or context_parallel_size=1.")
         scale = getattr(self, "scale", None)
-        if state.style == "all_to_all":
-            return all_to_all_attention(q, k, v, group=state.group, scale=scale)
-        return ring_attention(q, k, v, group=state.group, scale=scale)
+        _ROUTED_DEPTH[0] += 1
+        try:
+            if state.style == "all_to_all":
+                return all_to_all_attention(q, k, v, group=state.group, scale=scale)
+            return ring_attention(q, k, v, group=state.group, scale=scale)
+        finally:
+            _ROUTED_DEPTH[0] -= 1
+
+
+_ROUTED_DEPTH = [0]
+"""How many routed attentions are running (their own kernels call ``scaled_dot_product_attention``)."""
+
+
+class _UnroutedAttention(TorchFunctionMode):
+    """While active: ``F.scaled_dot_product_attention`` called outside a routed submodule is refused -- under context
+    parallelism it would attend over this rank's head and tail chunks only (another model than one device's,
+    silently: a plan naming one block's attention of two trained 1.2e-02 from one device in 3 steps)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.root = root
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.nn.functional.scaled_dot_product_attention and _ROUTED_DEPTH[0] == 0:
+            raise LayoutError(self._message())
+        return func(*args, **(kwargs or {}))
+
+    def _message(self) -> str:
+        import sys
+
+        names = {id(m): name for name, m in self.root.named_modules()}
+        frame: Any = sys._getframe(1)
+        where = None
+        while frame is not None and where is None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                where = names[id(owner)] or type(owner).__name__
+            frame = frame.f_back
+        routed = context_parallel_modules(self.root)
+        return (f"context parallelism: {'submodule ' + repr(where) if where else 'the model'} calls "
+                "scaled_dot_product_attention outside the attention submodules context_parallel_plan()['attention'] "
+                f"names ({', '.join(routed[:4])}{' ...' if len(routed) > 4 else ''}): on a rank's head and tail chunks "
+                "of the sequence it would attend over those chunks only -- another model than one device's. Fix: "
+                "name every attention submodule in context_parallel_plan()['attention'] (a pattern such as "
+                "'blocks.*.attn.core' names all), or context_parallel_size=1.")
+
+
+def unrouted_attention_check(module: nn.Module) -> Any:
+    """A context (:class:`_UnroutedAttention`) that refuses an attention kernel called outside the routed submodules
+    of ``module`` while it is open: the strategies open it around the first step of a run under cp > 1."""
+    return _UnroutedAttention(module)
 
 
 _CLASSES: dict[type[nn.Module], type[_Routed]] = {}
