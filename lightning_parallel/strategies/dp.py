@@ -68,9 +68,29 @@ class _LogRecorder:
         self.calls.append((name, value, args, kwargs))
 
 
+def _metric_type() -> type | None:
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return None
+    return Metric  # type: ignore[no-any-return]
+
+
+def _keep_reassigned_buffers(module: nn.Module, replica: nn.Module) -> None:
+    """A buffer the step reassigned on the first replica (``self.count = self.count + 1``, not in place) becomes the
+    module's, as DDP keeps rank 0's buffers: the first replica shares the module's buffer objects, so an in-place
+    update reaches the module already, a reassignment only the replica (it was lost: 0.0 where one device counts 6)."""
+    for mine, theirs in zip(module.modules(), replica.modules(), strict=False):
+        for key, buf in mine._buffers.items():
+            new = theirs._buffers.get(key)
+            if new is not buf and isinstance(new, Tensor):
+                mine._buffers[key] = new.detach()
+
+
 def _combine_logged(values: list[Tensor], weights: list[float], reduce_fx: Any) -> Tensor:
     """One value from the replicas' values of one metric, by the metric's ``reduce_fx``."""
-    stacked = torch.stack([v.float() for v in values])
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32  # 64-true keeps fp64
+    stacked = torch.stack([v.to(dtype) for v in values])
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
     if name in ("sum", "add"):
         return stacked.sum(0)
@@ -237,15 +257,41 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         # torch's default dtype, which is per process: the threads' exits would restore one another's bf16, so the
         # dtype the step started with is put back once, here
         default_dtype = torch.get_default_dtype()
+        metrics = self._metric_updates(module)
         try:
             outputs = engine.apply(call, len(slices))
         finally:
             torch.set_default_dtype(default_dtype)
+        self._check_metric_updates(metrics, method)
+        _keep_reassigned_buffers(module, replicas[0])
         if weights is not None:
             outputs = self._weighed(module, outputs, recorders, *weights, loss=training)
         result = engine.gather(outputs, sizes, plan=plan, force_reduce=method == "training_step")
         self._replay_logs(module, recorders, sizes)
         return result
+
+    @staticmethod
+    def _metric_updates(module: pl.LightningModule) -> list[tuple[str, Any, int]]:
+        """The module's torchmetrics ``Metric`` submodules with their update counts, before a step."""
+        metric_type: Any = _metric_type()
+        if metric_type is None:
+            return []
+        return [(name, m, int(m._update_count)) for name, m in module.named_modules() if isinstance(m, metric_type)]
+
+    @staticmethod
+    def _check_metric_updates(before: list[tuple[str, Any, int]], method: str) -> None:
+        """Refuse a torchmetrics ``Metric`` updated inside a step: its ``update`` is bound to the module's metric
+        object, so every replica's thread updated that one object at once (values not one device's: a metric called
+        in the step logged 0.4756 where one device logs 0.6126)."""
+        changed = [name for name, metric, count in before if int(metric._update_count) != count]
+        if changed:
+            stage = {"training_step": "train"}.get(method, method.replace("_step", ""))
+            raise ValueError(
+                f"lp_dp: the torchmetrics metric {changed[0]!r} was updated inside {method}: it runs on every replica "
+                "in its own thread, and a Metric's update is bound to the module's one metric object, so the "
+                "replicas updated it at once with their own slices (not one device's values). Fix: update it from "
+                f"the step's combined outputs in on_{stage}_batch_end (Lightning passes them as `outputs`), or run "
+                "under lp_ddp.")
 
     def _token_weights(self, slices: list[Any], sizes: list[int], *, optional: bool,
                        window: tuple[int, int] | None = None) -> tuple[list[Tensor], list[Tensor]] | None:

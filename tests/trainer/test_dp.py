@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_parallel import LPDDPStrategy
 from lightning_parallel.callbacks import CountCommunication
@@ -189,6 +189,46 @@ def test_manual_optimization_and_sync_batchnorm_are_refused_with_the_fix() -> No
         _trainer("dp", 2, max_steps=1).fit(Manual())
     with pytest.raises(ValueError, match="sync_batchnorm"):
         _trainer("dp", 2, max_steps=1, sync_batchnorm=True).fit(BoringModel())
+
+
+class _Counting(_Regression):
+    """Counts its forward calls in a buffer it reassigns (not in place), and optionally calls a torchmetrics metric
+    inside the training step."""
+
+    def __init__(self, metric_in_step: bool = False) -> None:
+        super().__init__(nested=False)
+        self.register_buffer("calls", torch.zeros(()))
+        self.metric_in_step = metric_in_step
+        from torchmetrics import MeanAbsoluteError
+
+        self.mae = MeanAbsoluteError()
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        self.calls = self.calls + 1
+        if self.metric_in_step:
+            self.log("mae", self.mae(self.net(batch[0]), batch[1]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_reassigned_buffer_is_kept_and_a_metric_updated_in_a_step_is_refused() -> None:
+    """A buffer the step reassigns (``self.calls = self.calls + 1``) stayed on the first replica: 0.0 where one device
+    counts 6. A torchmetrics metric called inside a step updated the module's one metric object from every replica's
+    thread at once (it logged 0.4756 where one device logs 0.6126), silently. Values logged under 64-true were
+    combined in fp32."""
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(12, 4, generator=g, dtype=torch.float64),
+                         torch.randn(12, 1, generator=g, dtype=torch.float64))
+    models = []
+    for strategy, devices in (("auto", 1), ("lp_dp", 2)):
+        model = _Counting()
+        _trainer(strategy, devices, max_steps=6, precision="64-true").fit(model, DataLoader(data, batch_size=2))
+        models.append(model)
+    assert float(models[0].calls) == float(models[1].calls) == 6.0
+    assert max_abs_diff(models[1], models[0]) < 1e-12
+    with pytest.raises(ValueError, match=r"lp_dp: the torchmetrics metric 'mae' was updated inside training_step.*"
+                                         r"Fix: update it from the step's combined outputs in on_train_batch_end"):
+        _trainer("lp_dp", 2, max_steps=1).fit(_Counting(metric_in_step=True),
+                                              DataLoader(TensorDataset(*(t.float() for t in data.tensors)), 2))
 
 
 def test_lp_dp_recipe_runs_from_the_cli(tmp_path: Path, root: Path) -> None:
