@@ -578,7 +578,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         why = ("FSDP2 all-gathers the parameters in every forward" if fsdp else
                "each batch's loss is weighed by its share of the counted tokens, summed over the ranks in every "
                "batch (the module names its token labels)")
-        fix = ("predict under lp_ddp / zero_stage 1 or 2 (whole parameters on each rank), or on one device" if
+        whole = "zero_stage 0 or 1" if self.pipelined or self.dims.hsdp else "zero_stage 1 or 2"  # no FSDP2 there
+        fix = (f"predict under lp_ddp / {whole} (whole parameters on each rank), or on one device" if
                stage == "predict" else
                "use_distributed_sampler=True (Lightning's sampler pads the set to equal counts), or evaluate on one "
                "device")

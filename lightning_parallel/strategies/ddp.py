@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -144,3 +145,17 @@ class LPDDPStrategy(LayoutStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._comm_hook_name == "count":
             self.exchange_counter.step()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """torch DDP's error for a parameter that got no gradient names its own constructor's argument: say the
+        strategy's (as Lightning's ``ddp`` does for its own)."""
+        _augment_message(
+            exception, pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "A parameter of the module got no gradient in this step (a layer used on some steps only, a GAN's "
+                "other network), which torch DDP does not allow by default. If it is intended: "
+                "LPDDPStrategy(find_unused_parameters=True) (a recipe: trainer.strategy.init_args."
+                "find_unused_parameters: true) -- or lp_sharded, whose ZeRO leaves such a parameter as one device "
+                "does."))
+        super().on_exception(exception)

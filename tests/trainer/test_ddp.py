@@ -152,3 +152,18 @@ def test_a_backbone_finetuning_checkpoint_passes_the_pre_launch_resume_check(tmp
                         finetuning=[finetuning()])
     with pytest.raises(ResumeError, match="param groups"):  # without the callback the groups do not fit
         check_ckpt_path(strategy, str(tmp_path / "epoch=1.ckpt"), module=_BackboneGPT(**tiny_gpt().hparams))
+
+
+class _UnusedLayer(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(2, 2)
+
+
+def test_a_parameter_without_a_gradient_names_the_strategys_option() -> None:
+    """torch DDP's error named `find_unused_parameters=True` of its own constructor, which a Lightning user never
+    calls; Lightning's ddp rewrites it for its own strategy, and lp_ddp now names its own."""
+    trainer = pl.Trainer(strategy=LPDDPStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=2,
+                         **TRAINER_QUIET)
+    with pytest.raises(Exception, match=r"got no gradient in this step.*LPDDPStrategy\(find_unused_parameters=True\)"):
+        trainer.fit(_UnusedLayer())
