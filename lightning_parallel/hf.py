@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_parallel.checkpoint.read import LoadsAnyFormat
 from lightning_parallel.config import LayoutError, ParallelConfig
 from lightning_parallel.module_hooks import ParallelModuleMixin, PipelineLayer
 from lightning_parallel.parallel.pipeline import PrunedLayer
@@ -449,7 +450,7 @@ def _tied(model: Any) -> bool:
     return a is not None and b is not None and getattr(a, "weight", None) is getattr(b, "weight", None)
 
 
-class HFCausalLM(HFModelMixin, pl.LightningModule):
+class HFCausalLM(HFModelMixin, LoadsAnyFormat, pl.LightningModule):
     """A Hugging Face causal LM as a LightningModule, trained with its own loss convention under any strategy.
 
     Args:

@@ -52,6 +52,7 @@ from .errors import CheckpointFormatError, ResumeError
 from .formats import CheckpointFormat, CheckpointInfo, detect_format
 from .read import (
     DROPPED_KEYS,
+    LoadsAnyFormat,
     full_checkpoint,
     full_state_dict,
     join_zero3_shards,
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointInfo",
     "ConsolidateResult",
+    "LoadsAnyFormat",
     "ResumeError",
     "consolidate",
     "detect_format",

@@ -18,12 +18,33 @@ from .formats import CheckpointInfo, dcp, deepspeed, detect_format, lightning_fi
 from .formats.common import strip_wrapper_prefixes
 from .formats.sharded import join_recorded_shards, join_zero3_shards
 
-__all__ = ["DROPPED_KEYS", "full_checkpoint", "full_state_dict", "join_recorded_shards", "join_zero3_shards",
-           "read_checkpoint", "strip_wrapper_prefixes"]
+__all__ = ["DROPPED_KEYS", "LoadsAnyFormat", "full_checkpoint", "full_state_dict", "join_recorded_shards",
+           "join_zero3_shards", "read_checkpoint", "strip_wrapper_prefixes"]
 
 DROPPED_KEYS = ("optimizer_states", "lr_schedulers")
 """Top-level keys :func:`full_checkpoint` leaves out: the result is a weights-only checkpoint (optimizer and LR
 scheduler states are per layout; Lightning's ``save_weights_only`` drops the same two)."""
+
+
+class LoadsAnyFormat:
+    """Mix into a LightningModule (before ``LightningModule``) so that ``Module.load_from_checkpoint(path)`` reads any
+    of the library's formats: a checkpoint folder (sharded ZeRO, DCP, DeepSpeed) is joined into the one-device
+    checkpoint in memory first (:func:`full_checkpoint`, what ``lightning-parallel consolidate`` writes), where
+    Lightning's own failed on "Is a directory"; a file loads as Lightning loads it. The library's ``GPT`` and
+    ``HFCausalLM`` have it."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
+            import io
+
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(full_checkpoint(checkpoint_path), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
 
 
 def full_state_dict(path: str | Path, *, trusted: bool = False) -> dict[str, Tensor]:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_parallel.checkpoint.read import LoadsAnyFormat
 from lightning_parallel.module_hooks import ParallelModuleMixin
 from lightning_parallel.parallel.context_parallel import sequence_length, sequence_positions
 
@@ -153,7 +154,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPT(ParallelModuleMixin, pl.LightningModule):
+class GPT(ParallelModuleMixin, LoadsAnyFormat, pl.LightningModule):
     """A GPT language model (pre-LN decoder) trained with next-token cross-entropy.
 
     Submodules: ``embed`` (:class:`Embedding`), ``blocks`` (an ``nn.ModuleDict`` of :class:`Block` keyed ``"0"``
