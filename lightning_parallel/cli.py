@@ -55,6 +55,10 @@ _DESCRIPTION = (
     "device: `lightning-parallel consolidate IN OUT`)."
 )
 
+_EPILOG = ("The library's own commands (besides Lightning's fit, validate, test and predict above): "
+           "`lightning-parallel plan --help`, `lightning-parallel check --config RECIPE`, "
+           "`lightning-parallel consolidate --help`.")
+
 
 def takes_layout(strategy: Any) -> bool:
     """A strategy (class or instance) that takes a layout: a ``LayoutStrategy``, or any strategy with the same small
@@ -244,6 +248,7 @@ class LightningParallelCLI(LightningCLI):
         parser_kwargs = kwargs.setdefault("parser_kwargs", {})
         parser_kwargs.setdefault("parser_mode", "omegaconf")
         parser_kwargs.setdefault("description", _DESCRIPTION)
+        parser_kwargs.setdefault("epilog", _EPILOG)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
 

@@ -284,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         hardware, note = _hardware(args, hints)
         if rates is not None and hardware.rates is None:
             hardware = replace(hardware, rates=rates)
-        plan = make_plan(model, _training(args, hints), hardware)
+        training = _training(args, hints)
+        block = model.shape.block_size if model.shape is not None else None
+        if block is not None and training.seq_len is not None and training.seq_len > block:
+            raise ValueError(
+                f"--seq-len {training.seq_len} exceeds the model's block_size {block} (its positions): fit refuses "
+                f"such sequences. Fix: --seq-len {block} or less, or --block-size {training.seq_len}.")
+        plan = make_plan(model, training, hardware)
         if args.write_recipe:
             command = shlex.join(["lightning-parallel", "plan", *argv])
             write_recipe(plan, args.write_recipe, command=command, max_steps=args.max_steps,

@@ -375,6 +375,9 @@ def test_accumulation_keeps_zero2_and_zero3_gradients_whole(tmp_path: Path,
     # a misspelt layout key of the recipe is refused as fit refuses it (the plan ignored it)
     assert main(["--recipe", recipe("typo.yaml", parallel={"data_paralel_size": 2}), "--hardware", "cpu-2proc"]) == 2
     assert "unknown layout key 'data_paralel_size'. Did you mean 'data_parallel_size'?" in capsys.readouterr().err
+    # sequences longer than the model's positions (fit refuses them; the plan planned them)
+    assert main(["--model", "gpt3-13b", "--seq-len", "4096", "--block-size", "2048", "--gpu-memory", "80GB"]) == 2
+    assert "--seq-len 4096 exceeds the model's block_size 2048" in capsys.readouterr().err
     # a global batch no number of replicas can make: refused with the arithmetic (it planned "none fits" and offered
     # more memory, exit 0)
     assert main(["--model", "gpt3-125m", "--gpu-memory", "80GB", "--gpus-per-node", "8", "--global-batch-size", "3",
