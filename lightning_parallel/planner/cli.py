@@ -309,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nRecipe written to {args.write_recipe}; run it with: lightning-parallel fit --config "
                 f"{args.write_recipe}"
             )
-    return 0
+    return 0 if plan.recommended is not None else 1  # no layout fits: the plan (nearest, fixes) printed, not a success
