@@ -270,13 +270,17 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         self._replay_logs(module, recorders, sizes)
         return result
 
-    @staticmethod
-    def _metric_updates(module: pl.LightningModule) -> list[tuple[str, Any, int]]:
-        """The module's torchmetrics ``Metric`` submodules with their update counts, before a step."""
-        metric_type: Any = _metric_type()
-        if metric_type is None:
-            return []
-        return [(name, m, int(m._update_count)) for name, m in module.named_modules() if isinstance(m, metric_type)]
+    _metrics: tuple[Any, list[tuple[str, Any]]] | None = None
+
+    def _metric_updates(self, module: pl.LightningModule) -> list[tuple[str, Any, int]]:
+        """The module's torchmetrics ``Metric`` submodules (found once per module) with their update counts, before a
+        step."""
+        if self._metrics is None or self._metrics[0] is not module:
+            metric_type: Any = _metric_type()
+            found = [] if metric_type is None else [(name, m) for name, m in module.named_modules()
+                                                    if isinstance(m, metric_type)]
+            self._metrics = (module, found)
+        return [(name, m, int(m._update_count)) for name, m in self._metrics[1]]
 
     @staticmethod
     def _check_metric_updates(before: list[tuple[str, Any, int]], method: str) -> None:
