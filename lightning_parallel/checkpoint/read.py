@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import Tensor
 
 from .errors import CheckpointFormatError
@@ -33,7 +34,7 @@ class LoadsAnyFormat:
     Lightning's own failed on "Is a directory"; a file loads as Lightning loads it. The library's ``GPT`` and
     ``HFCausalLM`` have it."""
 
-    @classmethod
+    @_restricted_classmethod  # as Lightning's: called on an instance it would return a new module, unnoticed
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
             import io
@@ -41,7 +42,8 @@ class LoadsAnyFormat:
             import torch
 
             buffer = io.BytesIO()
-            torch.save(full_checkpoint(checkpoint_path), buffer)
+            # weights_only=False (Lightning's keyword) trusts the folder's files as it trusts a file
+            torch.save(full_checkpoint(checkpoint_path, trusted=kwargs.get("weights_only") is False), buffer)
             buffer.seek(0)
             checkpoint_path = buffer
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]

@@ -231,8 +231,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         (:func:`~lightning_parallel.parallel.context_parallel.unrouted_attention_check`); then nothing (the check
         sees every torch call: once is enough for a module's structure)."""
         module = self.lightning_module
-        if self.dims.cp == 1 or self._attention_checked or module is None:
-            return contextlib.nullcontext()
+        if self.dims.cp == 1 or self._attention_checked or module is None or self.layout.compile:
+            return contextlib.nullcontext()  # (torch.compile cannot trace a torch-function mode: not checked there)
         self._attention_checked = True
         from lightning_parallel.parallel.context_parallel import unrouted_attention_check
 
@@ -374,7 +374,9 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
                 if cp > 1:
                     value = plain(value).detach()  # combined by a collective here: its graph is not kept
                     op = logged_reduce_op(options.get("reduce_fx", "mean"))
-                    if op in ("max", "min"):  # the extreme over every token (a mean of the ranks' maxima was not)
+                    if op == "sum" and options.get("sync_dist"):
+                        pass  # Lightning sums the ranks' parts over the world: the whole sum
+                    elif op in ("max", "min", "sum"):  # the extreme, the sum over every token (not a mean of them)
                         value = reduce_logged(value, group=self.train_step.dp_group, size=self.dims.replicas,
                                               reduce_fx=op)
                     else:
@@ -578,7 +580,11 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         why = ("FSDP2 all-gathers the parameters in every forward" if fsdp else
                "each batch's loss is weighed by its share of the counted tokens, summed over the ranks in every "
                "batch (the module names its token labels)")
-        whole = "zero_stage 0 or 1" if self.pipelined or self.dims.hsdp else "zero_stage 1 or 2"  # no FSDP2 there
+        # a layout without FSDP2 that this strategy runs: ZeRO-2 is FSDP2 in pipelines and under HSDP, and lp_tensor
+        # runs zero_stage 0, 1 or 3
+        whole = "zero_stage 0 or 1" if self.pipelined or self.dims.tp > 1 or self.dims.hsdp else "zero_stage 1 or 2"
+        if self.dims.hsdp:
+            whole += " without data_parallel_shard_size"
         fix = (f"predict under lp_ddp / {whole} (whole parameters on each rank), or on one device" if
                stage == "predict" else
                "use_distributed_sampler=True (Lightning's sampler pads the set to equal counts), or evaluate on one "

@@ -82,9 +82,11 @@ def _keep_reassigned_buffers(module: nn.Module, replica: nn.Module) -> None:
     update reaches the module already, a reassignment only the replica (it was lost: 0.0 where one device counts 6)."""
     for mine, theirs in zip(module.modules(), replica.modules(), strict=False):
         for key, buf in mine._buffers.items():
-            new = theirs._buffers.get(key)
-            if new is not buf and isinstance(new, Tensor):
-                mine._buffers[key] = new.detach()
+            if key not in theirs._buffers:
+                continue
+            new = theirs._buffers[key]
+            if new is not buf:
+                mine._buffers[key] = new.detach() if isinstance(new, Tensor) else new  # None kept as None
 
 
 def _combine_logged(values: list[Tensor], weights: list[float], reduce_fx: Any) -> Tensor:
@@ -262,7 +264,7 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
             outputs = engine.apply(call, len(slices))
         finally:
             torch.set_default_dtype(default_dtype)
-        self._check_metric_updates(metrics, method)
+        self._check_metric_updates(module, metrics, method)
         _keep_reassigned_buffers(module, replicas[0])
         if weights is not None:
             outputs = self._weighed(module, outputs, recorders, *weights, loss=training)
@@ -270,24 +272,22 @@ class LPDPStrategy(ResumableDataMixin, ParallelStrategy):
         self._replay_logs(module, recorders, sizes)
         return result
 
-    _metrics: tuple[Any, list[tuple[str, Any]]] | None = None
-
-    def _metric_updates(self, module: pl.LightningModule) -> list[tuple[str, Any, int]]:
-        """The module's torchmetrics ``Metric`` submodules (found once per module) with their update counts, before a
-        step."""
-        if self._metrics is None or self._metrics[0] is not module:
-            metric_type: Any = _metric_type()
-            found = [] if metric_type is None else [(name, m) for name, m in module.named_modules()
-                                                    if isinstance(m, metric_type)]
-            self._metrics = (module, found)
-        return [(name, m, int(m._update_count)) for name, m in self._metrics[1]]
+    @staticmethod
+    def _metric_updates(module: pl.LightningModule) -> list[tuple[Any, int]]:
+        """The module's torchmetrics ``Metric`` submodules with their update counts, before a step (looked for at
+        every step: a hook may add a metric during the fit)."""
+        metric_type: Any = _metric_type()
+        if metric_type is None:
+            return []
+        return [(m, int(m._update_count)) for m in module.modules() if isinstance(m, metric_type)]
 
     @staticmethod
-    def _check_metric_updates(before: list[tuple[str, Any, int]], method: str) -> None:
+    def _check_metric_updates(module: pl.LightningModule, before: list[tuple[Any, int]], method: str) -> None:
         """Refuse a torchmetrics ``Metric`` updated inside a step: its ``update`` is bound to the module's metric
         object, so every replica's thread updated that one object at once (values not one device's: a metric called
         in the step logged 0.4756 where one device logs 0.6126)."""
-        changed = [name for name, metric, count in before if int(metric._update_count) != count]
+        changed_ids = {id(metric) for metric, count in before if int(metric._update_count) != count}
+        changed = [name for name, m in module.named_modules() if id(m) in changed_ids]
         if changed:
             stage = {"training_step": "train"}.get(method, method.replace("_step", ""))
             raise ValueError(

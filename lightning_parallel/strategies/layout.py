@@ -43,6 +43,7 @@ __all__ = [
     "check_batch_size_finder",
     "check_callbacks",
     "check_ckpt_path",
+    "check_context_batch",
     "check_context_labels",
     "check_data_modules",
     "check_detect_anomaly",
@@ -764,6 +765,8 @@ def check_data_modules(strategy: Any, trainer: pl.Trainer | None, args: tuple[An
     if layout is not None and (layout.context_parallel_size > 1 or dp > 1) and module is not None \
             and not getattr(strategy, "pipelined", False):  # a pipeline's check_data checks them with its target
         check_context_labels(module, probe, strict=layout.context_parallel_size > 1)
+        if layout.context_parallel_size > 1:
+            check_context_batch(module, probe, layout.context_parallel_size)
     batches = probe.batches_per_rank(dp)
     if batches is None:
         return
@@ -925,6 +928,35 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
             f"{_describe_tensor(labels)}): a pipeline's last stage weighs each micro-batch's loss by the counted "
             "tokens of the target it receives. Fix: return the labels entry as the target, or leave 'labels' out of "
             "the plan (the loss is then not reweighted).")
+
+
+def check_context_batch(module: Any, probe: TrainingDataProbe, cp: int) -> None:
+    """Before spawning, with cp > 1: a real training batch splits as the module's ``context_parallel_plan()`` says --
+    every entry it names there, with the sequence dim it names and a length that ``2 x cp`` divides (these failed in
+    the ranks: an IndexError for a per-sample tensor under an int plan, the length's refusal). Entries it does not
+    name that have the sequence's length (a loss mask) are warned about: each rank would get them whole."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_parallel.parallel.context_parallel import SequenceShard, read_plan, split_batch, unsplit_sequences
+
+    batch = probe.first_batch()
+    if batch is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
+                                                                     "on_after_batch_transfer")):
+        return
+    plan = read_plan(module)
+    try:
+        split_batch(batch, plan, SequenceShard(cp=cp, rank=0))
+    except (ValueError, KeyError, TypeError) as err:
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        raise LayoutError(f"{type(module).__name__}: {text} (a training batch of {probe.source}, under "
+                          f"context_parallel_size={cp})") from None
+    unsplit = unsplit_sequences(batch, plan)
+    if unsplit:
+        rank_zero_warn(
+            f"{type(module).__name__}.context_parallel_plan()['batch'] does not split the batch entries "
+            f"{', '.join(unsplit)}, which have the sequence's length: each of the {cp} context-parallel ranks gets "
+            "them whole while the tokens are cut (a loss mask or per-token weights would not line up with the "
+            "rank's tokens). Fix: name them in 'batch' if they are per token.")
 
 
 def _describe_tensor(value: Any) -> str:

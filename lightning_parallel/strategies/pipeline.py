@@ -357,7 +357,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         log_scale = self._count_tokens(batch, micro_batches=self.runner.m, window=window)
         guard = self._agreeing_guard()
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: the loss scaled before each backward
-        with self.precision_plugin.train_step_context(), self._tp_loss():
+        with self.precision_plugin.train_step_context(), self._tp_loss(), self.attention_check():
             loss = self.runner.train_step(inputs, target, accumulate=self.accumulate_grad_batches,
                                           everywhere=guard is None,
                                           loss_scale=scaler.scale if scaler is not None else None)
@@ -384,7 +384,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         if target is None:
             raise ValueError(f"lp_pipeline: pipeline_batch(batch) returned no target for a {name} batch.")
         self._count_tokens(batch, micro_batches=1)  # the eval loss is the whole batch's
-        with self.precision_plugin.val_step_context(), self._tp_loss():
+        with self.precision_plugin.val_step_context(), self._tp_loss(), self.attention_check():
             loss, _ = self.runner.eval_loss(inputs, target)
         self.lightning_module.log(name, loss, prog_bar=prog_bar, sync_dist=True)
         return loss
@@ -404,7 +404,7 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         assert self.runner is not None
         batch = self.context_batch(args[0] if args else kwargs["batch"], complete=False)
         inputs = batch if isinstance(batch, Tensor) else self._inputs(batch)[0]
-        with self.precision_plugin.predict_step_context(), self._tp_loss():
+        with self.precision_plugin.predict_step_context(), self._tp_loss(), self.attention_check():
             out = self.runner.forward_only(inputs)
             return self.context_unshard(self.runner.outputs_everywhere(out), local_len=inputs.shape[1])
 

@@ -198,6 +198,7 @@ class _Counting(_Regression):
     def __init__(self, metric_in_step: bool = False) -> None:
         super().__init__(nested=False)
         self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("cache", torch.ones(3))
         self.metric_in_step = metric_in_step
         from torchmetrics import MeanAbsoluteError
 
@@ -205,6 +206,7 @@ class _Counting(_Regression):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         self.calls = self.calls + 1
+        self.cache = None
         if self.metric_in_step:
             self.log("mae", self.mae(self.net(batch[0]), batch[1]))
         return super().training_step(batch, batch_idx)
@@ -224,6 +226,7 @@ def test_a_reassigned_buffer_is_kept_and_a_metric_updated_in_a_step_is_refused()
         _trainer(strategy, devices, max_steps=6, precision="64-true").fit(model, DataLoader(data, batch_size=2))
         models.append(model)
     assert float(models[0].calls) == float(models[1].calls) == 6.0
+    assert models[0].cache is None and models[1].cache is None  # a buffer set to None in the step, as well
     assert max_abs_diff(models[1], models[0]) < 1e-12
     with pytest.raises(ValueError, match=r"lp_dp: the torchmetrics metric 'mae' was updated inside training_step.*"
                                          r"Fix: update it from the step's combined outputs in on_train_batch_end"):

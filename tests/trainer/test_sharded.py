@@ -552,6 +552,8 @@ def test_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path: Path, sta
     loaded = type(full).load_from_checkpoint(str(folder))
     expected = torch.load(tmp_path / "full.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(TypeError, match="cannot be called on an instance"):  # Lightning's guard kept
+        loaded.load_from_checkpoint(str(folder))
     print(f"zero_stage={stage}: sharded resume max diff {exact:.1e}; consolidated -> one device {one_device:.1e}; "
           f"consolidated -> 2-rank ZeRO {reshard:.1e}")
     assert exact < 1e-6

@@ -30,6 +30,7 @@ from .plan import (
     split_length,
     token_share,
     unrouted_attention_check,
+    unsplit_sequences,
     weigh,
 )
 from .ring import ring_attention
@@ -53,4 +54,4 @@ __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "ContextParallelState", "Seque
            "context_parallel_modules", "counted_tokens", "deactivate", "describe_labels", "head_tail_order",
            "labels_of", "loss_labels", "read_plan", "ring_attention", "sequence_length", "sequence_positions",
            "shard_sequence", "split_batch", "split_length", "token_share", "unrouted_attention_check",
-           "unshard_sequence", "weigh"]
+           "unshard_sequence", "unsplit_sequences", "weigh"]

@@ -62,7 +62,8 @@ from .ulysses import all_to_all_attention
 
 __all__ = ["MINIMAL_PLAN", "ContextParallelPlan", "apply_context_parallel", "batch_token_share", "check_context_plan",
            "context_parallel_modules", "counted_tokens", "describe_labels", "labels_of", "loss_labels", "read_plan",
-           "split_batch", "split_length", "token_share", "unrouted_attention_check", "weigh"]
+           "split_batch", "split_length", "token_share", "unrouted_attention_check", "unsplit_sequences",
+           "weigh"]
 
 MINIMAL_PLAN = (
     "def context_parallel_plan(self):\n"
@@ -219,8 +220,9 @@ _ROUTED_DEPTH = [0]
 
 
 class _UnroutedAttention(TorchFunctionMode):
-    """While active: ``F.scaled_dot_product_attention`` called outside a routed submodule is refused -- under context
-    parallelism it would attend over this rank's head and tail chunks only (another model than one device's,
+    """While active: ``F.scaled_dot_product_attention`` called outside a routed submodule on queries and keys of one
+    length (a self-attention over the rank's tokens) is refused -- under context parallelism it would attend over
+    this rank's head and tail chunks only (another model than one device's,
     silently: a plan naming one block's attention of two trained 1.2e-02 from one device in 3 steps)."""
 
     def __init__(self, root: nn.Module) -> None:
@@ -229,7 +231,11 @@ class _UnroutedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.nn.functional.scaled_dot_product_attention and _ROUTED_DEPTH[0] == 0:
-            raise LayoutError(self._message())
+            kwargs = kwargs or {}
+            q, k = (list(args) + [kwargs.get("query"), kwargs.get("key")][len(args):])[:2]
+            if isinstance(q, Tensor) and isinstance(k, Tensor) and q.shape[-2] == k.shape[-2]:
+                raise LayoutError(self._message())  # self-attention over the rank's tokens (cross-attention onto a
+                # memory the plan does not split, of another length, is as on one device)
         return func(*args, **(kwargs or {}))
 
     def _message(self) -> str:
@@ -310,7 +316,8 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard, *, 
                 raise KeyError(f"context_parallel_plan()['batch'] names {key!r}, which the batch (keys "
                                f"{list(batch)}) does not have.")
             if isinstance(batch[key], Tensor):
-                out[key] = shard_sequence(batch[key], spec if isinstance(spec, int) else spec[key], shard)
+                out[key] = shard_sequence(_has_dim(batch[key], spec if isinstance(spec, int) else spec[key], key),
+                                          spec if isinstance(spec, int) else spec[key], shard)
         return type(batch)(out) if type(batch) is not dict else out  # type: ignore[call-arg]
     if isinstance(batch, (list, tuple)):
         items = list(batch)
@@ -322,12 +329,37 @@ def split_batch(batch: Any, plan: ContextParallelPlan, shard: SequenceShard, *, 
                 raise KeyError(f"context_parallel_plan()['batch'] names {i!r}, but the batch is a "
                                f"{type(batch).__name__} of {len(items)}.")
             if isinstance(items[i], Tensor):
-                items[i] = shard_sequence(items[i], spec if isinstance(spec, int) else spec[i], shard)
+                items[i] = shard_sequence(_has_dim(items[i], spec if isinstance(spec, int) else spec[i], i),
+                                          spec if isinstance(spec, int) else spec[i], shard)
         if isinstance(batch, list):
             return type(batch)(items)
         return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)  # a namedtuple keeps its type
     raise TypeError(f"context parallelism cannot split a {type(batch).__name__} batch. Fix: batches of tensors in a "
                     "tuple, list or dict, with context_parallel_plan()['batch'] naming their sequence dims.")
+
+
+def _has_dim(tensor: Tensor, dim: int, key: Any) -> Tensor:
+    if tensor.dim() > dim:
+        return tensor
+    raise ValueError(
+        f"context_parallel_plan()['batch'] splits batch entry {key!r} along dim {dim}, but it is a tensor of shape "
+        f"{tuple(tensor.shape)} (one value per sample, not per token?). Fix: name only the per-token entries with "
+        "their sequence dims, e.g. {'batch': {0: 1, 1: 1}} for (tokens, labels, per-sample weights).")
+
+
+def unsplit_sequences(batch: Any, plan: ContextParallelPlan) -> list[str]:
+    """The tensor entries of ``batch`` the plan does not split that have the sequence's length along its sequence dim
+    (a loss mask, per-token weights): each cp rank would get them whole while the tokens are cut. Named for a
+    warning: a per-sample tensor can have that length by chance."""
+    length = split_length(batch, plan)
+    spec = plan.batch
+    if length is None or isinstance(spec, int) or isinstance(batch, Tensor):
+        return []
+    dim = next(iter(spec.values()), 1)
+    entries = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(
+        batch, (list, tuple)) else []
+    return [f"{key!r} of shape {tuple(value.shape)}" for key, value in entries
+            if key not in spec and isinstance(value, Tensor) and value.dim() > dim and value.shape[dim] == length]
 
 
 def split_length(batch: Any, plan: ContextParallelPlan) -> int | None:
