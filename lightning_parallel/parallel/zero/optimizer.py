@@ -28,6 +28,7 @@ No Lightning import.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -53,6 +54,17 @@ _SHARD_GRADIENT_CLEARED = (
     "drops the shard's gradient and its step() skips the reduction over the data-parallel ranks. Fix: under "
     "manual optimization call zero_grad() and step() on what self.optimizers() returns (Lightning's wrapper of the "
     "ZeRO optimizer), as under automatic optimization.")
+
+
+def _refuse_added_group(stage: int, param_group: dict[str, Any]) -> None:
+    names = sorted({k for k in param_group if k != "params"})
+    raise RuntimeError(
+        f"add_param_group({{'params': ..., {', '.join(repr(n) for n in names)}}}) on a ZeRO-{stage} optimizer: its "
+        "param groups are flat buffers sharded over the data-parallel ranks, made once when the fit starts, so a "
+        "group added later would be stepped with each rank's own gradient (not the average) and the replicas would "
+        "drift apart. Fix: give configure_optimizers every parameter from the start -- the layers to unfreeze later "
+        "in a group of their own with their requires_grad=False (or lr 0 until then) -- or use zero_stage=3 or "
+        "lp_ddp, which take groups added during the fit.")
 
 
 class ZeroOptimizer(Optimizer):
@@ -89,21 +101,15 @@ class ZeroOptimizer(Optimizer):
         # rank's shard: a parameter without one is left as it was by the step (see _hold_unused)
         self._usage = _Usage(self.shards)
         self._spans = [_spans_in_shard(shard) for shard in self.shards]
-        optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]  # the user's object too
+        # the user's object too (a function holding no reference to this wrapper: a dropped wrapper is freed)
+        optimizer.add_param_group = functools.partial(_refuse_added_group, stage)  # type: ignore[method-assign]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: each param group is one flat buffer sharded over dp, made when the wrapper is built. torch's
         ``add_param_group`` appended the group's whole parameters to the inner optimizer, which then stepped them
         with each rank's own local gradient: silently not one device's training, and the replicas drifted apart
         (a backbone unfrozen in ``on_train_epoch_start``: 3.2e-01 from one device, the two ranks 3.4e-01 apart)."""
-        names = sorted({k for k in param_group if k != "params"})
-        raise RuntimeError(
-            f"add_param_group({{'params': ..., {', '.join(repr(n) for n in names)}}}) on a ZeRO-{self.stage} "
-            "optimizer: its param groups are flat buffers sharded over the data-parallel ranks, made once when "
-            "the fit starts, so a group added later would be stepped with each rank's own gradient (not the "
-            "average) and the replicas would drift apart. Fix: give configure_optimizers every parameter from the "
-            "start -- the layers to unfreeze later in a group of their own with their requires_grad=False (or lr 0 "
-            "until then) -- or use zero_stage=3 or lp_ddp, which take groups added during the fit.")
+        _refuse_added_group(self.stage, param_group)
 
     @property
     def _grads_reduced(self) -> bool:
