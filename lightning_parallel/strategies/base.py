@@ -236,7 +236,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
         self._attention_checked = True
         from lightning_parallel.parallel.context_parallel import unrouted_attention_check
 
-        return unrouted_attention_check(module)  # type: ignore[no-any-return]
+        plan = self.composition.context_plan if self.composition is not None else None
+        return unrouted_attention_check(module, plan)  # type: ignore[no-any-return]
 
     def context_batch(self, batch: Any, *, complete: bool = True) -> Any:
         """``batch`` as this rank sees it: with cp > 1, the tensors of the module's ``context_parallel_plan()``

@@ -904,7 +904,6 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
     labels in a real training batch; ``target`` (a pipeline's, from ``pipeline_batch``): it must be those labels,
     since a pipeline's last stage counts the target's tokens. ``strict`` (cp > 1): the whole plan is checked;
     otherwise only its labels are read (:func:`~lightning_parallel.parallel.context_parallel.loss_labels`)."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_parallel.parallel.context_parallel import describe_labels, labels_of, loss_labels, read_plan
 
@@ -912,9 +911,8 @@ def check_context_labels(module: Any, probe: TrainingDataProbe, target: Any = No
     if plan is None or plan.labels is None:
         return
     batch = probe.first_batch()
-    if batch is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
-                                                                     "on_after_batch_transfer")):
-        return  # the step sees the batch the module's transfer hooks make, not the loader's: nothing to judge here
+    if batch is None or _transfer_hooks(module, probe):
+        return  # the step sees the batch the transfer hooks make, not the loader's: nothing to judge here
     try:
         labels = labels_of(batch, plan)
     except ValueError as err:
@@ -935,13 +933,11 @@ def check_context_batch(module: Any, probe: TrainingDataProbe, cp: int) -> None:
     every entry it names there, with the sequence dim it names and a length that ``2 x cp`` divides (these failed in
     the ranks: an IndexError for a per-sample tensor under an int plan, the length's refusal). Entries it does not
     name that have the sequence's length (a loss mask) are warned about: each rank would get them whole."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_parallel.parallel.context_parallel import SequenceShard, read_plan, split_batch, unsplit_sequences
 
     batch = probe.first_batch()
-    if batch is None or any(is_overridden(hook, module) for hook in ("on_before_batch_transfer",
-                                                                     "on_after_batch_transfer")):
+    if batch is None or _transfer_hooks(module, probe):
         return
     plan = read_plan(module)
     try:
@@ -957,6 +953,16 @@ def check_context_batch(module: Any, probe: TrainingDataProbe, cp: int) -> None:
             f"{', '.join(unsplit)}, which have the sequence's length: each of the {cp} context-parallel ranks gets "
             "them whole while the tokens are cut (a loss mask or per-token weights would not line up with the "
             "rank's tokens). Fix: name them in 'batch' if they are per token.")
+
+
+def _transfer_hooks(module: Any, probe: TrainingDataProbe) -> bool:
+    """Whether the module or a data module among the fit's arguments overrides a batch-transfer hook: the step then
+    sees the batch those hooks make, not the loader's."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    owners = [module, *(a for a in probe.args if isinstance(a, pl.LightningDataModule))]
+    return any(owner is not None and is_overridden(hook, owner) for owner in owners
+               for hook in ("on_before_batch_transfer", "on_after_batch_transfer"))
 
 
 def _describe_tensor(value: Any) -> str:
@@ -990,6 +996,8 @@ class TrainingDataProbe:
 
     def __init__(self, args: tuple[Any, ...], *, module: Any = None, trainer: pl.Trainer | None = None) -> None:
         self._args = args
+        self.args = args
+        """The fit's arguments (model, dataloaders, datamodule, ...)."""
         self._module = module
         self.trainer = trainer
         """The Trainer of the launch (its ``max_steps``, ``limit_train_batches``), when known."""

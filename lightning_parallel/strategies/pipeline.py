@@ -57,7 +57,7 @@ from lightning_parallel.parallel.counters import uncounted_all_reduce
 
 from .base import LayoutStrategy
 from .dcp import DCPCheckpointMixin
-from .layout import check_context_labels, own_functions
+from .layout import check_context_batch, check_context_labels, own_functions
 
 __all__ = ["LPPipelineStrategy"]
 
@@ -218,6 +218,8 @@ class LPPipelineStrategy(DCPCheckpointMixin, LayoutStrategy):
         strict = self.layout.context_parallel_size > 1
         if strict or loss_labels(module) is not None:  # the last stage weighs each micro-batch by its tokens
             check_context_labels(module, probe, target, strict=strict)
+            if self.dims.cp > 1:
+                check_context_batch(module, probe, self.dims.cp)
 
     def check_last_training_batch(self, probe: Any) -> None:
         """Before spawning (after ``parallel.global_batch_size`` has set the accumulation): with ``drop_last=False`` an

@@ -326,6 +326,37 @@ class _OneBlockRouted(GPT):
         return {**super().context_parallel_plan(), "attention": ["blocks.0.attn.core"]}
 
 
+class _MemoryAttention(torch.nn.Module):
+    """A cross-attention onto a learned memory of 8 slots (the plan does not split it: every rank holds it whole)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.memory = torch.nn.Parameter(torch.randn(1, 1, 8, width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.memory.expand(x.shape[0], -1, -1, -1)
+        return x + torch.nn.functional.scaled_dot_product_attention(x.unsqueeze(1), memory, memory).squeeze(1)
+
+
+class _WithMemory(GPT):
+    """A GPT whose head reads a memory first; under cp2 a rank's 8 tokens meet 8 memory slots (one length)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)
+        self.xattn = _MemoryAttention(32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        *layers, head = self.pipeline_layers()
+        x = idx
+        for layer in layers:
+            x = layer(x)
+        return head(self.xattn(x))
+
+    def context_parallel_plan(self) -> dict[str, Any]:
+        return {**super().context_parallel_plan(), "unsplit_attention": ["xattn"]}
+
+
 def test_an_attention_the_plan_does_not_name_is_refused_at_the_first_step() -> None:
     """A plan naming one block's attention of two trained silently, the second block attending over each rank's
     chunks only (1.2e-02 from one device after 3 steps): the first step refuses it, naming the submodule."""
@@ -334,6 +365,10 @@ def test_an_attention_the_plan_does_not_name_is_refused_at_the_first_step() -> N
     with pytest.raises(Exception, match=r"submodule 'blocks.1.attn.core' calls scaled_dot_product_attention outside "
                                         r"the attention submodules .* names \(blocks.0.attn.core\)"):
         fit(LPDDPStrategy(CP2, start_method="fork"), 2, 1, model=model, steps=1)
+    # a cross-attention onto a memory the plan does not split, of the rank's length, named as such: as one device
+    reference, _ = fit("auto", 1, 1, model=_WithMemory(), steps=2)
+    model, _ = fit(LPDDPStrategy(CP2, start_method="fork"), 2, 1, model=_WithMemory(), steps=2)
+    assert weight_diff(model, reference) < 1e-5
     # a pipeline's stages too (the schedule runs them: the check was opened by the other strategies' steps only)
     torch.manual_seed(0)
     model = _OneBlockRouted(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64, warmup_steps=3, bias=False)

@@ -85,6 +85,9 @@ class ContextParallelPlan:
     batch: int | Mapping[Any, int] = field(default_factory=dict)
     labels: Any = None
     ignore_index: int = -100
+    unsplit_attention: tuple[str, ...] = ()
+    """Names or patterns of submodules whose ``scaled_dot_product_attention`` attends onto something the plan does not
+    split (a cross-attention onto a learned memory): left as they are, and not refused by the attention check."""
 
     def sequence_dim(self, key: Any) -> int | None:
         """The sequence dim of batch entry ``key``, None when the plan does not split it."""
@@ -93,7 +96,7 @@ class ContextParallelPlan:
         return self.batch.get(key) if isinstance(self.batch, Mapping) else None
 
 
-_KEYS = {"attention", "batch", "labels", "ignore_index"}
+_KEYS = {"attention", "batch", "labels", "ignore_index", "unsplit_attention"}
 
 
 def _pattern(key: str) -> re.Pattern[str]:
@@ -120,7 +123,8 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
         raise _refuse(module, f"returned {shown!r}; it must return a dict with the keys 'attention' (names of the "
                               f"attention submodules) and 'batch' (the sequence dim of the batch tensors), and "
                               f"optionally 'labels' (the batch entry of the token labels, or a function of the batch "
-                              f"returning them) and 'ignore_index'. "
+                              f"returning them), 'ignore_index' and 'unsplit_attention' (submodules attending onto "
+                              f"what the plan does not split, e.g. a cross-attention onto a learned memory). "
                               f"Example:\n{MINIMAL_PLAN}")
     keys = raw["attention"]
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys) or not keys:
@@ -140,8 +144,12 @@ def read_plan(module: nn.Module, *, skip_missing: bool = False) -> ContextParall
         raise _refuse(module, f"'batch' must be the sequence dim of every batch tensor (an int) or a mapping "
                               f"{{batch index or key: sequence dim}}, got {batch!r}.")
     order = {n: i for i, n in enumerate(names)}
+    unsplit = raw.get("unsplit_attention", ())
+    if isinstance(unsplit, str) or not all(isinstance(k, str) for k in unsplit):
+        raise _refuse(module, f"'unsplit_attention' must be a list of submodule names or patterns, got {unsplit!r}.")
     plan = ContextParallelPlan(attention=tuple(sorted(found, key=order.__getitem__)), batch=batch,
-                               labels=raw.get("labels"), ignore_index=raw.get("ignore_index", -100))
+                               labels=raw.get("labels"), ignore_index=raw.get("ignore_index", -100),
+                               unsplit_attention=tuple(unsplit))
     if callable(plan.labels):
         raise _refuse(module, f"'labels' is a function ({describe_labels(plan.labels)}): it can weigh data-parallel "
                               "ranks, micro-batches and accumulated batches by their counted tokens, but context "
@@ -222,46 +230,54 @@ _ROUTED_DEPTH = [0]
 class _UnroutedAttention(TorchFunctionMode):
     """While active: ``F.scaled_dot_product_attention`` called outside a routed submodule on queries and keys of one
     length (a self-attention over the rank's tokens) is refused -- under context parallelism it would attend over
-    this rank's head and tail chunks only (another model than one device's,
-    silently: a plan naming one block's attention of two trained 1.2e-02 from one device in 3 steps)."""
+    this rank's head and tail chunks only (another model than one device's, silently: a plan naming one block's
+    attention of two trained 1.2e-02 from one device in 3 steps). Submodules the plan names in
+    ``unsplit_attention`` (a cross-attention onto a memory it does not split) are left alone."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, unsplit: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.root = root
+        self.unsplit = [_pattern(key) for key in unsplit]
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.nn.functional.scaled_dot_product_attention and _ROUTED_DEPTH[0] == 0:
             kwargs = kwargs or {}
             q, k = (list(args) + [kwargs.get("query"), kwargs.get("key")][len(args):])[:2]
             if isinstance(q, Tensor) and isinstance(k, Tensor) and q.shape[-2] == k.shape[-2]:
-                raise LayoutError(self._message())  # self-attention over the rank's tokens (cross-attention onto a
-                # memory the plan does not split, of another length, is as on one device)
+                where = self._caller()  # a self-attention over the rank's tokens, unless the plan says otherwise
+                if not (where and any(p.match(where) for p in self.unsplit)):
+                    raise LayoutError(self._message(where))
         return func(*args, **(kwargs or {}))
 
-    def _message(self) -> str:
+    def _caller(self) -> str | None:
+        """The name of the innermost submodule of the root whose frame is on the stack (the caller), or None."""
         import sys
 
         names = {id(m): name for name, m in self.root.named_modules()}
-        frame: Any = sys._getframe(1)
-        where = None
-        while frame is not None and where is None:
+        frame: Any = sys._getframe(2)
+        while frame is not None:
             owner = frame.f_locals.get("self")
             if isinstance(owner, nn.Module) and id(owner) in names:
-                where = names[id(owner)] or type(owner).__name__
+                return names[id(owner)] or type(owner).__name__
             frame = frame.f_back
+        return None
+
+    def _message(self, where: str | None) -> str:
         routed = context_parallel_modules(self.root)
         return (f"context parallelism: {'submodule ' + repr(where) if where else 'the model'} calls "
                 "scaled_dot_product_attention outside the attention submodules context_parallel_plan()['attention'] "
                 f"names ({', '.join(routed[:4])}{' ...' if len(routed) > 4 else ''}): on a rank's head and tail chunks "
                 "of the sequence it would attend over those chunks only -- another model than one device's. Fix: "
                 "name every attention submodule in context_parallel_plan()['attention'] (a pattern such as "
-                "'blocks.*.attn.core' names all), or context_parallel_size=1.")
+                "'blocks.*.attn.core' names all), or context_parallel_size=1; a cross-attention onto a memory the "
+                "plan does not split goes in context_parallel_plan()['unsplit_attention'].")
 
 
-def unrouted_attention_check(module: nn.Module) -> Any:
+def unrouted_attention_check(module: nn.Module, plan: ContextParallelPlan | None = None) -> Any:
     """A context (:class:`_UnroutedAttention`) that refuses an attention kernel called outside the routed submodules
-    of ``module`` while it is open: the strategies open it around the first step of a run under cp > 1."""
-    return _UnroutedAttention(module)
+    of ``module`` (and those ``plan`` names as ``unsplit_attention``) while it is open: the strategies open it around
+    the first step of a run under cp > 1."""
+    return _UnroutedAttention(module, plan.unsplit_attention if plan is not None else ())
 
 
 _CLASSES: dict[type[nn.Module], type[_Routed]] = {}
@@ -358,8 +374,9 @@ def unsplit_sequences(batch: Any, plan: ContextParallelPlan) -> list[str]:
     dim = next(iter(spec.values()), 1)
     entries = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(
         batch, (list, tuple)) else []
+    named = set(spec) if isinstance(batch, Mapping) else {k % len(batch) for k in spec if isinstance(k, int)}
     return [f"{key!r} of shape {tuple(value.shape)}" for key, value in entries
-            if key not in spec and isinstance(value, Tensor) and value.dim() > dim and value.shape[dim] == length]
+            if key not in named and isinstance(value, Tensor) and value.dim() > dim and value.shape[dim] == length]
 
 
 def split_length(batch: Any, plan: ContextParallelPlan) -> int | None:
