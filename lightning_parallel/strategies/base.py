@@ -354,7 +354,8 @@ class LayoutStrategy(LayoutMixin, ResumableDataMixin, ParallelStrategy):
     def context_parallel_logging(self, share: Tensor | None = None) -> Generator[None, None, None]:
         """With cp > 1: tensors the module logs inside the block are averaged over ``dp x cp`` (each cp rank's value
         is a mean over its ``s / cp`` tokens, so their mean is the one-device value of the global batch; those logged
-        with ``reduce_fx`` max or min take the maximum or minimum over the ranks instead; with
+        with ``reduce_fx`` max, min or sum take the maximum, minimum or sum over the ranks instead -- a sum with
+        ``sync_dist=True`` is left to Lightning, which sums it over the world; with
         ``share``, this rank's :meth:`batch_share`, those logged with a mean are weighed by it first, so the mean
         counts every token once however the ignored labels fall). A collective per logged tensor: every rank logs
         the same names in the same order. With cp = 1 and ``share`` (dp ranks weighing their counted tokens):
