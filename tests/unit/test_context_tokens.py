@@ -100,7 +100,8 @@ def test_batch_token_share_counts_the_head_and_tail_chunks() -> None:
     ({"ignore_index": -1}, "'ignore_index' must be an int (the label a token mean does not count, -100 for "
                            "F.cross_entropy) given with 'labels'"),
     ({"label": 1}, "optionally 'labels' (the batch entry of the token labels, or a function of the batch "
-                      "returning them) and 'ignore_index'"),
+                      "returning them), 'ignore_index' and 'unsplit_attention'"),
+    ({"unsplit_attention": "xattn"}, "'unsplit_attention' must be a list of submodule names or patterns"),
 ])
 def test_the_labels_keys_are_checked(plan: dict[str, Any], message: str) -> None:
     with pytest.raises(LayoutError) as err:
