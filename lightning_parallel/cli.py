@@ -40,6 +40,7 @@ from lightning_parallel.recipe_files import (
     written_batch_limits,
 )
 from lightning_parallel.strategies.base import LayoutStrategy
+from lightning_parallel.strategies.layout import CKPT_KEYWORDS
 
 AUTO_STRATEGY = "lp_auto"
 """The strategy name the CLI resolves with the planner (:mod:`lightning_parallel.auto`)."""
@@ -268,7 +269,7 @@ class LightningParallelCLI(LightningCLI):
         if ckpt_path == "last":
             ckpt_path = section.ckpt_path = _resolve_last(section)
         self._weights_from = None
-        if not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path \
+        if not isinstance(ckpt_path, str) or ckpt_path in CKPT_KEYWORDS or "://" in ckpt_path \
                 or ckpt_path.startswith("registry"):
             return
         check_ckpt_against_config(section, ckpt_path)

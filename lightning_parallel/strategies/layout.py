@@ -34,6 +34,7 @@ from lightning_parallel.parallel.dims import ParallelDims, RankCoords
 from lightning_parallel.parallel.faults.watchdog import enable_fault_handler
 
 __all__ = [
+    "CKPT_KEYWORDS",
     "LAUNCH_NOTES_ONLY",
     "CheckedMultiProcessingLauncher",
     "CheckedSubprocessLauncher",
@@ -594,6 +595,10 @@ def oversubscription_warning(*, processes: int, device_type: str, cores: int | N
     )
 
 
+CKPT_KEYWORDS = ("last", "best", "hpc")
+"""Lightning's ``ckpt_path`` keywords: resolved in the ranks, not paths to check before launch."""
+
+
 def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None, finetuning: Sequence[Any] = ()) -> None:
     """Before spawning: a ``ckpt_path`` given as a path must exist, and the strategy must be able to resume its kind
     (``check_resume_source(path)`` where the strategy defines it). With ``module``, the checkpoint -- any format --
@@ -610,7 +615,7 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, *, module: Any = None, finetu
     from lightning.pytorch.utilities.model_registry import _is_registry
 
     text = str(ckpt_path)
-    if text in ("last", "best", "hpc") or _is_registry(text):
+    if text in CKPT_KEYWORDS or _is_registry(text):
         return
     if "://" not in text and not os.path.exists(text):
         raise CheckpointFormatError(f"--ckpt_path {text}: no such file or folder. Fix: give the path of a checkpoint "
@@ -833,7 +838,7 @@ def check_evaluation_ckpt(strategy: Any, trainer: pl.Trainer | None, module: Any
     fn = str(trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else "")
     position = {"validate": 2, "test": 2, "predict": 4}.get(fn)  # (model, dataloaders, ckpt_path | datamodule, ...)
     path = args[position] if position is not None and len(args) > position else None
-    if (not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc") or "://" in str(path)
+    if (not isinstance(path, (str, os.PathLike)) or str(path) in CKPT_KEYWORDS or "://" in str(path)
             or _is_registry(str(path))):  # a model registry's name: Lightning downloads it in the ranks
         return
     check_ckpt_path(strategy, path)
@@ -960,7 +965,7 @@ def _transfer_hooks(module: Any, probe: TrainingDataProbe) -> bool:
     sees the batch those hooks make, not the loader's."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    owners = [module, *(a for a in probe.args if isinstance(a, pl.LightningDataModule))]
+    owners = [module, *(a for a in probe._args if isinstance(a, pl.LightningDataModule))]
     return any(owner is not None and is_overridden(hook, owner) for owner in owners
                for hook in ("on_before_batch_transfer", "on_after_batch_transfer"))
 
@@ -996,8 +1001,6 @@ class TrainingDataProbe:
 
     def __init__(self, args: tuple[Any, ...], *, module: Any = None, trainer: pl.Trainer | None = None) -> None:
         self._args = args
-        self.args = args
-        """The fit's arguments (model, dataloaders, datamodule, ...)."""
         self._module = module
         self.trainer = trainer
         """The Trainer of the launch (its ``max_steps``, ``limit_train_batches``), when known."""
